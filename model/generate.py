@@ -1,0 +1,88 @@
+"""Batched KV-cache generation: the rollout engine of on-policy distillation, so it stays lean.
+
+One prefill over the left-padded prompts, then one token per step against a pre-allocated cache (the prefix is
+never recomputed). Rows stop independently at EOS and emit pad afterwards; the loop ends when all rows stopped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.qwen3 import KVCache, Qwen3ForCausalLM, positions_from_mask
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor        # (B, P + R): prompts (left padded) followed by the completions
+    completion_ids: torch.Tensor   # (B, R), pad after a row's EOS
+    completion_mask: torch.Tensor  # (B, R), 1 up to and including the first EOS
+
+
+def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). Greedy, or temperature -> top-k -> top-p (nucleus) sampling."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth_largest = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p
+        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             max_new_tokens: int, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None, vocab_size: int | None = None) -> GenerateOutput:
+    """Generate up to `max_new_tokens` per row. `vocab_size` (the tokenizer's) keeps the embedding's padding rows
+    (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled."""
+    model = getattr(model, "module", model)
+    B, P = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    eos_ids = torch.tensor([] if eos_token_id is None else
+                           ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)), device=device)
+    pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+
+    cache = KVCache(model.config, B, P + max_new_tokens, next(model.parameters()).dtype, device)
+    mask = torch.cat([attention_mask.long(), attention_mask.new_zeros(B, max_new_tokens, dtype=torch.long)], dim=1)
+    next_position = positions_from_mask(attention_mask)[:, -1:] + 1
+    logits = model(input_ids, attention_mask=mask[:, :P], kv_cache=cache, logits_to_keep=1).logits[:, -1]
+
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens = []
+    for step in range(max_new_tokens):
+        if vocab_size is not None:
+            logits[:, vocab_size:] = float("-inf")
+        token = sample_next_token(logits, do_sample, temperature, top_k, top_p, generator)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished = finished | torch.isin(token, eos_ids)
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            break
+        mask[:, P + step] = 1
+        logits = model(token[:, None], attention_mask=mask[:, :P + step + 1], position_ids=next_position,
+                       kv_cache=cache).logits[:, -1]
+        next_position = next_position + 1
+
+    completion_ids = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(B, 0)
+    return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
+                          completion_mask=completion_mask_through_eos(completion_ids, eos_ids))
+
+
+def completion_mask_through_eos(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """1 on every token up to and including the first EOS of its row, 0 after it."""
+    is_eos = torch.isin(completion_ids, eos_ids).long()
+    eos_before = is_eos.cumsum(dim=1) - is_eos  # number of EOS strictly before each position
+    return (eos_before == 0).long()
