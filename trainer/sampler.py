@@ -1,0 +1,98 @@
+"""Data order that depends on (seed, epoch) alone, sharded across ranks, and resumable mid-epoch.
+
+EpochSampler: one permutation of the dataset per (seed, epoch), from a torch.Generator seeded with a function of
+seed and epoch only — never of rank or world size. The permutation is cut to a multiple of world_size W (this drops
+fewer than W examples per epoch, different ones each epoch) so that every rank gets the same number of examples and
+so the same number of micro-batches: a rank with one micro-batch more would wait forever in DDP's all-reduce.
+Rank r takes positions r, r+W, r+2W, ...
+
+Why this order: with batch size b per rank, accumulation A and global batch G = W*b*A, micro-batch m of optimizer
+step s on rank r holds the rank-local positions [(s*A+m)*b, (s*A+m+1)*b), i.e. global positions W*j + r. Over all
+ranks and micro-batches of step s that is exactly global positions [s*G, (s+1)*G). So 1 process x accumulation 4 and
+2 processes x accumulation 2 consume the same examples in every optimizer step and reach the same weights.
+
+SkipBatchSampler: batches of `batch_size` indices from a sampler (the last batch may be short), with the first
+`skip_batches` skipped without loading anything (only indices are skipped). After `consumed_samples` examples of an
+epoch (counted over all ranks), resume with skip_batches = consumed_samples // (W * b) — see `batches_to_skip`.
+That is rank-local position consumed_samples / W, global position consumed_samples: the same stream continues, also
+when the world size changed but the global batch did not. Build a new SkipBatchSampler (skip 0) for later epochs.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+_SEED_MULTIPLIER = 1_000_003  # a prime, so (seed, epoch) pairs do not collide the way seed + epoch would
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed for one epoch: a function of seed and epoch only."""
+    return (seed * _SEED_MULTIPLIER + epoch) % (2 ** 63)
+
+
+class EpochSampler(Sampler[int]):
+    """This rank's share of one (seed, epoch) permutation of range(dataset_len); see the module docstring."""
+
+    def __init__(self, dataset_len: int, seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if dataset_len < world_size:
+            raise ValueError(f"the dataset has {dataset_len} rows, fewer than world_size={world_size}: "
+                             "every rank needs at least one example")
+        self.dataset_len = dataset_len
+        self.seed = seed
+        self.epoch = epoch
+        self.rank = rank
+        self.world_size = world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_order(self) -> list[int]:
+        """The epoch's permutation, cut to a multiple of world_size; identical on every rank and world size."""
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        order = torch.randperm(self.dataset_len, generator=generator).tolist()
+        return order[:len(order) - len(order) % self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.global_order()[self.rank::self.world_size])
+
+    def __len__(self) -> int:
+        return self.dataset_len // self.world_size
+
+
+def batches_to_skip(consumed_samples: int, world_size: int, batch_size: int) -> int:
+    """Per-rank batches to skip after `consumed_samples` examples of this epoch (over all ranks) were trained on.
+
+    Checkpoints are taken at optimizer-step boundaries, so consumed_samples is a multiple of the global batch and
+    hence of world_size * batch_size; anything else would resume at a different example, so it is an error.
+    """
+    per_step = world_size * batch_size
+    if consumed_samples < 0 or consumed_samples % per_step:
+        raise ValueError(f"consumed_samples={consumed_samples} is not a multiple of world_size*batch_size="
+                         f"{per_step}: resume needs the same global batch (world_size*batch_size*accumulation) "
+                         "as the run that wrote the checkpoint")
+    return consumed_samples // per_step
+
+
+class SkipBatchSampler(Sampler[list[int]]):
+    """Batches of indices from `sampler`, without the first `skip_batches` batches (last batch may be short)."""
+
+    def __init__(self, sampler: Sampler[int], batch_size: int, skip_batches: int = 0):
+        if batch_size < 1 or skip_batches < 0:
+            raise ValueError(f"need batch_size >= 1 and skip_batches >= 0, got {batch_size}, {skip_batches}")
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = itertools.islice(iter(self.sampler), self.skip_batches * self.batch_size, None)
+        while batch := list(itertools.islice(indices, self.batch_size)):
+            yield batch
+
+    def __len__(self) -> int:
+        return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip_batches)
