@@ -1,0 +1,62 @@
+"""SFT on teacher-written solutions: masked cross entropy on the completion tokens.
+
+    python trainer/train_sft.py                                   # CPU demo: tiny Qwen3, demo data, a few minutes
+    python trainer/train_sft.py --model_path Qwen3-0.6B --data_path sft.parquet --device cuda \
+        --batch_size 8 --accumulation_steps 4 --max_length 2048 --learning_rate 1e-5
+    torchrun --nproc_per_node 4 trainer/train_sft.py --model_path Qwen3-0.6B --data_path sft.parquet ...
+    ... --from_resume 1                                           # after a preemption: continue exactly
+
+Per optimizer step: for each micro-batch of the accumulation window, collate (chat template, prompt/completion
+boundary, left padding), run the model to its final hidden states, and sum the cross entropy over the completion
+tokens chunk by chunk through the lm_head (the full B x T x V logits never exist). The skeleton then divides the
+window's gradient by the number of loss tokens of the whole window on all ranks, clips and steps.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dataset.collators import SFTCollator
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
+from model import load_tokenizer
+from trainer.losses import chunked_sft_loss
+from trainer.trainer_utils import Run, add_common_args, build_model, completion_hidden, validate_common_args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="SFT of a Qwen3 model on chat data (masked cross entropy)")
+    add_common_args(parser, save_weight="sft")
+    args = parser.parse_args(argv)
+    validate_common_args(args)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
+    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    model = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
+    run = Run(args, model, dataset, collator, tokenizer_dir)
+
+    for epoch in range(args.epochs):
+        for window in run.windows(epoch):
+            for i, batch in enumerate(window):
+                batch = {k: v.to(run.device) for k, v in batch.items()}
+                with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
+                    with run.autocast():
+                        hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
+                                                            batch["labels"])
+                        loss_sum, num_tokens = chunked_sft_loss(hidden, run.raw_model.lm_head.weight, targets,
+                                                                chunk_size=args.loss_chunk_size,
+                                                                vocab_size=len(tokenizer))
+                    run.backward(loss_sum, num_tokens)
+            run.optimizer_step()
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,600 @@
+"""The shared skeleton of the three training loops: the mechanics, one call away from the algorithm.
+
+What lives here: the common flags, the cosine LR, DDP set-up, seeds, mixed precision, the data stream (a
+world-size-invariant sampler, grouped into accumulation windows, resumable), exact loss normalisation over the
+window and all ranks, gradient clipping, logging (console, metrics.jsonl, swanlab), atomic resume checkpoints and the
+HF export. What does not: collation, generation, forward passes and losses -- those are the algorithm, and each
+script spells them out.
+
+The normalisation invariant (DESIGN.md): an optimizer step's gradient is the gradient of
+    (sum of token losses over the whole accumulation window and all ranks) / (number of loss tokens in it).
+Every micro-step backwards its *summed* loss; at the end of the window the token count is all-reduced and the
+gradients are scaled once, before clipping. A mean per micro-batch divided by accumulation_steps would weight a
+short completion's tokens more than a long one's, and a short tail window would be divided by too much.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from model import DTYPES, Qwen3Config, create_model, load_pretrained, save_pretrained
+from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
+CHECKPOINT_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arguments
+
+def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
+    """The flags every loop shares (DESIGN.md "CLI"); each script adds its own algorithm's flags."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_path", default=None, help="HF folder to start from (config.json + safetensors)")
+    g.add_argument("--model_config", default=None,
+                   help=f"config.json to start from random weights (default without --model_path: "
+                        f"{os.path.relpath(DEFAULT_MODEL_CONFIG, ROOT)})")
+    g.add_argument("--tokenizer_path", default=None,
+                   help="folder with tokenizer.json (default: --model_path, else the packaged Qwen3 tokenizer)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", default=None, help="parquet or jsonl (default: the built-in demo data)")
+    g.add_argument("--max_length", type=int, default=512, help="prompt + completion tokens per row")
+    g.add_argument("--max_prompt_length", type=int, default=256, help="prompt budget (keeps the prompt's end)")
+    g.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 chat-template switch")
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=1)
+    g.add_argument("--batch_size", type=int, default=8, help="rows per micro-batch per device")
+    g.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--learning_rate", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--warmup_ratio", type=float, default=0.0, help="share of optimizer steps of linear warm-up")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
+    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all)")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--loss_chunk_size", type=int, default=1024,
+                   help="positions projected through the lm_head at a time (full logits never exist)")
+    g = parser.add_argument_group("system")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="autocast dtype on CUDA (fp16 adds a GradScaler); CPU always trains in fp32")
+    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
+    g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1])
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
+    g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
+    g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
+    g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
+                   help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    g.add_argument("--use_swanlab", type=int, default=0, choices=[0, 1])
+    g.add_argument("--swanlab_project", default="qwen3-distill")
+    g.add_argument("--swanlab_mode", default="offline", choices=["cloud", "local", "offline", "disabled"],
+                   help="offline/local need no account; cloud needs `swanlab login`")
+
+
+def validate_common_args(args: argparse.Namespace) -> None:
+    """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
+    def refuse(message: str):
+        raise SystemExit(f"argument error: {message}")
+
+    if args.model_path and args.model_config:
+        refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
+    for name in ("epochs", "batch_size", "accumulation_steps", "max_length", "max_prompt_length",
+                 "log_interval", "save_interval", "loss_chunk_size"):
+        if getattr(args, name) < 1:
+            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_prompt_length >= args.max_length:
+        refuse(f"--max_prompt_length ({args.max_prompt_length}) must be smaller than --max_length "
+               f"({args.max_length}) so that completion tokens fit")
+    if not 0.0 <= args.warmup_ratio < 1.0:
+        refuse(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    if args.learning_rate <= 0:
+        refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.max_steps < 0 or args.grad_clip < 0:
+        refuse("--max_steps and --grad_clip must be >= 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        refuse("--device cuda but no CUDA device is visible: pass --device cpu")
+    for path in (args.model_path, args.model_config, args.data_path):
+        if path and not os.path.exists(path):
+            refuse(f"{path} does not exist")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# schedule, seeds, distributed, precision
+
+def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> float:
+    """Linear warm-up, then cosine from lr down to 10% of lr, indexed by optimizer step (0-based)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def setup_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed_mode(device: str) -> DistInfo:
+    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU)."""
+    if "RANK" not in os.environ:
+        return DistInfo(device=device)
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return DistInfo(rank, local_rank, world_size, device)
+
+
+def autocast_context(device: str, dtype_name: str):
+    """bf16/fp16 autocast on CUDA; on CPU we train in plain fp32 (CPU autocast is slow and rarely what you want)."""
+    if device.startswith("cuda") and dtype_name != "float32":
+        return torch.autocast("cuda", dtype=DTYPES[dtype_name])
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def print0(*args, **kwargs) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models
+
+def build_model(args: argparse.Namespace, device: str, path: str | None = None,
+                config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
+    """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed."""
+    if path:
+        return load_pretrained(path, dtype=torch.float32, device=device)
+    config = Qwen3Config.from_json(config_path or DEFAULT_MODEL_CONFIG)
+    return create_model(config, seed=args.seed if seed is None else seed, device=device)
+
+
+def check_same_vocabulary(tokenizer, other_tokenizer, student, teacher) -> None:
+    """Token-level distillation compares distributions position by position: both sides must mean the same ids."""
+    if tokenizer.get_vocab() != other_tokenizer.get_vocab():
+        raise SystemExit(f"argument error: the teacher's tokenizer ({other_tokenizer.folder}) differs from the "
+                         f"student's ({tokenizer.folder}); token-level distillation needs the same vocabulary")
+    for name, model in (("student", student), ("teacher", teacher)):
+        if model.config.vocab_size < len(tokenizer):
+            raise SystemExit(f"argument error: the {name}'s embedding has {model.config.vocab_size} rows, fewer than "
+                             f"the tokenizer's {len(tokenizer)} tokens")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    model = getattr(model, "module", model)       # DDP
+    return getattr(model, "_orig_mod", model)     # torch.compile
+
+
+def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states at the positions that predict a label, and those labels: (N, H) and (N,).
+
+    prompt_length is the batch minimum of the completions' start: with left padding one scalar slices the batch,
+    and position t predicts labels[t + 1], so hidden[:, p-1:-1] goes with labels[:, p:]. Labels are the authority:
+    within the slice only positions whose label is not -100 are kept, so neither prompt nor padding ever reaches
+    the lm_head or the loss; the slice is only a speed-up that keeps most prompt positions out of the gather.
+    """
+    has_label = (labels[:, 1:] != -100).any(dim=0)
+    start = int(has_label.nonzero()[0]) + 1 if bool(has_label.any()) else labels.shape[1] - 1
+    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True).hidden_states
+    hidden, targets = hidden[:, start - 1:-1], labels[:, start:]
+    keep = targets != -100
+    return hidden[keep], targets[keep]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run: data stream, exact accumulation, optimizer step, logging, checkpoints
+
+@dataclass
+class RunState:
+    epoch: int = 0
+    step: int = 0                    # optimizer steps done
+    samples_in_epoch: int = 0        # global samples consumed in the current epoch (a multiple of the global batch)
+    swanlab_run_id: str | None = None
+
+
+class Run:
+    """Holds the mechanics of one training run. A script calls, in order:
+    `Run(args, models...)`, then per epoch `run.windows(epoch)`, per micro-batch `run.micro_step(...)` and
+    `run.backward(...)`, per window `run.optimizer_step()`, and at the end `run.finish()`."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, dataset, collate_fn, tokenizer_dir: str | None):
+        self.args = args
+        self.dist = init_distributed_mode(args.device)
+        self.device = self.dist.device
+        # seed + rank: ranks must not draw the same random numbers (dropout, sampling); the data order does not
+        # depend on these RNGs at all, it is a function of (seed, epoch) in EpochSampler.
+        setup_seed(args.seed + self.dist.rank)
+        self.tokenizer_dir = tokenizer_dir
+        self.dataset, self.collate_fn = dataset, collate_fn
+        self.raw_model = model.to(self.device)
+        self.raw_model.gradient_checkpointing = bool(args.gradient_checkpointing)
+        self.model = torch.compile(self.raw_model) if args.use_compile else self.raw_model
+        if self.dist.enabled:
+            self.model = DistributedDataParallel(self.model, device_ids=[self.dist.local_rank]
+                                                 if self.device.startswith("cuda") else None)
+        self.optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.learning_rate,
+                                           weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        use_fp16 = self.device.startswith("cuda") and args.dtype == "float16"
+        self.scaler = torch.amp.GradScaler("cuda", enabled=use_fp16)
+        # Micro-step losses are sums; dividing them by a fixed constant keeps fp16 gradients in range. The constant
+        # is undone exactly when the window's gradients are scaled by constant * world_size / global_tokens.
+        self.loss_divisor = float(args.batch_size * args.max_length)
+
+        self.global_batch = args.batch_size * args.accumulation_steps * self.dist.world_size
+        self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch() / args.accumulation_steps)
+        self.total_steps = args.epochs * self.steps_per_epoch
+        if args.max_steps:
+            self.total_steps = min(self.total_steps, args.max_steps)
+        self.warmup_steps = int(args.warmup_ratio * self.total_steps)
+
+        os.makedirs(args.save_dir, exist_ok=True)
+        self.out_prefix = os.path.join(args.save_dir, args.save_weight)
+        self.resume_path = f"{self.out_prefix}_resume.pt"
+        self.state = RunState()
+        if args.from_resume:
+            self.resume()
+        self.tracker = init_tracker(args, self.state, self.dist.is_main)
+        self.metrics_file = open(f"{self.out_prefix}_metrics.jsonl", "a" if args.from_resume else "w",
+                                 encoding="utf-8") if self.dist.is_main else None
+        self.window_sums: dict[str, torch.Tensor] = {}
+        self.done = self.state.step >= self.total_steps
+        self.timer = StepTimer(self.total_steps - self.state.step)
+        print0(f"world {self.dist.world_size} x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
+               f"global batch {self.global_batch} | {len(dataset)} rows | {self.steps_per_epoch} steps/epoch | "
+               f"{self.total_steps} steps | {self.raw_model.num_parameters() / 1e6:.1f}M parameters | {self.device}")
+
+    # -- data ---------------------------------------------------------------------------------------------------
+
+    def micro_batches_per_epoch(self) -> int:
+        per_rank = len(self.dataset) // self.dist.world_size
+        return math.ceil(per_rank / self.args.batch_size)
+
+    def windows(self, epoch: int):
+        """Yield the accumulation windows of an epoch: lists of up to accumulation_steps collated micro-batches
+        (a last, shorter window is flushed as a step of its own). A resumed run starts where it stopped."""
+        if self.done or epoch < self.state.epoch:
+            return
+        skip = 0
+        if epoch == self.state.epoch:
+            skip = batches_to_skip(self.state.samples_in_epoch, self.dist.world_size, self.args.batch_size)
+        else:
+            self.state.epoch, self.state.samples_in_epoch = epoch, 0
+        sampler = EpochSampler(len(self.dataset), self.args.seed, epoch, self.dist.rank, self.dist.world_size)
+        batches = SkipBatchSampler(sampler, self.args.batch_size, skip)
+        loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
+                            num_workers=self.args.num_workers)
+        window = []
+        for batch in loader:
+            window.append(batch)
+            if len(window) == self.args.accumulation_steps:
+                yield window
+                window = []
+                if self.done:
+                    return
+        if window:
+            yield window
+
+    def micro_step(self, index: int, window_size: int):
+        """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last."""
+        if self.dist.enabled and index < window_size - 1:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        """Context for the forward passes only (backward under autocast is not recommended by PyTorch)."""
+        return autocast_context(self.device, self.args.dtype)
+
+    def backward(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int, **extra) -> None:
+        """Backward a micro-batch's *summed* loss and add its sums to the window's. `extra` holds more sums to log:
+        per-token sums logged as means over the window's tokens (e.g. ce=..., kd=...), or with a `count_` prefix,
+        totals logged as they are (e.g. count_generated_tokens=...). Kept as tensors: no device sync per micro-step."""
+        self.scaler.scale(loss_sum / self.loss_divisor).backward()
+        for name, value in {"tokens": num_tokens, "loss": loss_sum, **extra}.items():
+            value = torch.as_tensor(value).detach().to(self.device, torch.float64)
+            self.window_sums[name] = self.window_sums.get(name, 0.0) + value
+
+    def optimizer_step(self, samples: int | None = None, log_extra: dict | None = None) -> dict:
+        """Exact normalisation over the window and all ranks, clip, step, log, checkpoint. Returns the metrics."""
+        args, state = self.args, self.state
+        totals = self.reduce_window_sums()
+        global_tokens = totals["tokens"]
+        lr = get_lr(state.step, self.total_steps, args.learning_rate, self.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.scaler.unscale_(self.optimizer)
+        # DDP averaged the gradients over ranks; the micro-steps divided by loss_divisor: undo both, divide by tokens.
+        scale = self.loss_divisor * self.dist.world_size / max(global_tokens, 1.0)
+        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+        max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm))
+        if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
+            raise FloatingPointError(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); stopping "
+                                     f"before it reaches the weights. Lower --learning_rate or check the data.")
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        state.step += 1
+        state.samples_in_epoch += samples if samples is not None else self.global_batch
+        metrics = self.window_metrics(totals, lr, grad_norm)
+        metrics.update(log_extra or {})
+        self.window_sums = {}
+        self.log(metrics)
+        self.done = state.step >= self.total_steps
+        if state.step % args.save_interval == 0 or self.done:
+            self.save()
+        return metrics
+
+    def reduce_window_sums(self) -> dict[str, float]:
+        names = sorted(self.window_sums)
+        local = torch.stack([self.window_sums[name] for name in names])
+        return dict(zip(names, all_reduce_sum(local, self.dist).tolist()))
+
+    def window_metrics(self, totals: dict[str, float], lr: float, grad_norm: float) -> dict:
+        tokens = totals.pop("tokens")
+        elapsed = self.timer.tick(tokens)
+        metrics = {"step": self.state.step, "epoch": self.state.epoch, "loss": totals.pop("loss") / max(tokens, 1.0),
+                   "lr": lr, "grad_norm": grad_norm, "tokens": int(tokens),
+                   "tokens_per_s": self.timer.tokens_per_s(), "step_ms": elapsed * 1000.0}
+        for name, total in totals.items():
+            if name.startswith("count_"):
+                metrics[name.removeprefix("count_")] = total
+            else:
+                metrics[name] = total / max(tokens, 1.0)
+        return metrics
+
+    # -- logging --------------------------------------------------------------------------------------------------
+
+    def log(self, metrics: dict) -> None:
+        step = self.state.step
+        if not self.dist.is_main or not (step % self.args.log_interval == 0 or step == 1 or self.done):
+            return
+        self.metrics_file.write(json.dumps(metrics) + "\n")
+        self.metrics_file.flush()
+        self.tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        known = ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_ms")
+        extra = " ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in known and isinstance(v, (int, float)))
+        print0(f"epoch {metrics['epoch'] + 1}/{self.args.epochs} | step {step}/{self.total_steps} "
+               f"({100.0 * step / self.total_steps:.0f}%) | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+               f"grad_norm(pre-clip) {metrics['grad_norm']:.3f} | tokens {metrics['tokens']} | "
+               f"tok/s {metrics['tokens_per_s']:.0f} | {metrics['step_ms']:.0f} ms/step | "
+               f"elapsed {format_seconds(self.timer.elapsed())} | eta {format_seconds(self.timer.eta(step, self.total_steps))}"
+               + (f" | {extra}" if extra else ""))
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Resume state (every rank's RNG gathered to rank 0) and the HF folder, written by rank 0 alone."""
+        rng = collect_rng_states(self.dist)
+        if self.dist.is_main:
+            checkpoint = {
+                "format": CHECKPOINT_FORMAT,
+                "model": {k: v.detach().float().cpu() for k, v in self.raw_model.state_dict().items()},
+                "model_config": self.raw_model.config.to_hf_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "epoch": self.state.epoch, "step": self.state.step,
+                "samples_in_epoch": self.state.samples_in_epoch, "global_batch": self.global_batch,
+                "world_size": self.dist.world_size, "swanlab_run_id": self.state.swanlab_run_id,
+                "args": vars(self.args), "rng": rng,
+            }
+            atomic_torch_save(checkpoint, self.resume_path)
+            save_pretrained(self.raw_model, self.out_prefix, tokenizer_dir=self.tokenizer_dir)
+        if self.dist.enabled:
+            dist.barrier()
+
+    def resume(self) -> None:
+        if not os.path.exists(self.resume_path):
+            print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
+            return
+        checkpoint = load_checkpoint(self.resume_path, self.args, self.global_batch, self.raw_model)
+        self.raw_model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        self.state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
+                              checkpoint["swanlab_run_id"])
+        if self.state.samples_in_epoch >= (len(self.dataset) // self.dist.world_size) * self.dist.world_size:
+            self.state.epoch, self.state.samples_in_epoch = self.state.epoch + 1, 0
+        restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, self.state.step)
+        print0(f"resumed from {self.resume_path}: epoch {self.state.epoch + 1}, step {self.state.step}, "
+               f"{self.state.samples_in_epoch} samples into the epoch (saved by {checkpoint['world_size']} ranks)")
+
+    def finish(self) -> None:
+        self.tracker.finish()
+        if self.metrics_file:
+            self.metrics_file.close()
+        print0(f"done: {self.state.step} steps in {format_seconds(self.timer.elapsed())}"
+               + (f", peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+                  if self.device.startswith("cuda") else "") + f" -> {self.out_prefix}/")
+        if self.dist.enabled:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    """Temporary file in the same folder, fsync, os.replace: a kill mid-write leaves the previous file intact."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# Flags that may differ on resume: they change how the run is executed or logged, not what it computes.
+RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
+                     "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
+                     "gradient_checkpointing", "max_steps", "eval_interval", "save_dir"}
+
+
+def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:
+    """Read a resume checkpoint and check it belongs to this run; a damaged or foreign one is a clear error."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # torch raises several types for a truncated or corrupt zip; all mean the same
+        raise RuntimeError(f"{path} is damaged and cannot be read ({type(error).__name__}: {error}). Delete it to "
+                           f"start from scratch, or restore it from a backup.") from error
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise RuntimeError(f"{path} is not a resume checkpoint of this project (format "
+                           f"{checkpoint.get('format') if isinstance(checkpoint, dict) else type(checkpoint)})")
+    if checkpoint["model_config"] != model.config.to_hf_dict():
+        raise RuntimeError(f"{path} was written for another model configuration; resume with the same "
+                           f"--model_path/--model_config, or use another --save_weight")
+    saved = checkpoint["args"]
+    changed = {k: (saved.get(k), v) for k, v in vars(args).items()
+               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
+    if changed:
+        details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise RuntimeError(f"{path} was written with other settings ({details}); resume with the original flags "
+                           f"or use another --save_weight")
+    if checkpoint["global_batch"] != global_batch:
+        raise RuntimeError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
+                           f"now {global_batch}; keep the global batch to continue the same sample stream")
+    return checkpoint
+
+
+def collect_rng_states(info: DistInfo) -> list[dict] | None:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    if not info.enabled:
+        return [state]
+    gathered = [None] * info.world_size if info.is_main else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo, seed: int, step: int) -> None:
+    """Each rank takes back its own RNG state. After a world-size change there is no rank-to-rank mapping, so
+    every rank re-seeds from (seed, rank, step) instead: reproducible, though not the uninterrupted stream."""
+    if saved_world_size != info.world_size:
+        setup_seed(seed + info.rank + 1_000_003 * step)
+        return
+    state = states[info.rank]
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trackers and timers
+
+class NullTracker:
+    """Stands in for swanlab when it is off, so the loop has no `if use_swanlab` clutter."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class SwanlabTracker:
+    def __init__(self, run):
+        import swanlab
+        self.swanlab, self.run = swanlab, run
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.swanlab.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self.swanlab.finish()
+
+
+def init_tracker(args: argparse.Namespace, state: RunState, is_main: bool):
+    """swanlab on rank 0 with the run's flags as its config; a resumed run continues the same run id."""
+    if not (args.use_swanlab and is_main) or args.swanlab_mode == "disabled":
+        return NullTracker()
+    import swanlab
+    mode = {"cloud": "online"}.get(args.swanlab_mode, args.swanlab_mode)
+    run = swanlab.init(project=args.swanlab_project, name=args.save_weight, mode=mode, config=vars(args),
+                       log_dir=os.path.join(args.save_dir, "swanlog"), id=state.swanlab_run_id,
+                       resume="allow" if state.swanlab_run_id else None)
+    state.swanlab_run_id = run.id
+    return SwanlabTracker(run)
+
+
+class StepTimer:
+    """Wall time per optimizer step and tokens/s; the first step (warm-up, compilation) is left out of rates."""
+
+    def __init__(self, steps_to_run: int):
+        self.start = self.last = time.perf_counter()
+        self.steps_to_run = steps_to_run
+        self.steps_timed, self.time_timed, self.tokens_timed, self.ticks = 0, 0.0, 0.0, 0
+        self.last_rate = 0.0
+
+    def tick(self, tokens: float) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        self.ticks += 1
+        self.last_rate = tokens / max(elapsed, 1e-9)
+        if self.ticks > 1:
+            self.steps_timed += 1
+            self.time_timed += elapsed
+            self.tokens_timed += tokens
+        return elapsed
+
+    def tokens_per_s(self) -> float:
+        return self.tokens_timed / self.time_timed if self.time_timed else self.last_rate
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def eta(self, step: int, total: int) -> float:
+        per_step = self.time_timed / self.steps_timed if self.steps_timed else self.elapsed() / max(self.ticks, 1)
+        return per_step * (total - step)
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
