@@ -20,7 +20,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from model import DTYPES, Qwen3Config, create_model, load_pretrained, save_pretrained
+from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +65,7 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
     g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all)")
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--loss_chunk_size", type=int, default=1024,
+    g.add_argument("--loss_chunk_size", type=int, default=512,
                    help="positions projected through the lm_head at a time (full logits never exist)")
     g = parser.add_argument_group("system")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -191,20 +190,44 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
     return create_model(config, seed=args.seed if seed is None else seed, device=device)
 
 
-def check_same_vocabulary(tokenizer, other_tokenizer, student, teacher) -> None:
-    """Token-level distillation compares distributions position by position: both sides must mean the same ids."""
-    if tokenizer.get_vocab() != other_tokenizer.get_vocab():
-        raise SystemExit(f"argument error: the teacher's tokenizer ({other_tokenizer.folder}) differs from the "
+def add_teacher_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("teacher")
+    g.add_argument("--teacher_path", default=None,
+                   help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's output")
+    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the distillation loss")
+
+
+def resolve_teacher_path(args: argparse.Namespace) -> None:
+    """Default teacher: the SFT quick-start's model. Refused up front when there is none."""
+    if args.teacher_path is None:
+        args.teacher_path = os.path.join(args.save_dir, "sft")
+    if not os.path.isfile(os.path.join(args.teacher_path, "config.json")):
+        raise SystemExit(f"argument error: no teacher model at {args.teacher_path}: run `python trainer/train_sft.py` "
+                         f"first (it writes checkpoints/sft/), or pass --teacher_path")
+    if args.temperature <= 0:
+        raise SystemExit(f"argument error: --temperature must be > 0, got {args.temperature}")
+
+
+def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The teacher, frozen, in eval mode; in the autocast dtype on CUDA (it never needs an fp32 master copy).
+
+    Token-level distillation compares distributions position by position, so student and teacher must mean the same
+    thing by every id: their tokenizers' vocabularies are compared and a difference is refused at start-up.
+    """
+    teacher_tokenizer_dir = args.teacher_path if os.path.isfile(os.path.join(args.teacher_path, "tokenizer.json")) \
+        else None
+    teacher_tokenizer = load_tokenizer(teacher_tokenizer_dir)
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"argument error: the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the "
                          f"student's ({tokenizer.folder}); token-level distillation needs the same vocabulary")
+    dtype = DTYPES[args.dtype] if device.startswith("cuda") else torch.float32
+    teacher = load_pretrained(args.teacher_path, dtype=dtype, device=device)
     for name, model in (("student", student), ("teacher", teacher)):
         if model.config.vocab_size < len(tokenizer):
-            raise SystemExit(f"argument error: the {name}'s embedding has {model.config.vocab_size} rows, fewer than "
-                             f"the tokenizer's {len(tokenizer)} tokens")
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    model = getattr(model, "module", model)       # DDP
-    return getattr(model, "_orig_mod", model)     # torch.compile
+            raise SystemExit(f"argument error: the {name}'s embedding has {model.config.vocab_size} rows, fewer "
+                             f"than the tokenizer's {len(tokenizer)} tokens")
+    teacher.eval().requires_grad_(False)
+    return teacher
 
 
 def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -1,0 +1,67 @@
+"""Helpers shared by the training-loop tests: flags, outputs, subprocess runs and kills."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+
+
+# lr 1e-4: Adam's first steps move a weight by about lr * g / (|g| + eps), which for a gradient near eps amplifies
+# float summation-order noise; at 1e-4 that noise stays below 1e-6 while a wrong normalisation (a window mean of
+# micro-batch means) moves weights by ~1e-4. The pre-clip grad norm is compared as well: it sees the gradient itself.
+def loop_args(config, data, save_dir, name="run", batch=2, accumulation=1, **extra) -> list[str]:
+    args = {"model_config": config, "data_path": data, "save_dir": str(save_dir), "save_weight": name,
+            "batch_size": batch, "accumulation_steps": accumulation, "max_length": 96, "max_prompt_length": 32,
+            "learning_rate": 1e-4, "log_interval": 1, "seed": 7, **extra}
+    return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]
+
+
+def weights(save_dir, name="run") -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(str(save_dir), name, "model.safetensors"))
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def metrics(save_dir, name="run") -> list[dict]:
+    with open(os.path.join(str(save_dir), f"{name}_metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def env_one_thread() -> dict:
+    # one intra-op thread per process: reproducible sums and no oversubscription of the 2-core machine
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def torchrun_command(script: str, args: list[str], nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", script, *args]
+
+
+def run_command(command: list[str]) -> None:
+    result = subprocess.run(command, env=env_one_thread(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def kill_after_first_checkpoint(command: list[str], resume_path: str) -> None:
+    """Start a run and SIGKILL its whole process group as soon as a resume checkpoint appears."""
+    process = subprocess.Popen(command, env=env_one_thread(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    deadline = time.time() + 300
+    while not os.path.exists(resume_path):
+        assert process.poll() is None, f"run ended before its first checkpoint: {process.stderr.read()[-3000:]}"
+        assert time.time() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def checkpoint_step(resume_path) -> int:
+    return torch.load(resume_path, map_location="cpu", weights_only=False)["step"]

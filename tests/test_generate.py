@@ -1,0 +1,183 @@
+# Run: python -m pytest tests/test_generate.py
+"""KV-cache generation: greedy equals transformers' greedy generate on a left-padded batch with per-row EOS,
+seeded sampling is reproducible, top-k / top-p limits, vocab_size masking, and the cache equals a full recompute."""
+import pytest
+import torch
+import transformers
+
+from model import KVCache, load_pretrained
+from model.generate import completion_mask_through_eos, generate
+
+VOCAB = 1000
+PAD = 999
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower
+    # when other processes compete for the cores (seen on a loaded 2-core CI box). Restored after this module.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The same random weights in transformers' Qwen3ForCausalLM and ours (loaded from HF's save)."""
+    path = tmp_path_factory.mktemp("tiny")
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=256)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # std 0.1 (not HF's 0.02): peaked logits, so greedy has no near-ties between the two
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name
+                    else 0.1 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(path)
+    return hf, load_pretrained(str(path)).eval()
+
+
+def prompts(lengths=(9, 4, 6, 1), seed=0):
+    total = max(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, PAD, (len(lengths), total), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, total - n:] = 1
+        ids[row, :total - n] = PAD
+    return ids, mask
+
+
+def hf_greedy(hf, ids, mask, max_new_tokens, eos):
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                      eos_token_id=eos, pad_token_id=PAD, min_new_tokens=0, top_k=None, top_p=None,
+                      temperature=None)
+    return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+def pick_eos(completions):
+    """A token greedy actually produces, so that EOS fires for some rows (at different steps) but not for all."""
+    B, R = completions.shape
+    for t in range(1, R):
+        for row in range(B):
+            token = int(completions[row, t])
+            hits = [(completions[r] == token).any().item() for r in range(B)]
+            if not all(hits) and (completions[row, :t] != token).all():
+                return token
+    pytest.fail("no token fires EOS for only some rows; change the seed")
+
+
+def test_greedy_equals_transformers_with_per_row_eos(models):
+    hf, ours = models
+    ids, mask = prompts()
+    R = 20
+    free = generate(ours, ids, mask, R, do_sample=False, pad_token_id=PAD)
+    assert free.completion_ids.shape == (4, R) and bool(free.completion_mask.all())
+    assert torch.equal(free.sequences, hf_greedy(hf, ids, mask, R, eos=None))
+
+    eos = pick_eos(free.completion_ids)
+    out = generate(ours, ids, mask, R, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    ref = hf_greedy(hf, ids, mask, R, eos=eos)
+    assert torch.equal(out.sequences, ref)
+    assert torch.equal(out.sequences[:, :ids.shape[1]], ids)
+
+    stopped = 0
+    for row in range(4):
+        comp, cmask = out.completion_ids[row], out.completion_mask[row]
+        hits = (comp == eos).nonzero()
+        if len(hits):  # 1 through the first EOS, 0 after; pad after it
+            stopped += 1
+            first = int(hits[0])
+            assert cmask[:first + 1].all() and not cmask[first + 1:].any()
+            assert (comp[first + 1:] == PAD).all()
+            assert torch.equal(comp[:first + 1], free.completion_ids[row, :first + 1])
+        else:
+            assert cmask.all()
+    assert 0 < stopped < 4
+
+
+def test_all_rows_finished_stops_early(models):
+    _, ours = models
+    ids, mask = prompts()
+    free = generate(ours, ids, mask, 12, do_sample=False, pad_token_id=PAD)
+    # make every row's first token its EOS: generation ends after one step
+    out = generate(ours, ids, mask, 12, do_sample=False, eos_token_id=free.completion_ids[:, 0].tolist(),
+                   pad_token_id=PAD)
+    assert out.completion_ids.shape == (4, 1) and out.completion_mask.all()
+
+
+def test_completion_mask_through_first_eos():
+    eos = torch.tensor([7, 8])
+    ids = torch.tensor([[1, 7, 0, 7], [1, 2, 3, 4], [8, 0, 0, 0], [1, 2, 3, 8]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]])
+    assert torch.equal(completion_mask_through_eos(ids, eos), expected)
+
+
+def _sample(model, seed, **kwargs):
+    ids, mask = prompts()
+    gen = torch.Generator().manual_seed(seed)
+    return generate(model, ids, mask, 16, do_sample=True, pad_token_id=PAD, generator=gen, **kwargs).completion_ids
+
+
+def test_sampling_is_reproducible_with_the_same_generator(models):
+    _, ours = models
+    a, b, c = _sample(ours, 123), _sample(ours, 123), _sample(ours, 124)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    greedy = generate(ours, *prompts(), 16, do_sample=False, pad_token_id=PAD).completion_ids
+    assert not torch.equal(a, greedy)  # it really samples
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5, temperature=3.0)])
+def test_top_k_1_and_tiny_top_p_equal_greedy(models, kwargs):
+    _, ours = models
+    ids, mask = prompts()
+    greedy = generate(ours, ids, mask, 16, do_sample=False, pad_token_id=PAD).completion_ids
+    assert torch.equal(_sample(ours, 5, **kwargs), greedy)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    from model.generate import sample_next_token
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    top2 = sample_next_token(logits, True, 1.0, 2, 1.0, gen)
+    assert set(top2.tolist()) == {0, 1}
+    # probs ~ [.64, .24, .09, .03, .01]: top_p=0.8 keeps the first two (0.64 < 0.8, 0.88 >= 0.8)
+    nucleus = sample_next_token(logits, True, 1.0, 0, 0.8, gen)
+    assert set(nucleus.tolist()) == {0, 1}
+
+
+def test_vocab_size_masks_padded_rows(models):
+    _, ours = models
+    # a flat distribution (final norm weight 0 -> all logits 0): without masking the 100 padded rows are drawn
+    flat = load_like(ours)
+    with torch.no_grad():
+        flat.model.norm.weight.zero_()
+    assert (_sample(flat, 0) >= 900).any()
+    assert (_sample(flat, 0, vocab_size=900) < 900).all()
+    greedy = generate(flat, *prompts(), 4, do_sample=False, pad_token_id=PAD, vocab_size=900).completion_ids
+    assert (greedy < 900).all()
+
+
+def load_like(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+def test_kv_cache_equals_full_recompute(models):
+    _, ours = models
+    ids, mask = prompts()
+    B, P = ids.shape
+    seq = generate(ours, ids, mask, 10, do_sample=False, pad_token_id=PAD).sequences
+    full_mask = torch.cat([mask, torch.ones(B, 10, dtype=mask.dtype)], dim=1)
+    cache = KVCache(ours.config, B, P + 10, torch.float32, "cpu")
+    with torch.no_grad():
+        cached = ours(ids, attention_mask=mask, kv_cache=cache).logits[:, -1]
+        for t in range(10):
+            full = ours(seq[:, :P + t], attention_mask=full_mask[:, :P + t]).logits[:, -1]
+            assert torch.allclose(cached, full, atol=1e-5), t
+            assert torch.equal(cached.argmax(-1), seq[:, P + t])
+            cached = ours(seq[:, P + t:P + t + 1], attention_mask=full_mask[:, :P + t + 1], kv_cache=cache).logits[:, -1]
+        assert cache.length == P + 10

@@ -1,0 +1,84 @@
+"""Classic white-box knowledge distillation on fixed data: alpha * CE + (1 - alpha) * T^2 KL(teacher || student).
+
+    python trainer/train_sft.py && python trainer/train_distillation.py   # CPU demo: a smaller student learns
+                                                                           # from the SFT quick-start model
+    python trainer/train_distillation.py --model_path Qwen3-0.6B --teacher_path Qwen3-4B --data_path sft.parquet \
+        --device cuda --batch_size 4 --accumulation_steps 8 --max_length 2048 --learning_rate 1e-5
+    torchrun --nproc_per_node 4 trainer/train_distillation.py --model_path Qwen3-0.6B --teacher_path Qwen3-4B ...
+    ... --from_resume 1
+
+Per micro-batch: collate the fixed conversations (labels on the completion only), run the frozen teacher without
+gradients to its hidden states at the completion positions, run the student with gradients, and sum per token the
+cross entropy against the data and the temperature-softened forward KL to the teacher, chunk by chunk over the
+full vocabulary. The skeleton normalises by the window's loss tokens over all ranks, clips and steps.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from dataset.collators import SFTCollator
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
+from model import load_tokenizer
+from trainer.losses import chunked_loss, distillation_loss, sft_loss
+from trainer.trainer_utils import (ROOT, Run, add_common_args, add_teacher_args, build_model, completion_hidden,
+                                   load_teacher, resolve_teacher_path, validate_common_args)
+
+DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="White-box KD of a Qwen3 student from a same-tokenizer teacher")
+    add_common_args(parser, save_weight="kd")
+    add_teacher_args(parser)
+    parser.add_argument("--alpha", type=float, default=0.5, help="weight of the cross entropy (1 - alpha: KD)")
+    args = parser.parse_args(argv)
+    if not args.model_path and not args.model_config:
+        args.model_config = DEFAULT_STUDENT_CONFIG
+    validate_common_args(args)
+    resolve_teacher_path(args)
+    if not 0.0 <= args.alpha <= 1.0:
+        raise SystemExit(f"argument error: --alpha must be in [0, 1], got {args.alpha}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
+    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
+    run = Run(args, student, dataset, collator, tokenizer_dir)
+    teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
+
+    def ce_and_kd(student_logits, teacher_logits, labels):
+        ce_sum, num_tokens = sft_loss(student_logits, labels)
+        kd_sum = distillation_loss(student_logits, teacher_logits, labels, args.temperature, reduction="sum")
+        return ce_sum, kd_sum, num_tokens
+
+    for epoch in range(args.epochs):
+        for window in run.windows(epoch):
+            for i, batch in enumerate(window):
+                batch = {k: v.to(run.device) for k, v in batch.items()}
+                with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
+                    with run.autocast():
+                        with torch.no_grad():
+                            teacher_hidden, _ = completion_hidden(teacher, batch["input_ids"],
+                                                                  batch["attention_mask"], batch["labels"])
+                        student_hidden, targets = completion_hidden(run.model, batch["input_ids"],
+                                                                    batch["attention_mask"], batch["labels"])
+                        ce_sum, kd_sum, num_tokens = chunked_loss(
+                            ce_and_kd, student_hidden, run.raw_model.lm_head.weight, targets, teacher_hidden,
+                            teacher.lm_head.weight, chunk_size=args.loss_chunk_size, vocab_size=len(tokenizer))
+                    run.backward(args.alpha * ce_sum + (1.0 - args.alpha) * kd_sum, num_tokens, ce=ce_sum, kd=kd_sum)
+            run.optimizer_step()
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
