@@ -125,3 +125,16 @@ class PromptCollator:
             "prompt_attention_mask": _left_pad([[1] * len(p) for p in prompts], 0),
             "rows": rows,
         }
+
+
+def build_sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                    completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt (left padded) + completion -> input_ids, attention_mask, labels.
+
+    Labels are the completion tokens up to and including the first EOS; -100 on the prompt, its padding and
+    everything after EOS (those positions are padding, masked in attention as well)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
+    labels = torch.cat([torch.full_like(prompt_ids, -100), completion_ids.masked_fill(completion_mask == 0, -100)],
+                       dim=1)
+    return input_ids, attention_mask, labels

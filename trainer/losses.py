@@ -136,6 +136,26 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return kl * (temperature ** 2)
 
 
+def sampled_token_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+                          temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation from the sampled tokens only (a policy-gradient form of reverse KL).
+
+    k_t = log p_S(y_t) - log p_T(y_t) is a one-sample estimate of KL(p_S || p_T) at position t when y_t was drawn
+    from the student. Its gradient is E[k_t * grad log p_S(y_t)] (the score-function term; the direct gradient of
+    log p_S has zero expectation), so the surrogate loss is sum_t stopgrad(k_t) * log p_S(y_t): each sampled token's
+    log-probability is pushed down in proportion to how much more the student likes it than the teacher does.
+    Only the teacher's log-probability of the sampled tokens is needed. Valid only for tokens sampled from the
+    current student. Returns (surrogate_loss_sum, kl_estimate_sum) over labels != -100.
+    """
+    _check_args("sum", temperature)
+    mask = _loss_mask(labels, student_logits.shape[:-1], student_logits.device)
+    safe_labels = labels.clamp_min(0).unsqueeze(-1)
+    logp_s = _log_probs(student_logits, temperature).gather(-1, safe_labels).squeeze(-1)
+    logp_t = _log_probs(teacher_logits.detach(), temperature).gather(-1, safe_labels).squeeze(-1)
+    kl_estimate = (logp_s - logp_t).detach()
+    return _reduce(kl_estimate * logp_s, mask, "sum"), _reduce(kl_estimate, mask, "sum")
+
+
 # ----------------------------------------------------------------------------- chunked from hidden states
 
 def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight: torch.Tensor,

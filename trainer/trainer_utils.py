@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -123,6 +124,13 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> flo
         return lr * (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def derived_seed(*parts: int) -> int:
+    """A seed that is a pure function of its parts (e.g. seed, epoch, step, micro-batch, rank). Python's hash() is
+    salted per process, so it cannot serve: a resumed run must draw exactly what the killed one would have."""
+    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def setup_seed(seed: int) -> None:
@@ -351,11 +359,21 @@ class Run:
         return autocast_context(self.device, self.args.dtype)
 
     def backward(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int, **extra) -> None:
-        """Backward a micro-batch's *summed* loss and add its sums to the window's. `extra` holds more sums to log:
-        per-token sums logged as means over the window's tokens (e.g. ce=..., kd=...), or with a `count_` prefix,
-        totals logged as they are (e.g. count_generated_tokens=...). Kept as tensors: no device sync per micro-step."""
+        """Backward a micro-batch's *summed* loss and add its sums to the window's, without a device sync.
+
+        `extra` holds more numbers to log, summed over the window and all ranks:
+          name=tensor                -> logged as a mean over the window's loss tokens (e.g. ce=ce_sum)
+          name=(numerator, denominator) -> logged as their ratio (e.g. eos_share=(num_eos, num_rows))
+          count_name=tensor          -> logged as a total (e.g. count_generated_tokens=...)
+        Every rank must pass the same names (they are all-reduced together)."""
         self.scaler.scale(loss_sum / self.loss_divisor).backward()
-        for name, value in {"tokens": num_tokens, "loss": loss_sum, **extra}.items():
+        sums = {"tokens": num_tokens, "loss": loss_sum}
+        for name, value in extra.items():
+            if isinstance(value, tuple):
+                sums[f"{name}:num"], sums[f"{name}:den"] = value
+            else:
+                sums[name] = value
+        for name, value in sums.items():
             value = torch.as_tensor(value).detach().to(self.device, torch.float64)
             self.window_sums[name] = self.window_sums.get(name, 0.0) + value
 
@@ -406,7 +424,9 @@ class Run:
         for name, total in totals.items():
             if name.startswith("count_"):
                 metrics[name.removeprefix("count_")] = total
-            else:
+            elif name.endswith(":num"):
+                metrics[name.removesuffix(":num")] = total / max(totals[name.replace(":num", ":den")], 1e-12)
+            elif not name.endswith(":den"):
                 metrics[name] = total / max(tokens, 1.0)
         return metrics
 
@@ -427,6 +447,14 @@ class Run:
                f"tok/s {metrics['tokens_per_s']:.0f} | {metrics['step_ms']:.0f} ms/step | "
                f"elapsed {format_seconds(self.timer.elapsed())} | eta {format_seconds(self.timer.eta(step, self.total_steps))}"
                + (f" | {extra}" if extra else ""))
+
+    def log_eval(self, metrics: dict) -> None:
+        """An evaluation's numbers, at the current step (rank 0 calls this; the others never evaluate)."""
+        record = {"step": self.state.step, **metrics}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        self.tracker.log(metrics, step=self.state.step)
+        print0(f"eval at step {self.state.step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -616,6 +644,30 @@ class StepTimer:
     def eta(self, step: int, total: int) -> float:
         per_step = self.time_timed / self.steps_timed if self.steps_timed else self.elapsed() / max(self.ticks, 1)
         return per_step * (total - step)
+
+
+class PhaseClock:
+    """Seconds spent per phase of a step (e.g. generation vs training), synchronising CUDA so the split is honest."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def summary(self) -> dict[str, float]:
+        total = sum(self.seconds.values())
+        return {**{f"{phase}_s": s for phase, s in self.seconds.items()},
+                **{f"{phase}_share": s / max(total, 1e-9) for phase, s in self.seconds.items()}}
 
 
 def format_seconds(seconds: float) -> str:

@@ -1,0 +1,195 @@
+"""On-policy distillation (OPD): the student samples, a same-tokenizer teacher scores every token.
+
+    python trainer/train_sft.py && python trainer/train_distillation.py && python trainer/train_opd.py
+                                   # CPU demo: the KD student (checkpoints/kd) learns on-policy from checkpoints/sft
+    python trainer/train_opd.py --model_path Qwen3-0.6B --teacher_path Qwen3-4B --data_path dapo.parquet \
+        --device cuda --batch_size 8 --accumulation_steps 4 --max_new_tokens 1024 --max_length 1536
+    torchrun --nproc_per_node 4 trainer/train_opd.py --model_path Qwen3-0.6B --teacher_path Qwen3-4B ...
+    ... --from_resume 1
+
+Per micro-batch, the paper's eq. 2:
+  1. with probability lmbda the batch is on-policy: the student samples y ~ pi_student(.|x) (KV cache, eval mode,
+     no grad); otherwise the dataset's own completions are used (lmbda=0 is plain KD on the data)
+  2. the sequence x + y gets labels on y only, through the first EOS
+  3. the teacher scores every position without gradients, the student with gradients
+  4. loss per token = generalized JSD over the full vocabulary (beta=1: reverse KL(student || teacher)), computed
+     chunk by chunk from hidden states; or --loss sampled_kl, the policy-gradient form that needs only the
+     teacher's log-probability of the sampled tokens
+The skeleton normalises by the window's loss tokens over all ranks, clips and steps. Sampling seeds are a function
+of (seed, epoch, step, micro-batch, rank), so a resumed run samples exactly what the killed one would have.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from dataset.collators import PromptCollator, SFTCollator, build_sequences
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
+from eval.heldout import evaluate_heldout
+from model import generate, load_tokenizer
+from trainer.losses import chunked_generalized_jsd_loss, chunked_loss, sampled_token_kl_loss
+from trainer.trainer_utils import (PhaseClock, Run, add_common_args, add_teacher_args, build_model,
+                                   completion_hidden, derived_seed, load_teacher, resolve_teacher_path,
+                                   validate_common_args)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="On-policy distillation of a Qwen3 student from a Qwen3 teacher")
+    add_common_args(parser, save_weight="opd")
+    add_teacher_args(parser)
+    g = parser.add_argument_group("on-policy distillation")
+    g.add_argument("--loss", default="jsd", choices=["jsd", "sampled_kl"],
+                   help="jsd: generalized JSD over the full vocabulary (beta=1: reverse KL); sampled_kl: "
+                        "policy-gradient reverse KL from the sampled tokens' log-probabilities only")
+    g.add_argument("--beta", type=float, default=1.0, help="0: forward KL, 1: reverse KL, between: generalized JSD")
+    g.add_argument("--lmbda", type=float, default=1.0, help="probability that a micro-batch is on-policy")
+    g.add_argument("--max_new_tokens", type=int, default=128, help="sampled completion length budget")
+    g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
+    g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
+    g = parser.add_argument_group("held-out evaluation")
+    g.add_argument("--eval_data_path", default=None, help="held-out prompts (default: the demo eval set)")
+    g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
+    g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
+    args = parser.parse_args(argv)
+    if not args.model_path and not args.model_config:
+        args.model_path = os.path.join(args.save_dir, "kd")  # the KD quick-start's student
+        if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+            raise SystemExit(f"argument error: no student at {args.model_path}: run `python trainer/train_sft.py && "
+                             f"python trainer/train_distillation.py` first, or pass --model_path / --model_config")
+    validate_common_args(args)
+    resolve_teacher_path(args)
+    validate_opd_args(args)
+    return args
+
+
+def validate_opd_args(args: argparse.Namespace) -> None:
+    def refuse(message: str):
+        raise SystemExit(f"argument error: {message}")
+    if not 0.0 <= args.lmbda <= 1.0 or not 0.0 <= args.beta <= 1.0:
+        refuse(f"--lmbda ({args.lmbda}) and --beta ({args.beta}) must be in [0, 1]")
+    if args.loss == "sampled_kl" and args.lmbda < 1.0:
+        refuse("--loss sampled_kl is a policy gradient: it is only valid on the student's own samples, so it needs "
+               "--lmbda 1 (use --loss jsd to mix in the dataset's completions)")
+    if args.max_new_tokens < 1 or args.max_prompt_length + args.max_new_tokens > args.max_length:
+        refuse(f"--max_prompt_length ({args.max_prompt_length}) + --max_new_tokens ({args.max_new_tokens}) must be "
+               f"<= --max_length ({args.max_length}): raise --max_length or lower one of the budgets")
+    if args.gen_temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
+        refuse("--gen_temperature must be > 0, --top_p in (0, 1], --top_k >= 0")
+    if args.eval_interval < 0 or args.eval_rows < 1:
+        refuse("--eval_interval must be >= 0 and --eval_rows >= 1")
+
+
+def refuse_prompt_only_data(dataset: RowDataset, path: str) -> None:
+    """With lmbda < 1 some batches train on the dataset's completions: every row must have one."""
+    for index in range(len(dataset)):
+        if not any(turn["role"] == "assistant" for turn in dataset[index]["messages"]):
+            raise SystemExit(f"argument error: --lmbda < 1 distils the dataset's own completions, but {path} row "
+                             f"{index} has no assistant turn: use --lmbda 1 or a dataset with completions")
+
+
+def rollout(run: Run, args: argparse.Namespace, tokenizer, sft_collator: SFTCollator, batch: dict, epoch: int,
+            micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Steps 1-2: input_ids, attention_mask, labels (on the completion only) and whether they are on-policy."""
+    # one draw per micro-batch, the same on every rank (no rank in its seed)
+    draw_seed = derived_seed(args.seed, epoch, run.state.step, micro)
+    on_policy = torch.rand(1, generator=torch.Generator().manual_seed(draw_seed)).item() < args.lmbda
+    if not on_policy:
+        data = sft_collator(batch["rows"])
+        return data["input_ids"].to(run.device), data["attention_mask"].to(run.device), \
+            data["labels"].to(run.device), False
+    generator = torch.Generator(run.device).manual_seed(
+        derived_seed(args.seed, epoch, run.state.step, micro, run.dist.rank))
+    prompt_ids = batch["prompt_ids"].to(run.device)
+    prompt_mask = batch["prompt_attention_mask"].to(run.device)
+    run.raw_model.eval()
+    with run.autocast():
+        out = generate(run.raw_model, prompt_ids, prompt_mask, args.max_new_tokens, do_sample=True,
+                       temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       generator=generator, vocab_size=len(tokenizer))
+    run.raw_model.train()
+    return (*build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask), True)
+
+
+def distill_loss(run: Run, args: argparse.Namespace, teacher, vocab_size: int, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Steps 3-4: teacher and student hidden states at the completion positions, the summed per-token loss."""
+    with torch.no_grad():
+        teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
+    student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
+    heads = dict(student_weight=run.raw_model.lm_head.weight, teacher_hidden=teacher_hidden,
+                 teacher_weight=teacher.lm_head.weight, chunk_size=args.loss_chunk_size, vocab_size=vocab_size)
+    if args.loss == "jsd":
+        loss_sum, num_tokens = chunked_generalized_jsd_loss(student_hidden, labels=targets, beta=args.beta,
+                                                            temperature=args.temperature, **heads)
+        return loss_sum, num_tokens, {}
+
+    def sampled_kl(student_logits, teacher_logits, chunk_labels):
+        surrogate_sum, kl_sum = sampled_token_kl_loss(student_logits, teacher_logits, chunk_labels, args.temperature)
+        return surrogate_sum, kl_sum, (chunk_labels != -100).sum()
+    surrogate_sum, kl_sum, num_tokens = chunked_loss(sampled_kl, student_hidden, labels=targets, **heads)
+    return surrogate_sum, num_tokens, {"reverse_kl_estimate": kl_sum}
+
+
+def rollout_stats(input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int, on_policy: bool) -> dict:
+    completion = labels != -100
+    rows = completion.shape[0]
+    ended = ((input_ids == eos_token_id) & completion).any(dim=1).sum()
+    return {"completion_len": (completion.sum(), rows), "eos_share": (ended, rows),
+            "on_policy_share": (int(on_policy), 1), "count_generated_tokens": completion.sum() if on_policy else 0}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    data_path = args.data_path or ensure_demo_data()["opd_prompts"]
+    dataset = RowDataset(data_path)
+    if args.lmbda < 1.0:
+        refuse_prompt_only_data(dataset, data_path)
+    prompt_collator = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
+    sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
+    run = Run(args, student, dataset, prompt_collator, tokenizer_dir)
+    teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
+    eval_batches = heldout_batches(args, prompt_collator, run.device) if args.eval_interval else []
+
+    for epoch in range(args.epochs):
+        for window in run.windows(epoch):
+            clock = PhaseClock(run.device)
+            for i, batch in enumerate(window):
+                with clock("gen"):
+                    input_ids, attention_mask, labels, on_policy = rollout(run, args, tokenizer, sft_collator, batch,
+                                                                           epoch, i)
+                with clock("train"), run.micro_step(i, len(window)):  # DDP syncs on the window's last micro-batch
+                    with run.autocast():
+                        loss_sum, num_tokens, extra = distill_loss(run, args, teacher, len(tokenizer), input_ids,
+                                                                   attention_mask, labels)
+                    run.backward(loss_sum, num_tokens, **extra,
+                                 **rollout_stats(input_ids, labels, tokenizer.eos_token_id, on_policy))
+            run.optimizer_step(log_extra=clock.summary())
+            if args.eval_interval and (run.state.step % args.eval_interval == 0 or run.done) and run.dist.is_main:
+                run.log_eval(evaluate_heldout(run.raw_model, tokenizer, eval_batches, args.max_new_tokens, teacher,
+                                              run.autocast, args.loss_chunk_size))
+    run.finish()
+
+
+def heldout_batches(args: argparse.Namespace, prompt_collator: PromptCollator, device: str) -> list[dict]:
+    """A fixed held-out prompt set: the first --eval_rows rows of --eval_data_path (default: the demo eval set)."""
+    dataset = RowDataset(args.eval_data_path or ensure_demo_data()["eval"])
+    rows = [dataset[i] for i in range(min(args.eval_rows, len(dataset)))]
+    batches = []
+    for start in range(0, len(rows), args.batch_size):
+        batch = prompt_collator(rows[start:start + args.batch_size])
+        batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(device),
+                        "prompt_attention_mask": batch["prompt_attention_mask"].to(device)})
+    return batches
+
+
+if __name__ == "__main__":
+    main()
