@@ -191,7 +191,8 @@ class RowDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         # A shallow copy, so a consumer that adds keys cannot change the dataset; do not mutate `messages` in place.
-        return dict(self._rows[index])
+        # `row_index` identifies the row for seeds that must not depend on batching (OPD's per-row sampling).
+        return {**self._rows[index], "row_index": index}
 
 
 def load_rows(path: str) -> RowDataset:

@@ -93,13 +93,17 @@ def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    save_file(state, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config, f, indent=2)
-    with open(os.path.join(tmp_dir, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump(_generation_config(config, tokenizer.pad_token_id), f, indent=2)
-    tokenizer.save_pretrained(tmp_dir)
-    _replace_dir(tmp_dir, out_dir)
+    try:
+        save_file(state, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(hf_config, f, indent=2)
+        with open(os.path.join(tmp_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(_generation_config(config, tokenizer.pad_token_id), f, indent=2)
+        tokenizer.save_pretrained(tmp_dir)
+        _replace_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # a failed save leaves neither half a model nor litter
+        raise
 
 
 def _replace_dir(new_dir: str, target: str) -> None:

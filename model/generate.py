@@ -5,6 +5,7 @@ never recomputed). Rows stop independently at EOS and emit pad afterwards; the l
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +21,16 @@ class GenerateOutput:
 
 
 def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
-                      generator: torch.Generator | None) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,). Greedy, or temperature -> top-k -> top-p (nucleus) sampling."""
+                      generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). Greedy, or temperature -> top-k -> top-p (nucleus) sampling.
+
+    `generator` is one generator for the batch, or one per row: then each row draws its own Gumbel noise and
+    samples argmax(logits + Gumbel) (an exact draw from the softmax), so a row's completion depends on its own
+    seed alone, not on which other rows share its batch (accumulation and world size then leave samples unchanged).
+    """
     if not do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float().contiguous() / temperature
     if top_k > 0:
         kth_largest = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -35,6 +41,10 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float,
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p
         drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if isinstance(generator, Sequence):
+        uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generator])
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
+        return (logits + gumbel).argmax(dim=-1)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
@@ -43,7 +53,8 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float,
 def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
              max_new_tokens: int, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None, vocab_size: int | None = None) -> GenerateOutput:
+             generator: torch.Generator | Sequence[torch.Generator] | None = None,
+             vocab_size: int | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row. `vocab_size` (the tokenizer's) keeps the embedding's padding rows
     (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled."""
     model = getattr(model, "module", model)
@@ -58,7 +69,8 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     cache = KVCache(model.config, B, P + max_new_tokens, next(model.parameters()).dtype, device)
     mask = torch.cat([attention_mask.long(), attention_mask.new_zeros(B, max_new_tokens, dtype=torch.long)], dim=1)
     next_position = positions_from_mask(attention_mask)[:, -1:] + 1
-    logits = model(input_ids, attention_mask=mask[:, :P], kv_cache=cache, logits_to_keep=1).logits[:, -1]
+    hidden = model(input_ids, attention_mask=mask[:, :P], kv_cache=cache, return_hidden=True).hidden_states
+    logits = next_token_logits(model, hidden[:, -1])
 
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens = []
@@ -72,13 +84,26 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
         mask[:, P + step] = 1
-        logits = model(token[:, None], attention_mask=mask[:, :P + step + 1], position_ids=next_position,
-                       kv_cache=cache).logits[:, -1]
+        hidden = model(token[:, None], attention_mask=mask[:, :P + step + 1], position_ids=next_position,
+                       kv_cache=cache, return_hidden=True).hidden_states
+        logits = next_token_logits(model, hidden[:, -1])
         next_position = next_position + 1
 
     completion_ids = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(B, 0)
     return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
                           completion_mask=completion_mask_through_eos(completion_ids, eos_ids))
+
+
+def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, H) final hidden states -> (B, V) logits, the lm_head that dominates a decoding step.
+
+    Computed as (W @ h.T).T rather than F.linear's h @ W.T: the same products, but for a few rows against the
+    151,936-row weight, CPU BLAS runs the weight-stationary form ~1.6x faster (measured: 8 x 512 against
+    151936 x 512, 52 ms vs 84 ms on one core), which is most of the step. On CUDA the two are the same GEMM.
+    The result is a transposed view: greedy's argmax reads it as it is (a contiguous copy would cost more than the
+    argmax); sampling makes it contiguous.
+    """
+    return (model.lm_head.weight @ hidden.T).T
 
 
 def completion_mask_through_eos(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 # python -m pytest tests/test_loop_invariants.py
-"""The skeleton's invariants, held by every training loop on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
+"""The skeleton's invariants, held by every training loop (SFT, KD, OPD) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
 accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, a run killed with SIGKILL
 right after a checkpoint and resumed ends bit-identical to one never interrupted, and resuming across a world-size
 change that keeps the global batch reaches the same weights."""
@@ -14,12 +14,17 @@ from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_arg
                           run_command, torchrun_command, weights)
 from model import Qwen3Config, create_model, save_pretrained
 from trainer.train_distillation import main as train_distillation
+from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
 
 LOOPS = {
     "sft": (train_sft, os.path.join(ROOT, "trainer", "train_sft.py")),
     "kd": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
+    "opd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
 }
+# what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
+# (and with them its weights) do not depend on accumulation, world size or an interruption
+LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0}, "opd": {"max_new_tokens": 8, "beta": 0.5}}
 
 
 @pytest.fixture
@@ -33,7 +38,7 @@ def teacher_dir(tiny_config_path, tmp_path):
 def loop(request, tiny_config_path, teacher_dir):
     """(main, script, args-builder) of one training loop, with what that loop needs beyond the common flags."""
     main, script = LOOPS[request.param]
-    extra = {"teacher_path": teacher_dir, "alpha": 0.3, "temperature": 2.0} if request.param == "kd" else {}
+    extra = {**LOOP_FLAGS[request.param], **({"teacher_path": teacher_dir} if request.param != "sft" else {})}
 
     def args(data, save_dir, **flags):
         return loop_args(tiny_config_path, data, save_dir, **{**extra, **flags})
@@ -51,6 +56,7 @@ def test_accumulation_equals_one_big_batch(loop, chat_jsonl, tmp_path):
     assert [m["grad_norm"] for m in big] == pytest.approx([m["grad_norm"] for m in acc], rel=1e-5)
 
 
+@pytest.mark.parametrize("loop", ["sft", "kd"], indirect=True)  # OPD's windows are the same skeleton code
 def test_short_tail_window_is_flushed_exactly(loop, chat_jsonl, tmp_path):
     # 20 rows: batch 2 x accumulation 4 gives windows of 4, 4 and 2 micro-batches; batch 8 gives 8, 8 and 4 rows
     main, _, args = loop
@@ -70,28 +76,30 @@ def test_ddp_two_ranks_equal_one_process(loop, chat_jsonl, tmp_path):
 
 @pytest.fixture
 def long_chat_jsonl(tmp_path):
-    return write_chat_jsonl(tmp_path / "long.jsonl", 48, seed=1)
+    return write_chat_jsonl(tmp_path / "long.jsonl", 24, seed=1)
 
 
 def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):
     _, script, args = loop
-    flags = dict(batch=2, accumulation=2, save_interval=3)  # 12 optimizer steps, a checkpoint every 3
+    flags = dict(batch=2, accumulation=2, save_interval=2)  # 6 optimizer steps, a checkpoint every 2
     run_command([sys.executable, script, *args(long_chat_jsonl, tmp_path / "full", **flags)])
     killed = tmp_path / "killed"
     kill_after_first_checkpoint([sys.executable, script, *args(long_chat_jsonl, killed, **flags)],
                                 str(killed / "run_resume.pt"))
-    assert checkpoint_step(killed / "run_resume.pt") < 12, "the run finished before it could be killed"
+    assert checkpoint_step(killed / "run_resume.pt") < 6, "the run finished before it could be killed"
     run_command([sys.executable, script, *args(long_chat_jsonl, killed, **flags, from_resume=1)])
     full, resumed = weights(tmp_path / "full"), weights(killed)
     assert all(torch.equal(full[k], resumed[k]) for k in full), "resumed weights are not bit-identical"
     assert metrics(tmp_path / "full")[-1]["loss"] == metrics(killed)[-1]["loss"]
 
 
+@pytest.mark.parametrize("loop", ["sft"], indirect=True)  # the skeleton's data position, loop-independent
 def test_resume_across_world_size_change(loop, long_chat_jsonl, tmp_path):
     main, script, args = loop
-    two_ranks = args(long_chat_jsonl, tmp_path / "ws", batch=2, accumulation=2, save_interval=3)
+    # 24 rows, global batch 8: 3 optimizer steps, a checkpoint after each
+    two_ranks = args(long_chat_jsonl, tmp_path / "ws", batch=2, accumulation=2, save_interval=1)
     kill_after_first_checkpoint(torchrun_command(script, two_ranks), str(tmp_path / "ws" / "run_resume.pt"))
-    assert checkpoint_step(tmp_path / "ws" / "run_resume.pt") < 6, "the run finished before it could be killed"
-    main(args(long_chat_jsonl, tmp_path / "ws", batch=2, accumulation=4, save_interval=3, from_resume=1))
-    main(args(long_chat_jsonl, tmp_path / "ref", batch=2, accumulation=4, save_interval=3))
+    assert checkpoint_step(tmp_path / "ws" / "run_resume.pt") < 3, "the run finished before it could be killed"
+    main(args(long_chat_jsonl, tmp_path / "ws", batch=2, accumulation=4, save_interval=1, from_resume=1))
+    main(args(long_chat_jsonl, tmp_path / "ref", batch=2, accumulation=4, save_interval=1))
     assert max_weight_diff(weights(tmp_path / "ws"), weights(tmp_path / "ref")) <= 1e-5

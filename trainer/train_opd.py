@@ -15,8 +15,9 @@ Per micro-batch, the paper's eq. 2:
   4. loss per token = generalized JSD over the full vocabulary (beta=1: reverse KL(student || teacher)), computed
      chunk by chunk from hidden states; or --loss sampled_kl, the policy-gradient form that needs only the
      teacher's log-probability of the sampled tokens
-The skeleton normalises by the window's loss tokens over all ranks, clips and steps. Sampling seeds are a function
-of (seed, epoch, step, micro-batch, rank), so a resumed run samples exactly what the killed one would have.
+The skeleton normalises by the window's loss tokens over all ranks, clips and steps. Each row samples with its own
+seed (seed, epoch, row), so a resumed run samples exactly what the killed one would have, and 2 ranks x accumulation
+2 sample what 1 rank x accumulation 4 does.
 """
 import argparse
 import os
@@ -102,8 +103,10 @@ def rollout(run: Run, args: argparse.Namespace, tokenizer, sft_collator: SFTColl
         data = sft_collator(batch["rows"])
         return data["input_ids"].to(run.device), data["attention_mask"].to(run.device), \
             data["labels"].to(run.device), False
-    generator = torch.Generator(run.device).manual_seed(
-        derived_seed(args.seed, epoch, run.state.step, micro, run.dist.rank))
+    # one generator per row, seeded by (seed, epoch, row): a row's sample depends neither on its batch-mates nor on
+    # the world size or accumulation, and a resumed run draws exactly what the killed one would have
+    generators = [torch.Generator(run.device).manual_seed(derived_seed(args.seed, epoch, row["row_index"]))
+                  for row in batch["rows"]]
     prompt_ids = batch["prompt_ids"].to(run.device)
     prompt_mask = batch["prompt_attention_mask"].to(run.device)
     run.raw_model.eval()
@@ -111,7 +114,7 @@ def rollout(run: Run, args: argparse.Namespace, tokenizer, sft_collator: SFTColl
         out = generate(run.raw_model, prompt_ids, prompt_mask, args.max_new_tokens, do_sample=True,
                        temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       generator=generator, vocab_size=len(tokenizer))
+                       generator=generators, vocab_size=len(tokenizer))
     run.raw_model.train()
     return (*build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask), True)
 

@@ -1,0 +1,140 @@
+# python -m pytest tests/test_train_opd.py
+"""train_opd.py on tiny Qwen3s (CPU): labels cover exactly the sampled tokens through the first EOS, the logged loss
+is the generalized JSD of independently computed logits, lmbda=0 is KD on the data's completions, per-row sampling
+seeds make samples independent of batching, and bad set-ups are refused at start-up. Accumulation, DDP and
+SIGKILL-resume equivalence for OPD are in test_loop_invariants.py."""
+import json
+import os
+
+import pytest
+import torch
+
+from dataset.collators import PromptCollator, build_sequences
+from dataset.sources import RowDataset
+from loop_helpers import loop_args, max_weight_diff, metrics, weights
+from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
+from trainer.losses import generalized_jsd_loss
+from trainer.sampler import EpochSampler
+from trainer.train_distillation import main as train_distillation
+from trainer.train_opd import main as train_opd
+from trainer.trainer_utils import derived_seed
+
+EOS, PAD = 151645, 151643
+
+
+def test_labels_cover_the_sampled_tokens_through_the_first_eos_only():
+    prompt_ids = torch.tensor([[PAD, PAD, 11, 12], [21, 22, 23, 24]])
+    prompt_mask = (prompt_ids != PAD).long()
+    completion_ids = torch.tensor([[5, 6, EOS, PAD, PAD], [7, EOS, PAD, PAD, PAD]])
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    input_ids, attention_mask, labels = build_sequences(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert input_ids.tolist() == [[PAD, PAD, 11, 12, 5, 6, EOS, PAD, PAD], [21, 22, 23, 24, 7, EOS, PAD, PAD, PAD]]
+    assert labels.tolist() == [[-100] * 4 + [5, 6, EOS, -100, -100], [-100] * 4 + [7, EOS, -100, -100, -100]]
+    assert attention_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0]]
+
+
+def test_generated_eos_ends_the_labels(tiny_config_path):
+    model = create_model(Qwen3Config.from_json(tiny_config_path), seed=0).eval()
+    prompt_ids = torch.tensor([[PAD, 100, 200], [300, 400, 500]])
+    prompt_mask = (prompt_ids != PAD).long()
+    greedy = generate(model, prompt_ids, prompt_mask, 6, do_sample=False)
+    eos = int(greedy.completion_ids[0, 2])  # pretend the third greedy token of row 0 is the EOS
+    out = generate(model, prompt_ids, prompt_mask, 6, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    _, _, labels = build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
+    row = out.completion_ids[0].tolist()
+    first_eos = row.index(eos)
+    assert labels[0, 3:].tolist() == row[:first_eos + 1] + [-100] * (len(row) - first_eos - 1)
+    assert all(token == PAD for token in row[first_eos + 1:])
+
+
+def test_per_row_seeds_make_samples_independent_of_batch_mates(tiny_config_path):
+    model = create_model(Qwen3Config.from_json(tiny_config_path), seed=0).eval()
+    prompts = torch.randint(0, 1000, (4, 5))
+    mask = torch.ones_like(prompts)
+    seeds = [11, 22, 33, 44]
+    together = generate(model, prompts, mask, 6, generator=[torch.Generator().manual_seed(s) for s in seeds])
+    alone = [generate(model, prompts[i:i + 1], mask[i:i + 1], 6,
+                      generator=[torch.Generator().manual_seed(seeds[i])]).completion_ids[0] for i in range(4)]
+    assert torch.equal(together.completion_ids, torch.stack(alone))
+    other = generate(model, prompts, mask, 6, generator=[torch.Generator().manual_seed(s + 1) for s in seeds])
+    assert not torch.equal(together.completion_ids, other.completion_ids)
+
+
+@pytest.fixture
+def teacher_dir(tiny_config_path, tmp_path):
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=123), str(tmp_path / "teacher"))
+    return str(tmp_path / "teacher")
+
+
+def opd_args(config, data, save_dir, teacher, **flags) -> list[str]:
+    return loop_args(config, data, save_dir, teacher_path=teacher, **{"max_new_tokens": 8, **flags})
+
+
+def test_logged_loss_is_the_jsd_of_independently_computed_logits(tiny_config_path, chat_jsonl, teacher_dir,
+                                                                  tmp_path):
+    train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, batch=4, max_steps=1, beta=0.5,
+                       temperature=1.5))
+    logged = metrics(tmp_path)[0]
+
+    tokenizer = load_tokenizer(None)
+    student = create_model(Qwen3Config.from_json(tiny_config_path), seed=7).eval()  # --seed 7 initialises it
+    teacher = load_pretrained(teacher_dir).eval()
+    dataset = RowDataset(chat_jsonl)
+    rows = [dataset[i] for i in list(EpochSampler(len(dataset), seed=7, epoch=0))[:4]]
+    prompts = PromptCollator(tokenizer, 32, enable_thinking=False)(rows)
+    generators = [torch.Generator().manual_seed(derived_seed(7, 0, row["row_index"])) for row in rows]
+    out = generate(student, prompts["prompt_ids"], prompts["prompt_attention_mask"], 8, eos_token_id=EOS,
+                   pad_token_id=PAD, generator=generators, vocab_size=len(tokenizer))
+    input_ids, attention_mask, labels = build_sequences(prompts["prompt_ids"], prompts["prompt_attention_mask"],
+                                                        out.completion_ids, out.completion_mask)
+    with torch.no_grad():
+        student_logits = student(input_ids, attention_mask=attention_mask).logits[:, :-1, :len(tokenizer)]
+        teacher_logits = teacher(input_ids, attention_mask=attention_mask).logits[:, :-1, :len(tokenizer)]
+    expected = generalized_jsd_loss(student_logits, teacher_logits, labels[:, 1:], beta=0.5, temperature=1.5)
+    assert logged["tokens"] == int((labels != -100).sum())
+    assert logged["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert logged["generated_tokens"] == logged["tokens"]
+
+
+def test_lmbda_zero_is_kd_on_the_datasets_completions(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
+    # OPD with beta=0 is KL(teacher || student) per token; KD with alpha=0 and T=1 is the same loss
+    train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / "opd", teacher_dir, batch=4, max_steps=2, lmbda=0.0,
+                       beta=0.0))
+    train_distillation(loop_args(tiny_config_path, chat_jsonl, tmp_path / "kd", teacher_path=teacher_dir, batch=4,
+                                 max_steps=2, alpha=0.0))
+    assert max_weight_diff(weights(tmp_path / "opd"), weights(tmp_path / "kd")) <= 1e-6
+    assert [m["on_policy_share"] for m in metrics(tmp_path / "opd")] == [0, 0]
+
+
+def test_mismatched_tokenizers_are_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
+    with open(os.path.join(teacher_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tokenizer_json = json.load(f)
+    tokenizer_json["added_tokens"][-1]["content"] = "<|a_token_only_the_teacher_has|>"
+    with open(os.path.join(teacher_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_json, f)
+    with pytest.raises(SystemExit, match="tokenizer .* differs"):
+        train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, max_steps=1))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"lmbda": 1.5}, "lmbda"),
+    ({"beta": -0.1}, "beta"),
+    ({"loss": "sampled_kl", "lmbda": 0.5}, "sampled_kl"),
+    ({"max_new_tokens": 80}, "max_new_tokens"),
+])
+def test_impossible_flags_are_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, **flags))
+
+
+def test_lmbda_below_one_needs_completions(tiny_config_path, teacher_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}) + "\n")
+    with pytest.raises(SystemExit, match="no assistant turn"):
+        train_opd(opd_args(tiny_config_path, str(prompts), tmp_path, teacher_dir, lmbda=0.5))
+
+
+def test_sampled_kl_mode_trains(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
+    train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, batch=4, max_steps=2, loss="sampled_kl"))
+    logged = metrics(tmp_path)
+    assert len(logged) == 2 and all("reverse_kl_estimate" in m for m in logged)
