@@ -7,7 +7,9 @@ import contextlib
 
 import torch
 
-from dataset.collators import build_sequences
+from dataset.collators import PromptCollator, build_sequences
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
 from eval.grader import grade_batch
 from model import generate
 from trainer.losses import chunked_generalized_jsd_loss
@@ -59,3 +61,32 @@ def reverse_kl_sum(student, teacher, input_ids, attention_mask, labels, vocab_si
                                               teacher.lm_head.weight, targets, beta=1.0, chunk_size=chunk_size,
                                               vocab_size=vocab_size)
     return float(kl), int(tokens)
+
+
+class HeldoutEvaluator:
+    """`--eval_interval` for a training loop: a fixed prompt set (the first --eval_rows rows of --eval_data_path,
+    default the demo eval set), evaluated on rank 0 every --eval_interval optimizer steps and at the last step."""
+
+    def __init__(self, args, tokenizer, run, teacher=None):
+        self.args, self.tokenizer, self.run, self.teacher = args, tokenizer, run, teacher
+        self.batches = self.load_batches() if args.eval_interval and run.dist.is_main else []
+
+    def load_batches(self) -> list[dict]:
+        args = self.args
+        dataset = RowDataset(args.eval_data_path or ensure_demo_data()["eval"])
+        rows = [dataset[i] for i in range(min(args.eval_rows, len(dataset)))]
+        collator = PromptCollator(self.tokenizer, args.max_prompt_length, bool(args.enable_thinking))
+        batches = []
+        for start in range(0, len(rows), args.batch_size):
+            batch = collator(rows[start:start + args.batch_size])
+            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.run.device),
+                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.run.device)})
+        return batches
+
+    def maybe_evaluate(self) -> None:
+        step, interval = self.run.state.step, self.args.eval_interval
+        if not self.batches or not (step % interval == 0 or self.run.done):
+            return
+        self.run.log_eval(evaluate_heldout(self.run.raw_model, self.tokenizer, self.batches,
+                                           self.args.eval_max_new_tokens, self.teacher, self.run.autocast,
+                                           self.args.loss_chunk_size))

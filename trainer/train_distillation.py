@@ -23,6 +23,7 @@ import torch
 from dataset.collators import SFTCollator
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
+from eval.heldout import HeldoutEvaluator
 from model import load_tokenizer
 from trainer.losses import chunked_loss, distillation_loss, sft_loss
 from trainer.trainer_utils import (ROOT, Run, add_common_args, add_teacher_args, build_model, completion_hidden,
@@ -55,6 +56,7 @@ def main(argv=None) -> None:
     student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, student, dataset, collator, tokenizer_dir)
     teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
+    evaluator = HeldoutEvaluator(args, tokenizer, run, teacher)
 
     def ce_and_kd(student_logits, teacher_logits, labels):
         ce_sum, num_tokens = sft_loss(student_logits, labels)
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
                             teacher.lm_head.weight, chunk_size=args.loss_chunk_size, vocab_size=len(tokenizer))
                     run.backward(args.alpha * ce_sum + (1.0 - args.alpha) * kd_sum, num_tokens, ce=ce_sum, kd=kd_sum)
             run.optimizer_step()
+            evaluator.maybe_evaluate()
     run.finish()
 
 

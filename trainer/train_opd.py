@@ -30,7 +30,7 @@ import torch
 from dataset.collators import PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from eval.heldout import evaluate_heldout
+from eval.heldout import HeldoutEvaluator
 from model import generate, load_tokenizer
 from trainer.losses import chunked_generalized_jsd_loss, chunked_loss, sampled_token_kl_loss
 from trainer.trainer_utils import (PhaseClock, Run, add_common_args, add_teacher_args, build_model,
@@ -52,10 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
     g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
-    g = parser.add_argument_group("held-out evaluation")
-    g.add_argument("--eval_data_path", default=None, help="held-out prompts (default: the demo eval set)")
-    g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
-    g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
     args = parser.parse_args(argv)
     if not args.model_path and not args.model_config:
         args.model_path = os.path.join(args.save_dir, "kd")  # the KD quick-start's student
@@ -81,8 +77,6 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"<= --max_length ({args.max_length}): raise --max_length or lower one of the budgets")
     if args.gen_temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
         refuse("--gen_temperature must be > 0, --top_p in (0, 1], --top_k >= 0")
-    if args.eval_interval < 0 or args.eval_rows < 1:
-        refuse("--eval_interval must be >= 0 and --eval_rows >= 1")
 
 
 def refuse_prompt_only_data(dataset: RowDataset, path: str) -> None:
@@ -160,7 +154,7 @@ def main(argv=None) -> None:
     student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, student, dataset, prompt_collator, tokenizer_dir)
     teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
-    eval_batches = heldout_batches(args, prompt_collator, run.device) if args.eval_interval else []
+    evaluator = HeldoutEvaluator(args, tokenizer, run, teacher)
 
     for epoch in range(args.epochs):
         for window in run.windows(epoch):
@@ -176,22 +170,8 @@ def main(argv=None) -> None:
                     run.backward(loss_sum, num_tokens, **extra,
                                  **rollout_stats(input_ids, labels, tokenizer.eos_token_id, on_policy))
             run.optimizer_step(log_extra=clock.summary())
-            if args.eval_interval and (run.state.step % args.eval_interval == 0 or run.done) and run.dist.is_main:
-                run.log_eval(evaluate_heldout(run.raw_model, tokenizer, eval_batches, args.max_new_tokens, teacher,
-                                              run.autocast, args.loss_chunk_size))
+            evaluator.maybe_evaluate()
     run.finish()
-
-
-def heldout_batches(args: argparse.Namespace, prompt_collator: PromptCollator, device: str) -> list[dict]:
-    """A fixed held-out prompt set: the first --eval_rows rows of --eval_data_path (default: the demo eval set)."""
-    dataset = RowDataset(args.eval_data_path or ensure_demo_data()["eval"])
-    rows = [dataset[i] for i in range(min(args.eval_rows, len(dataset)))]
-    batches = []
-    for start in range(0, len(rows), args.batch_size):
-        batch = prompt_collator(rows[start:start + args.batch_size])
-        batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(device),
-                        "prompt_attention_mask": batch["prompt_attention_mask"].to(device)})
-    return batches
 
 
 if __name__ == "__main__":

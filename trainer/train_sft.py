@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.collators import SFTCollator
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
+from eval.heldout import HeldoutEvaluator
 from model import load_tokenizer
 from trainer.losses import chunked_sft_loss
 from trainer.trainer_utils import Run, add_common_args, build_model, completion_hidden, validate_common_args
@@ -41,6 +42,7 @@ def main(argv=None) -> None:
     collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
     model = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, model, dataset, collator, tokenizer_dir)
+    evaluator = HeldoutEvaluator(args, tokenizer, run)
 
     for epoch in range(args.epochs):
         for window in run.windows(epoch):
@@ -55,6 +57,7 @@ def main(argv=None) -> None:
                                                                 vocab_size=len(tokenizer))
                     run.backward(loss_sum, num_tokens)
             run.optimizer_step()
+            evaluator.maybe_evaluate()
     run.finish()
 
 

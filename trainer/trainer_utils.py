@@ -68,6 +68,11 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--loss_chunk_size", type=int, default=512,
                    help="positions projected through the lm_head at a time (full logits never exist)")
+    g = parser.add_argument_group("held-out evaluation (greedy completions: accuracy; with a teacher: reverse KL)")
+    g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
+    g.add_argument("--eval_data_path", default=None, help="held-out prompts with ground truth (default: demo eval)")
+    g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
+    g.add_argument("--eval_max_new_tokens", type=int, default=128, help="completion budget of the evaluation")
     g = parser.add_argument_group("system")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
@@ -106,11 +111,13 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
     if args.learning_rate <= 0:
         refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.eval_interval < 0 or args.eval_rows < 1 or args.eval_max_new_tokens < 1:
+        refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
     if args.max_steps < 0 or args.grad_clip < 0:
         refuse("--max_steps and --grad_clip must be >= 0")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         refuse("--device cuda but no CUDA device is visible: pass --device cpu")
-    for path in (args.model_path, args.model_config, args.data_path):
+    for path in (args.model_path, args.model_config, args.data_path, args.eval_data_path):
         if path and not os.path.exists(path):
             refuse(f"{path} does not exist")
 
@@ -455,6 +462,7 @@ class Run:
         self.metrics_file.flush()
         self.tracker.log(metrics, step=self.state.step)
         print0(f"eval at step {self.state.step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self.timer.last = time.perf_counter()  # evaluation time is not training time: keep it out of ms/step
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -524,7 +532,8 @@ def atomic_torch_save(obj, path: str) -> None:
 # Flags that may differ on resume: they change how the run is executed or logged, not what it computes.
 RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
                      "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
-                     "gradient_checkpointing", "max_steps", "eval_interval", "save_dir"}
+                     "gradient_checkpointing", "max_steps", "eval_interval", "eval_rows", "eval_data_path",
+                     "eval_max_new_tokens", "save_dir"}
 
 
 def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:
