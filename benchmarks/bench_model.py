@@ -9,7 +9,7 @@ plus the real 151,936-row tied embedding. Workloads:
   (a) forward + backward of a (4, 256) batch, cross entropy over all positions computed the same way for both;
   (b) greedy generate of 8 left-padded prompts of different lengths x 128 new tokens, EOS disabled so both
       produce all 128 tokens (checked: the two must produce identical tokens).
-Warm-up, then the median of --repeats timed runs. The ratio is transformers / ours (> 1: we are faster).
+Warm-up, then the median of --repeats timed runs (ours and transformers' alternate). The ratio is transformers / ours (> 1: we are faster).
 """
 import argparse
 import os
@@ -55,17 +55,19 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn, device, warmup, repeats):
+def median_ms(fn_ours, fn_hf, device, warmup, repeats):
+    """Median wall time of each, in ms. The two alternate, so a load change on a shared machine hits both alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        fn_ours(), fn_hf()
+    times = {fn_ours: [], fn_hf: []}
     for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+        for fn in (fn_ours, fn_hf):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[fn].append((time.perf_counter() - start) * 1000)
+    return statistics.median(times[fn_ours]), statistics.median(times[fn_hf])
 
 
 def build_models(args, device, dtype, folder):
@@ -112,8 +114,8 @@ def main():
         hf.train(), ours.train()
         loss_hf, loss_ours = train_step(hf, ids), train_step(ours, ids)
         assert torch.allclose(loss_hf.float(), loss_ours.float(), rtol=1e-3), (loss_hf, loss_ours)
-        t_ours = median_ms(lambda: train_step(ours, ids), device, args.warmup, args.repeats)
-        t_hf = median_ms(lambda: train_step(hf, ids), device, args.warmup, args.repeats)
+        t_ours, t_hf = median_ms(lambda: train_step(ours, ids), lambda: train_step(hf, ids), device, args.warmup,
+                                 args.repeats)
         rows.append((f"forward+backward {args.batch_size}x{args.seq_len}", t_ours, t_hf))
         hf.zero_grad(set_to_none=True), ours.zero_grad(set_to_none=True)
 
@@ -142,8 +144,7 @@ def main():
         same = (seq_ours == seq_hf).float().mean().item()
         print(f"generate: identical tokens {same:.1%}" + ("" if same == 1.0 else " (bf16/fp16 near-ties may "
                                                                                "diverge; fp32 should be 100%)"))
-        t_ours = median_ms(run_ours, device, args.warmup, args.repeats)
-        t_hf = median_ms(run_hf, device, args.warmup, args.repeats)
+        t_ours, t_hf = median_ms(run_ours, run_hf, device, args.warmup, args.repeats)
         rows.append((f"generate {args.num_prompts} prompts x {R} new (greedy)", t_ours, t_hf))
 
     print(f"\n{'workload':<42} {'ours ms':>10} {'transformers ms':>16} {'ratio hf/ours':>14}")

@@ -10,8 +10,8 @@ SFTCollator
     prompt text     = template(prompt messages, add_generation_prompt=True)
     full text       = template(prompt messages + last assistant turn)
     completion text = full text minus the prompt text (the full text must start with the prompt text).
-    The full text is tokenised once; the boundary is the token count of the UNTRUNCATED prompt text, and the full
-    tokens must start with the prompt tokens. (Tokenising prompt and completion separately is not the same as
+    The full text is tokenised once; the boundary is where the UNTRUNCATED prompt text ends in it (from the tokens'
+    character offsets), and no token may straddle it. (Tokenising prompt and completion separately is not the same as
     tokenising their concatenation: "\\n" + "\\n" is two tokens, "\\n\\n" is one.)
     Independent budgets: the prompt keeps its last `max_prompt_length` tokens (so the generation header
     `<|im_start|>assistant\\n` survives), the completion keeps its first `max_length - len(prompt)` tokens: a long
@@ -50,6 +50,14 @@ def _keep_end(ids: list[int], budget: int) -> list[int]:
     return ids[len(ids) - budget:] if len(ids) > budget else ids
 
 
+def prompt_boundary(offsets: list[tuple[int, int]], prompt_chars: int) -> int | None:
+    """Number of tokens that make up the first `prompt_chars` characters, or None if a token straddles them."""
+    for index, (start, end) in enumerate(offsets):
+        if end > prompt_chars:
+            return index if start >= prompt_chars else None
+    return len(offsets)
+
+
 class SFTCollator:
     """rows -> input_ids, attention_mask, labels (B, T), prompt_lengths (B,); see the module docstring."""
 
@@ -82,16 +90,17 @@ class SFTCollator:
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         texts = [self.render(row["messages"]) for row in rows]
-        encoded = self.tokenizer.encode_batch([p for p, _ in texts] + [f for _, f in texts])
-        prompts, fulls = encoded[:len(rows)], encoded[len(rows):]
+        # One tokenisation per row, of the full text; the boundary is where the prompt text ends, and no token may
+        # straddle it (then the prefix tokens are exactly the prompt's own tokens).
+        encoded = self.tokenizer.encode_batch_with_offsets([full for _, full in texts])
         input_ids, labels, prompt_lengths = [], [], []
-        for prompt_ids, full_ids in zip(prompts, fulls):
-            boundary = len(prompt_ids)
-            if full_ids[:boundary] != prompt_ids:
-                raise ValueError("tokenising the full conversation does not reproduce the prompt's tokens at its "
-                                 f"start (prompt ends {self.tokenizer.decode(prompt_ids[-8:])!r}); the boundary "
-                                 "between prompt and completion falls inside a token")
-            prompt = _keep_end(prompt_ids, self.max_prompt_length)
+        for (prompt_text, _), (full_ids, offsets) in zip(texts, encoded):
+            boundary = prompt_boundary(offsets, len(prompt_text))
+            if boundary is None:
+                raise ValueError("tokenising the full conversation puts a token across the end of the prompt "
+                                 f"(prompt ends {prompt_text[-40:]!r}); the boundary between prompt and completion "
+                                 "falls inside a token")
+            prompt = _keep_end(full_ids[:boundary], self.max_prompt_length)
             completion = full_ids[boundary:boundary + self.max_length - len(prompt)]
             input_ids.append(prompt + completion)
             labels.append([IGNORE_INDEX] * len(prompt) + completion)

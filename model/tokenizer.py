@@ -99,6 +99,10 @@ class QwenTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_batch_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """ids and the (start, end) character span of each token in its text."""
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):
             ids = ids.tolist()

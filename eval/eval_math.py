@@ -1,0 +1,321 @@
+"""Math accuracy of a checkpoint on held-out problems: batched generation, graded with math-verify (eval/grader.py).
+
+    python eval/eval_math.py --model_path checkpoints/sft                        # demo eval set, greedy
+    python eval/eval_math.py --model_path Qwen3-0.6B --data_path dapo_test.parquet --device cuda \
+        --batch_size 64 --max_new_tokens 2048 --enable_thinking 1
+    python eval/eval_math.py --model_path Qwen3-0.6B --n_samples 8 --temperature 0.6 --top_p 0.95   # pass@k
+
+Writes one JSON line per sample (input order: index, prompt, completion, extracted, ground_truth, correct, reason,
+completion_tokens, eos, and `sample` when n_samples > 1) to --out (default MODEL/eval_<data stem>.jsonl), a JSON
+summary beside it (<out stem>.summary.json), and prints one line:
+
+    accuracy 0.735 [0.671, 0.790] (147/200) | mean completion 41.2 tokens | eos 98% | 12.3 s
+
+The interval is Wilson's 95% score interval. With n_samples > 1 the summary adds pass@k for k = 1, 2, 4, ..., n
+(the unbiased estimator of Chen et al. 2021, averaged over problems) and mean@n (the mean per-sample accuracy);
+the interval then counts every sample as a trial, which is too narrow when problems differ in difficulty.
+
+Prompts are sorted by length (longest first) so that a batch holds similar lengths and little padding, and an
+out-of-memory shows in the first batch rather than after an hour. Greedy decoding is batch-independent (left
+padding gives the same logits as the unpadded row), and sampled completions use one generator per (row, sample),
+seeded by (seed, row, sample): results depend on neither --batch_size nor the sort.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from dataset.collators import PromptCollator  # noqa: E402
+from dataset.make_demo_data import ensure_demo_data  # noqa: E402
+from dataset.sources import RowDataset  # noqa: E402
+from eval.grader import grade, wilson_interval  # noqa: E402
+from model import DTYPES, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
+from trainer.trainer_utils import derived_seed  # noqa: E402
+
+
+@dataclass
+class Completion:
+    text: str        # decoded without special tokens (EOS and padding gone)
+    num_tokens: int  # generated tokens up to and including EOS
+    eos: bool        # stopped at EOS, not cut off by max_new_tokens
+
+
+# ------------------------------------------------------------------------------------------------- model loading
+
+def resolve_dtype(device: str, dtype_name: str | None) -> torch.dtype:
+    """bf16 on CUDA, fp32 on CPU unless asked: CPU bf16 matmuls are slow, and fp32 is the reference numerics."""
+    if dtype_name is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[dtype_name]
+
+
+def load_for_inference(model_path: str, device: str, dtype_name: str | None):
+    """-> (model in eval mode, its tokenizer). The tokenizer comes from the model folder (save_pretrained writes it)."""
+    tokenizer = load_tokenizer(model_path)
+    model = load_pretrained(model_path, dtype=resolve_dtype(device, dtype_name), device=device)
+    return model.eval(), tokenizer
+
+
+def stop_token_ids(model: Qwen3ForCausalLM, tokenizer) -> list[int]:
+    """The tokenizer's EOS and the model config's: a base model's config names <|endoftext|> while the chat
+    template ends turns with <|im_end|>; stopping at either avoids generating past a finished answer."""
+    ids = [tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+# ---------------------------------------------------------------------------------------------------- generation
+
+def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   max_new_tokens: int, temperature: float, top_p: float,
+                   generators: Sequence[torch.Generator] | None, stop_ids: list[int]) -> list[Completion]:
+    """One generate call over a left-padded batch. temperature 0 is greedy. (Tests replace this function.)"""
+    out = generate(model, prompt_ids, prompt_mask, max_new_tokens, do_sample=temperature > 0,
+                   temperature=temperature if temperature > 0 else 1.0, top_p=top_p, eos_token_id=stop_ids,
+                   pad_token_id=tokenizer.pad_token_id, generator=generators, vocab_size=len(tokenizer))
+    ended = torch.isin(out.completion_ids, torch.tensor(stop_ids, device=out.completion_ids.device)).any(dim=1)
+    return [Completion(tokenizer.decode(ids[mask.bool()], skip_special_tokens=True), int(mask.sum()), bool(eos))
+            for ids, mask, eos in zip(out.completion_ids, out.completion_mask, ended)]
+
+
+def encode_prompts(collator: PromptCollator, rows: Sequence[dict], chunk: int = 256) -> list[list[int]]:
+    """Each row's prompt tokens (template applied, truncated), through the same collator that batches them later,
+    so the lengths used for sorting are exactly the lengths generated from."""
+    prompts = []
+    for start in range(0, len(rows), chunk):
+        batch = collator(list(rows[start:start + chunk]))
+        prompts += [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_attention_mask"])]
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------------------- metrics
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), as the
+    numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n: int) -> list[int]:
+    """k = 1, 2, 4, ... up to n, and n itself."""
+    return sorted({2 ** p for p in range(n.bit_length()) if 2 ** p <= n} | {n})
+
+
+def summarize(records: list[dict], num_rows: int, n_samples: int, seconds: float) -> dict:
+    total = len(records)
+    correct = sum(r["correct"] for r in records)
+    low, high = wilson_interval(correct, total)
+    summary = {
+        "rows": num_rows, "n_samples": n_samples, "samples": total, "correct": correct,
+        "accuracy": correct / total, "accuracy_ci95": [low, high],
+        "mean_completion_tokens": sum(r["completion_tokens"] for r in records) / total,
+        "eos_share": sum(r["eos"] for r in records) / total,
+        "reasons": dict(Counter(r["reason"] for r in records)),
+        "seconds": seconds,
+    }
+    if n_samples > 1:
+        per_row = Counter(r["index"] for r in records if r["correct"])
+        summary["pass@k"] = {str(k): sum(pass_at_k(n_samples, per_row[i], k) for i in range(num_rows)) / num_rows
+                             for k in pass_ks(n_samples)}
+        summary[f"mean@{n_samples}"] = correct / total
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    low, high = summary["accuracy_ci95"]
+    line = (f"accuracy {summary['accuracy']:.3f} [{low:.3f}, {high:.3f}] ({summary['correct']}/{summary['samples']})"
+            f" | mean completion {summary['mean_completion_tokens']:.1f} tokens | eos {summary['eos_share']:.0%}"
+            f" | {summary['seconds']:.1f} s")
+    if summary["n_samples"] > 1:
+        n = summary["n_samples"]
+        line += " | " + " ".join(f"pass@{k} {v:.3f}" for k, v in summary["pass@k"].items())
+        line += f" | mean@{n} {summary[f'mean@{n}']:.3f}"
+    return line
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+def check_sampling(n_samples: int, temperature: float, top_p: float) -> None:
+    """Raise ValueError, saying what to change, on an impossible sampling configuration."""
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if n_samples > 1 and temperature == 0:
+        raise ValueError(f"n_samples={n_samples} with temperature 0 (greedy) would repeat one completion "
+                         f"{n_samples} times: pass a temperature > 0, e.g. --temperature 0.6")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_ground_truth(rows: Sequence[dict]) -> None:
+    """Every row needs a ground truth to be graded; refuse before generating anything rather than score it 0."""
+    for i, row in enumerate(rows):
+        truth = row.get("ground_truth")
+        if truth is None or not str(truth).strip():
+            raise ValueError(f"row {i} has no ground truth (a `ground_truth` column, or DAPO's "
+                             f"reward_model.ground_truth); every evaluated row needs one")
+
+
+@torch.no_grad()
+def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batch_size: int = 32,
+                  max_new_tokens: int = 256, max_prompt_length: int = 512, enable_thinking: bool = False,
+                  n_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                  grade_timeout: float = 5.0, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Generate n_samples completions per row, grade them, -> (summary, per-sample records in input order).
+
+    `rows`: dicts with `messages` and `ground_truth` (RowDataset rows). The model is used as it is (device, dtype);
+    it is put in eval mode and left there.
+    """
+    check_sampling(n_samples, temperature, top_p)
+    check_ground_truth(rows)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    model.eval()
+    device = next(model.parameters()).device
+    collator = PromptCollator(tokenizer, max_prompt_length, enable_thinking)
+    prompts = encode_prompts(collator, rows)
+    stop_ids = stop_token_ids(model, tokenizer)
+    # a job is one (row, sample); sorted by prompt length, longest first (sorted() is stable: ties keep input order)
+    jobs = sorted(((i, s) for i in range(len(rows)) for s in range(n_samples)), key=lambda job: -len(prompts[job[0]]))
+
+    results: dict[tuple[int, int], dict] = {}
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc="eval", unit="sample", disable=not progress, dynamic_ncols=True)
+    for b in range(0, len(jobs), batch_size):
+        batch_jobs = jobs[b:b + batch_size]
+        batch = collator([rows[i] for i, _ in batch_jobs])
+        generators = None if temperature == 0 else \
+            [torch.Generator(device).manual_seed(derived_seed(seed, i, s)) for i, s in batch_jobs]
+        completions = complete_batch(model, tokenizer, batch["prompt_ids"].to(device),
+                                     batch["prompt_attention_mask"].to(device), max_new_tokens, temperature, top_p,
+                                     generators, stop_ids)
+        for (i, s), completion in zip(batch_jobs, completions):
+            results[i, s] = make_record(i, s, n_samples, tokenizer.decode(prompts[i]), completion,
+                                        str(rows[i]["ground_truth"]), grade_timeout)
+        bar.update(len(batch_jobs))
+        bar.set_postfix(acc=f"{sum(r['correct'] for r in results.values()) / len(results):.3f}")
+    bar.close()
+    records = [results[i, s] for i in range(len(rows)) for s in range(n_samples)]
+    return summarize(records, len(rows), n_samples, time.perf_counter() - start), records
+
+
+def make_record(index: int, sample: int, n_samples: int, prompt: str, completion: Completion, ground_truth: str,
+                grade_timeout: float) -> dict:
+    result = grade(completion.text, ground_truth, grade_timeout)
+    record = {"index": index, "prompt": prompt, "completion": completion.text, "extracted": result.extracted,
+              "ground_truth": ground_truth, "correct": bool(result.correct), "reason": result.reason,
+              "completion_tokens": completion.num_tokens, "eos": completion.eos}
+    if n_samples > 1:
+        record["sample"] = sample
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Math accuracy of a Qwen3 checkpoint (graded with math-verify)")
+    # model
+    parser.add_argument("--model_path", required=True, help="HF model folder (config, safetensors, tokenizer)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
+                        help="weights dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    # data
+    parser.add_argument("--data_path", default=None, help=".parquet/.jsonl in DAPO schema (default: demo eval set)")
+    parser.add_argument("--max_rows", type=int, default=0, help="evaluate the first N rows only (0 = all)")
+    parser.add_argument("--max_prompt_length", type=int, default=512, help="prompt tokens kept (the end of it)")
+    parser.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 thinking mode")
+    # generation
+    parser.add_argument("--batch_size", type=int, default=32, help="sequences per generate call")
+    parser.add_argument("--max_new_tokens", type=int, default=256, help="completion budget per sample")
+    parser.add_argument("--n_samples", type=int, default=1, help="samples per problem (> 1: pass@k, needs T > 0)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (sampling only)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the per-(row, sample) sampling generators")
+    # grading and output
+    parser.add_argument("--grade_timeout", type=float, default=5.0, help="seconds per graded sample")
+    parser.add_argument("--out", default=None, help="per-sample JSONL (default: MODEL/eval_<data stem>.jsonl)")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        check_sampling(args.n_samples, args.temperature, args.top_p)
+    except ValueError as e:
+        parser.error(str(e))
+    for name in ("batch_size", "max_new_tokens", "max_prompt_length"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_rows < 0:
+        parser.error(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
+    if not args.grade_timeout > 0:
+        parser.error(f"--grade_timeout must be > 0, got {args.grade_timeout}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is visible: pass --device cpu")
+    return args
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Temporary file + rename: an interrupted run never leaves a half-written result that looks complete."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def output_paths(args: argparse.Namespace, data_path: str) -> tuple[str, str]:
+    stem = os.path.splitext(os.path.basename(data_path))[0]
+    out = args.out or os.path.join(args.model_path, f"eval_{stem}.jsonl")
+    return out, os.path.splitext(out)[0] + ".summary.json"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    data_path = args.data_path or ensure_demo_data()["eval"]
+    dataset = RowDataset(data_path)
+    rows = [dataset[i] for i in range(len(dataset) if args.max_rows == 0 else min(args.max_rows, len(dataset)))]
+    try:
+        check_ground_truth(rows)  # before the model loads: a bad file should fail in a second, not a minute
+    except ValueError as e:
+        raise SystemExit(f"{data_path}: {e}") from None
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_for_inference(args.model_path, args.device, args.dtype)
+    summary, records = evaluate_math(model, tokenizer, rows, batch_size=args.batch_size,
+                                     max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
+                                     enable_thinking=bool(args.enable_thinking), n_samples=args.n_samples,
+                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                     grade_timeout=args.grade_timeout, progress=not args.no_progress)
+    out_path, summary_path = output_paths(args, data_path)
+    summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args))
+    write_atomic(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_atomic(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    print(format_summary(summary))
+    print(f"wrote {out_path} and {summary_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

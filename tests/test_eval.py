@@ -1,0 +1,196 @@
+# python -m pytest tests/test_eval.py
+"""eval/eval_math.py and eval/chat.py on a tiny random Qwen3 (untied head, so greedy text depends on the prompt)
+and a small DAPO-shaped parquet written here."""
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT, TINY_CONFIG
+from dataset.sources import RowDataset
+from eval import chat, eval_math
+from eval.eval_math import Completion, evaluate_math, pass_at_k
+from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
+from trainer.trainer_utils import derived_seed
+
+# (question, ground truth); prompt lengths differ, so the length sort really reorders the rows
+PROBLEMS = [("What is 2 + 3?", "5"),
+            ("Compute 40 - 12, and explain each step of the subtraction in detail before answering.", "28"),
+            ("Calculate 7 + 8.", "15"),
+            ("What is 9 - 4? Put the final answer in \\boxed{}.", "5"),
+            ("What is 6 + 6?", "12")]
+
+
+def dapo_row(question: str, truth: str | None, index: int) -> dict:
+    return {"data_source": "test", "prompt": [{"role": "user", "content": question}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": index}}
+
+
+def write_parquet(path, problems) -> str:
+    pq.write_table(pa.Table.from_pylist([dapo_row(q, t, i) for i, (q, t) in enumerate(problems)]), str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A saved tiny model (untied lm_head: a tied random model just repeats its last input token) and the parquet."""
+    folder = tmp_path_factory.mktemp("eval")
+    config = Qwen3Config.from_dict({**TINY_CONFIG, "tie_word_embeddings": False})
+    model = create_model(config, seed=0).eval()
+    save_pretrained(model, str(folder / "model"))
+    return {"model": model, "tokenizer": load_tokenizer(str(folder / "model")), "model_dir": str(folder / "model"),
+            "data": write_parquet(folder / "problems.parquet", PROBLEMS), "folder": folder}
+
+
+def rows_of(path: str) -> list[dict]:
+    dataset = RowDataset(path)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+# ------------------------------------------------------------------------------------------------------ eval_math
+
+def test_cli_writes_results_in_input_order_and_summary(setup, capsys):
+    out = setup["folder"] / "cli" / "results.jsonl"
+    summary = eval_math.main(["--model_path", setup["model_dir"], "--data_path", setup["data"], "--batch_size", "2",
+                              "--max_new_tokens", "4", "--out", str(out), "--device", "cpu", "--no_progress"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == list(range(len(PROBLEMS)))
+    assert [r["ground_truth"] for r in records] == [t for _, t in PROBLEMS]
+    assert all(q in r["prompt"] for r, (q, _) in zip(records, PROBLEMS))
+    assert all(set(r) >= {"completion", "extracted", "correct", "reason"} and "sample" not in r for r in records)
+
+    written = json.loads((setup["folder"] / "cli" / "results.summary.json").read_text())
+    correct = sum(r["correct"] for r in records)
+    assert written["accuracy"] == summary["accuracy"] == correct / len(records)
+    assert written["correct"] == correct and written["samples"] == len(PROBLEMS)
+    assert capsys.readouterr().out.startswith(f"accuracy {correct / len(records):.3f} [")
+
+
+def stub_from(answers: dict[str, str], tokenizer):
+    """A complete_batch replacement: the completion is chosen by the question found in the decoded prompt."""
+    def complete_batch(model, tok, prompt_ids, prompt_mask, *args, **kwargs):
+        texts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(prompt_ids, prompt_mask)]
+        return [Completion(next(a for q, a in answers.items() if q in text), 3, True) for text in texts]
+    return complete_batch
+
+
+def test_stub_completions_give_exact_accuracy_and_interval(setup, monkeypatch):
+    answers = {PROBLEMS[0][0]: "So \\boxed{5}.", PROBLEMS[1][0]: "\\boxed{27}", PROBLEMS[2][0]: "\\boxed{15}",
+               PROBLEMS[3][0]: "The answer is five-ish", PROBLEMS[4][0]: "\\boxed{\\frac{24}{2}}"}
+    monkeypatch.setattr(eval_math, "complete_batch", stub_from(answers, setup["tokenizer"]))
+    summary, records = evaluate_math(setup["model"], setup["tokenizer"], rows_of(setup["data"]), batch_size=2,
+                                     progress=False)
+    assert [r["correct"] for r in records] == [True, False, True, False, True]
+    assert records[3]["reason"] == "no answer found" and records[4]["extracted"] == "\\frac{24}{2}"
+    assert summary["accuracy"] == 0.6 and summary["correct"] == 3
+    # Wilson 95% for 3/5, by hand: centre (0.6 + z^2/10) / (1 + z^2/5), half-width 1.96 sqrt(.048 + z^2/100) / same
+    assert summary["accuracy_ci95"] == pytest.approx([0.2307, 0.8824], abs=1e-4)
+    assert summary["eos_share"] == 1.0 and summary["mean_completion_tokens"] == 3.0
+
+
+def test_pass_at_k_hand_values():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)                 # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)                 # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(10, 3, 3) == pytest.approx(1 - 35 / 120)       # 1 - C(7,3)/C(10,3)
+    assert pass_at_k(5, 2, 4) == 1.0 and pass_at_k(10, 0, 3) == 0.0 and pass_at_k(3, 3, 1) == 1.0
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
+    """Rows 0..2 with 4 samples each; sample s of row i is correct when (i, s) is in `right`. The stub recognises
+    the sample by its generator's seed, which is a function of (seed, row, sample) only."""
+    right = {(0, 0), (1, 0), (1, 1), (1, 2), (1, 3)}  # c = 1, 4, 0
+    by_seed = {derived_seed(7, i, s): (i, s) for i in range(3) for s in range(4)}
+
+    def complete_batch(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, generators, stop):
+        jobs = [by_seed[g.initial_seed()] for g in generators]
+        return [Completion(f"\\boxed{{{PROBLEMS[i][1] if (i, s) in right else 'x'}}}", 2, False) for i, s in jobs]
+
+    monkeypatch.setattr(eval_math, "complete_batch", complete_batch)
+    summary, records = evaluate_math(setup["model"], setup["tokenizer"], rows_of(setup["data"])[:3], batch_size=5,
+                                     n_samples=4, temperature=0.7, seed=7, progress=False)
+    assert [(r["index"], r["sample"]) for r in records] == [(i, s) for i in range(3) for s in range(4)]
+    assert {(r["index"], r["sample"]) for r in records if r["correct"]} == right
+    assert summary["pass@k"] == pytest.approx({"1": (0.25 + 1 + 0) / 3, "2": (0.5 + 1 + 0) / 3, "4": 2 / 3})
+    assert summary["mean@4"] == pytest.approx(5 / 12) and summary["eos_share"] == 0.0
+    with pytest.raises(ValueError, match="temperature > 0"):
+        evaluate_math(setup["model"], setup["tokenizer"], rows_of(setup["data"]), n_samples=4, temperature=0.0)
+    with pytest.raises(SystemExit):
+        eval_math.parse_args(["--model_path", "x", "--n_samples", "4"])
+
+
+def test_greedy_is_the_same_across_batch_sizes(setup):
+    rows = rows_of(setup["data"])
+    kwargs = dict(max_new_tokens=6, progress=False)
+    _, one = evaluate_math(setup["model"], setup["tokenizer"], rows, batch_size=1, **kwargs)
+    _, four = evaluate_math(setup["model"], setup["tokenizer"], rows, batch_size=4, **kwargs)
+    completions = [r["completion"] for r in one]
+    assert completions == [r["completion"] for r in four]
+    assert len(set(completions)) > 1  # the prompts matter: a degenerate model would make this test vacuous
+
+
+def test_missing_ground_truth_refused(setup, tmp_path):
+    path = write_parquet(tmp_path / "partial.parquet", PROBLEMS[:2] + [("What is 1 + 1?", None)] + PROBLEMS[2:])
+    with pytest.raises(SystemExit, match="row 2 has no ground truth"):
+        eval_math.main(["--model_path", setup["model_dir"], "--data_path", path, "--device", "cpu"])
+    with pytest.raises(ValueError, match="row 2 has no ground truth"):
+        evaluate_math(setup["model"], setup["tokenizer"], rows_of(path), progress=False)
+
+
+# ----------------------------------------------------------------------------------------------------------- chat
+
+def test_streaming_decode_never_splits_a_character(setup):
+    tokenizer = setup["tokenizer"]
+    text = "naïve 你好 🙂 done"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # some character really spans several tokens
+    pieces, shown = [], ""
+    for n in range(1, len(ids) + 1):
+        shown = chat.show_new_text(tokenizer, ids[:n], shown, pieces.append)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_chat_one_shot_prints_the_streamed_reply(setup):
+    """The script itself (its sys.path set-up, stdout only holding the reply), against the same greedy reply
+    produced in this process."""
+    argv = ["--model_path", setup["model_dir"], "--prompt", "What is 2 + 3?", "--temperature", "0",
+            "--max_new_tokens", "5", "--device", "cpu"]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "eval", "chat.py"), *argv], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    tokenizer = setup["tokenizer"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                           add_generation_prompt=True, enable_thinking=False)
+    expected = chat.stream_reply(setup["model"], tokenizer, tokenizer.encode(prompt), 5, 0.0, 1.0, None,
+                                 lambda piece: None)
+    assert expected and result.stdout == expected + "\n"
+
+
+def test_chat_interactive_keeps_history_over_two_turns(setup, monkeypatch, capsys):
+    prompts = []
+    real_stream_reply = chat.stream_reply
+
+    def spy(model, tokenizer, prompt_ids, *args):
+        prompts.append(tokenizer.decode(prompt_ids))
+        return real_stream_reply(model, tokenizer, prompt_ids, *args)
+
+    monkeypatch.setattr(chat, "stream_reply", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2 + 3?\n\nAnd times 4?\nexit\nnever read\n"))
+    history = chat.main(["--model_path", setup["model_dir"], "--system", "Be brief.", "--max_new_tokens", "4",
+                         "--device", "cpu", "--seed", "3"])
+    assert [turn["role"] for turn in history] == ["system", "user", "assistant", "user", "assistant"]
+    assert len(prompts) == 2 and "Be brief." in prompts[1] and "What is 2 + 3?" in prompts[1]
+    assert history[2]["content"].strip() in prompts[1]  # the first answer is part of the second turn's context
+    assert capsys.readouterr().out == history[2]["content"] + "\n" + history[4]["content"] + "\n"
