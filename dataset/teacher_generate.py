@@ -112,7 +112,7 @@ def request_messages(row: dict[str, Any]) -> list[dict[str, str]]:
 
 def output_row(row: dict[str, Any], answer: str) -> dict[str, Any]:
     """DAPO's schema: `prompt` = question turns + the teacher's answer, other columns as in the source."""
-    out = {k: v for k, v in row.items() if k != "messages"}
+    out = {k: v for k, v in row.items() if k not in ("messages", "row_index")}  # row_index: RowDataset's own
     reward_model = row.get("reward_model")
     if isinstance(reward_model, dict) and out.get("ground_truth") == reward_model.get("ground_truth"):
         del out["ground_truth"]      # RowDataset lifted it out of reward_model; DAPO keeps it only there

@@ -19,6 +19,17 @@ TINY_CONFIG = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower
+    when other processes compete for the cores (seen on a loaded 2-core box). Restored after the module."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tiny_config_path(tmp_path):
     """A tiny Qwen3 config with the real 151,936-row vocabulary (hidden 64, 2 layers)."""

@@ -21,14 +21,7 @@ VOCAB = 1000
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower
-    # when other processes compete for the cores (seen on a loaded 2-core CI box). Restored after this module.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_tiny_checkpoint(path, tie=True, groups=2, layout="v5", sharded=False, lm_head_in_file=False,

@@ -28,8 +28,8 @@ def test_logged_loss_is_the_token_weighted_mean_of_the_step(tiny_config_path, ch
         model.model.embed_tokens.weight.mul_(40.0)
     save_pretrained(model, str(tmp_path / "init"))
     # seed 10 puts two short and two long rows into the step: micro-batches of 18 and 115 loss tokens
-    train_sft(sft_args(None, chat_jsonl, tmp_path, batch=2, accumulation=2, max_steps=1, seed=10)[2:]
-              + ["--model_path", str(tmp_path / "init")])
+    train_sft(sft_args(None, chat_jsonl, tmp_path, batch=2, accumulation=2, max_steps=1, seed=10,
+                       model_path=tmp_path / "init"))
     logged = metrics(tmp_path, "sft")[0]
 
     # independently: the same weights, the step's 4 rows, full logits, one cross entropy over all their tokens

@@ -315,8 +315,8 @@ class Run:
         if args.from_resume:
             self.resume()
         self.tracker = init_tracker(args, self.state, self.dist.is_main)
-        self.metrics_file = open(f"{self.out_prefix}_metrics.jsonl", "a" if args.from_resume else "w",
-                                 encoding="utf-8") if self.dist.is_main else None
+        self.metrics_file = open_metrics(f"{self.out_prefix}_metrics.jsonl", self.state.step) \
+            if self.dist.is_main else None
         self.window_sums: dict[str, torch.Tensor] = {}
         self.done = self.state.step >= self.total_steps
         self.timer = StepTimer(self.total_steps - self.state.step)
@@ -384,7 +384,7 @@ class Run:
             value = torch.as_tensor(value).detach().to(self.device, torch.float64)
             self.window_sums[name] = self.window_sums.get(name, 0.0) + value
 
-    def optimizer_step(self, samples: int | None = None, log_extra: dict | None = None) -> dict:
+    def optimizer_step(self, log_extra: dict | None = None) -> dict:
         """Exact normalisation over the window and all ranks, clip, step, log, checkpoint. Returns the metrics."""
         args, state = self.args, self.state
         totals = self.reduce_window_sums()
@@ -407,7 +407,7 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
 
         state.step += 1
-        state.samples_in_epoch += samples if samples is not None else self.global_batch
+        state.samples_in_epoch += self.global_batch  # nominal for a short tail window: the epoch ends there
         metrics = self.window_metrics(totals, lr, grad_norm)
         metrics.update(log_extra or {})
         self.window_sums = {}
@@ -512,6 +512,18 @@ class Run:
         if self.dist.enabled:
             dist.barrier()
             dist.destroy_process_group()
+
+
+def open_metrics(path: str, resumed_step: int):
+    """metrics.jsonl for appending. A resumed run keeps the lines up to its checkpoint's step and drops those the
+    killed run logged after it (they are logged again), so every step appears once. A fresh run starts it anew."""
+    kept = []
+    if resumed_step and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    return open(path, "a", encoding="utf-8")
 
 
 def atomic_torch_save(obj, path: str) -> None:
