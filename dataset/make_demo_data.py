@@ -13,9 +13,9 @@ Every row has DAPO's columns:
     extra_info   {"index": i, "split": "sft_train" | "opd_prompts" | "eval"}
 
 Files (disjoint problems; a problem is the triple (a, op, b)):
-    sft_train.parquet    4,000 rows with a worked solution (33-41 tokens including the template's
+    sft_train.parquet    1,600 rows with a worked solution (33-41 tokens including the template's
                          `<think>\n\n</think>\n\n` and `<|im_end|>\n`)
-    opd_prompts.parquet  2,000 prompt-only rows, for on-policy distillation
+    opd_prompts.parquet    512 prompt-only rows, for on-policy distillation
     eval.parquet           200 prompt-only held-out rows
 The problem pool (a, b in 10..99; a >= b for subtraction, so answers are never negative) is shuffled with a fixed
 seed, so the files are the same on every machine. Solutions are short on purpose: OPD samples them on CPU.
@@ -37,7 +37,8 @@ import pyarrow.parquet as pq  # noqa: E402
 
 DEFAULT_OUT_DIR = os.path.join(ROOT, "dataset", "demo")
 SEED = 1234
-SPLIT_SIZES = {"eval": 200, "opd_prompts": 2000, "sft_train": 4000}  # taken from the shuffled pool in this order
+# taken from the shuffled pool in this order; sized so that each demo loop runs in a few minutes on 2 CPU cores
+SPLIT_SIZES = {"eval": 200, "opd_prompts": 512, "sft_train": 1600}
 QUESTION_TEMPLATES = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "Calculate {a} {op} {b}.")
 INSTRUCTION = " Put the final answer in \\boxed{}."
 

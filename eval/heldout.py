@@ -65,11 +65,14 @@ def reverse_kl_sum(student, teacher, input_ids, attention_mask, labels, vocab_si
 
 class HeldoutEvaluator:
     """`--eval_interval` for a training loop: a fixed prompt set (the first --eval_rows rows of --eval_data_path,
-    default the demo eval set), evaluated on rank 0 every --eval_interval optimizer steps and at the last step."""
+    default the demo eval set), evaluated on rank 0 before training, every --eval_interval optimizer steps and at
+    the last step."""
 
     def __init__(self, args, tokenizer, run, teacher=None):
         self.args, self.tokenizer, self.run, self.teacher = args, tokenizer, run, teacher
         self.batches = self.load_batches() if args.eval_interval and run.dist.is_main else []
+        # a resumed run's checkpoint step was already evaluated (if due) by the run that wrote it
+        self.evaluated_step = run.state.step if run.state.step > 0 else -1
 
     def load_batches(self) -> list[dict]:
         args = self.args
@@ -85,8 +88,9 @@ class HeldoutEvaluator:
 
     def maybe_evaluate(self) -> None:
         step, interval = self.run.state.step, self.args.eval_interval
-        if not self.batches or not (step % interval == 0 or self.run.done):
+        if not self.batches or step == self.evaluated_step or not (step % interval == 0 or self.run.done):
             return
+        self.evaluated_step = step
         self.run.log_eval(evaluate_heldout(self.run.raw_model, self.tokenizer, self.batches,
                                            self.args.eval_max_new_tokens, self.teacher, self.run.autocast,
                                            self.args.loss_chunk_size))

@@ -289,7 +289,7 @@ def test_demo_data_disjoint_deterministic_and_loadable(tmp_path, tok):
     mtime = os.path.getmtime(paths["eval"])
     assert ensure_demo_data(str(tmp_path)) == paths and os.path.getmtime(paths["eval"]) == mtime
     sft, opd, held_out = (RowDataset(paths[k]) for k in ("sft_train", "opd_prompts", "eval"))
-    assert len(sft) >= 2000 and len(opd) >= 500 and len(held_out) == 200
+    assert len(sft) == 1600 and len(opd) == 512 and len(held_out) == 200
     row = sft[0]
     assert row["messages"][0]["content"].endswith("Put the final answer in \\boxed{}.")
     assert row["messages"][1]["content"].endswith(f"\\boxed{{{row['ground_truth']}}}")

@@ -63,6 +63,7 @@ def main(argv=None) -> None:
         kd_sum = distillation_loss(student_logits, teacher_logits, labels, args.temperature, reduction="sum")
         return ce_sum, kd_sum, num_tokens
 
+    evaluator.maybe_evaluate()  # step 0: the baseline the evaluations during training compare against
     for epoch in range(args.epochs):
         for window in run.windows(epoch):
             for i, batch in enumerate(window):

@@ -156,6 +156,7 @@ def main(argv=None) -> None:
     teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
     evaluator = HeldoutEvaluator(args, tokenizer, run, teacher)
 
+    evaluator.maybe_evaluate()  # step 0: the baseline the evaluations during training compare against
     for epoch in range(args.epochs):
         for window in run.windows(epoch):
             clock = PhaseClock(run.device)

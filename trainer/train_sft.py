@@ -44,6 +44,7 @@ def main(argv=None) -> None:
     run = Run(args, model, dataset, collator, tokenizer_dir)
     evaluator = HeldoutEvaluator(args, tokenizer, run)
 
+    evaluator.maybe_evaluate()  # step 0: the baseline the evaluations during training compare against
     for epoch in range(args.epochs):
         for window in run.windows(epoch):
             for i, batch in enumerate(window):

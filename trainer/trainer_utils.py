@@ -58,9 +58,10 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=1)
-    g.add_argument("--batch_size", type=int, default=8, help="rows per micro-batch per device")
+    g.add_argument("--batch_size", type=int, default=16, help="rows per micro-batch per device")
     g.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--learning_rate", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--learning_rate", type=float, default=2e-3,
+                   help="peak learning rate (AdamW); the default suits the tiny demo models, Qwen3-0.6B wants ~1e-5")
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--warmup_ratio", type=float, default=0.0, help="share of optimizer steps of linear warm-up")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
