@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from trainer.losses import (chunked_distillation_loss, chunked_generalized_jsd_loss, chunked_loss,
-                            chunked_sft_loss, distillation_loss, generalized_jsd_loss, sft_loss)
+                            chunked_sft_loss, distillation_loss, generalized_jsd_loss, sampled_token_kl_loss,
+                            sft_loss)
 
 BETAS = (0.0, 0.5, 1.0)
 TEMPERATURES = (1.0, 2.0)
@@ -391,3 +392,42 @@ def test_chunked_bf16_close_to_fp32():
                                              beta=1.0, chunk_size=8)
     assert loss16.dtype == torch.float32 and torch.isfinite(loss16) and loss16.item() >= 0
     torch.testing.assert_close(loss16, loss32, rtol=0.05, atol=0.05)
+
+
+# ----------------------------------------------------------------------------- OPD's sampled-token form
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_sampled_token_kl_is_an_unbiased_reverse_kl_gradient(temperature):
+    """E_{y ~ p_S}[grad of the surrogate at y] equals the gradient of the full-vocabulary reverse KL, exactly:
+    enumerate every token y of a V=7 vocabulary, weight its surrogate gradient by p_S(y), and sum."""
+    torch.manual_seed(0)
+    student = torch.randn(3, 7, dtype=torch.float64)
+    teacher = torch.randn(3, 7, dtype=torch.float64)
+    expected_grad = torch.zeros_like(student)
+    expected_kl = torch.zeros(())
+    p_student = ref_probs(student, temperature)
+    for y in range(7):
+        logits = student.clone().requires_grad_(True)
+        labels = torch.full((3,), y)
+        surrogate, kl_estimate = sampled_token_kl_loss(logits, teacher, labels, temperature=temperature)
+        surrogate.backward()
+        # each row's surrogate depends only on that row's logits: weight row r's gradient by p_S(y | row r)
+        expected_grad += p_student[:, y:y + 1] * logits.grad
+        expected_kl = expected_kl + (p_student[:, y] * (torch.log(p_student[:, y])
+                                                        - torch.log(ref_probs(teacher, temperature)[:, y]))).sum()
+        assert kl_estimate.item() == pytest.approx(float((torch.log(p_student[:, y])
+                                                          - torch.log(ref_probs(teacher, temperature)[:, y])).sum()),
+                                                    rel=1e-4, abs=1e-6)  # the loss computes in fp32
+    logits = student.clone().requires_grad_(True)
+    reverse_kl = generalized_jsd_loss(logits, teacher, beta=1.0, temperature=temperature, reduction="sum")
+    reverse_kl.backward()
+    assert torch.allclose(expected_grad, logits.grad, atol=1e-6)
+    assert float(reverse_kl) == pytest.approx(float(expected_kl), rel=1e-5)
+
+
+def test_sampled_token_kl_ignores_masked_positions():
+    student, teacher = torch.randn(4, 9), torch.randn(4, 9)
+    labels = torch.tensor([1, -100, 3, -100])
+    full, _ = sampled_token_kl_loss(student, teacher, labels)
+    kept, _ = sampled_token_kl_loss(student[[0, 2]], teacher[[0, 2]], labels[[0, 2]])
+    assert float(full) == pytest.approx(float(kept))
