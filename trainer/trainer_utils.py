@@ -320,7 +320,7 @@ class Run:
             if self.dist.is_main else None
         self.window_sums: dict[str, torch.Tensor] = {}
         self.done = self.state.step >= self.total_steps
-        self.timer = StepTimer(self.total_steps - self.state.step)
+        self.timer = StepTimer()
         print0(f"world {self.dist.world_size} x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
                f"global batch {self.global_batch} | {len(dataset)} rows | {self.steps_per_epoch} steps/epoch | "
                f"{self.total_steps} steps | {self.raw_model.num_parameters() / 1e6:.1f}M parameters | {self.device}")
@@ -640,16 +640,16 @@ def init_tracker(args: argparse.Namespace, state: RunState, is_main: bool):
 class StepTimer:
     """Wall time per optimizer step and tokens/s; the first step (warm-up, compilation) is left out of rates."""
 
-    def __init__(self, steps_to_run: int):
+    def __init__(self):
         self.start = self.last = time.perf_counter()
-        self.steps_to_run = steps_to_run
         self.steps_timed, self.time_timed, self.tokens_timed, self.ticks = 0, 0.0, 0.0, 0
-        self.last_rate = 0.0
+        self.last_rate = self.last_step_s = 0.0
 
     def tick(self, tokens: float) -> float:
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
         self.ticks += 1
+        self.last_step_s = elapsed
         self.last_rate = tokens / max(elapsed, 1e-9)
         if self.ticks > 1:
             self.steps_timed += 1
@@ -664,32 +664,8 @@ class StepTimer:
         return time.perf_counter() - self.start
 
     def eta(self, step: int, total: int) -> float:
-        per_step = self.time_timed / self.steps_timed if self.steps_timed else self.elapsed() / max(self.ticks, 1)
+        per_step = self.time_timed / self.steps_timed if self.steps_timed else self.last_step_s
         return per_step * (total - step)
-
-
-class PhaseClock:
-    """Seconds spent per phase of a step (e.g. generation vs training), synchronising CUDA so the split is honest."""
-
-    def __init__(self, device: str):
-        self.device, self.seconds = device, {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def _sync(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    def summary(self) -> dict[str, float]:
-        total = sum(self.seconds.values())
-        return {**{f"{phase}_s": s for phase, s in self.seconds.items()},
-                **{f"{phase}_share": s / max(total, 1e-9) for phase, s in self.seconds.items()}}
 
 
 def format_seconds(seconds: float) -> str:
