@@ -668,6 +668,30 @@ class StepTimer:
         return per_step * (total - step)
 
 
+class PhaseClock:
+    """Seconds spent per phase of a step (e.g. generation vs training), synchronising CUDA so the split is honest."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def summary(self) -> dict[str, float]:
+        total = sum(self.seconds.values())
+        return {**{f"{phase}_s": s for phase, s in self.seconds.items()},
+                **{f"{phase}_share": s / max(total, 1e-9) for phase, s in self.seconds.items()}}
+
+
 def format_seconds(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
