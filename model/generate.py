@@ -30,7 +30,9 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float,
     """
     if not do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float().contiguous() / temperature
+    logits = logits.float().contiguous()
+    if temperature != 1.0:
+        logits = logits / temperature
     if top_k > 0:
         kth_largest = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -42,9 +44,10 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float,
         drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if isinstance(generator, Sequence):
-        uniform = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generator])
-        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
-        return (logits + gumbel).argmax(dim=-1)
+        # exponential race: argmax(log p - log E) with E ~ Exp(1) is a Gumbel-max draw, one log pass per token
+        exponential = torch.stack([torch.empty(logits.shape[-1], device=logits.device).exponential_(generator=g)
+                                   for g in generator])
+        return (logits - exponential.log()).argmax(dim=-1)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
@@ -66,7 +69,11 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
                            ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)), device=device)
     pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
 
-    cache = KVCache(model.config, B, P + max_new_tokens, next(model.parameters()).dtype, device)
+    # under autocast the keys and values come out in the autocast dtype: store them so, not in the fp32 master
+    # dtype (half the memory, and attention does not re-cast the whole cache at every layer and token)
+    cache_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
+        else next(model.parameters()).dtype
+    cache = KVCache(model.config, B, P + max_new_tokens, cache_dtype, device)
     mask = torch.cat([attention_mask.long(), attention_mask.new_zeros(B, max_new_tokens, dtype=torch.long)], dim=1)
     next_position = positions_from_mask(attention_mask)[:, -1:] + 1
     hidden = model(input_ids, attention_mask=mask[:, :P], kv_cache=cache, return_hidden=True).hidden_states

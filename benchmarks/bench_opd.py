@@ -1,0 +1,379 @@
+"""Where an on-policy distillation step spends its time: generation, teacher forward, student forward + backward.
+
+    python benchmarks/bench_opd.py                      # CPU: tiny random student/teacher, 8 demo prompts x 64 new
+    python benchmarks/bench_opd.py --device cuda        # one GPU, bf16 autocast (teacher stored in bf16)
+    python benchmarks/bench_opd.py --student_path checkpoints/kd --teacher_path checkpoints/sft  # trained demo models
+    python benchmarks/bench_opd.py --max_new_tokens 256 --steps 3 --profile 1  # + torch.profiler's top generate ops
+    python benchmarks/bench_opd.py --threads 1          # steadier on a shared CPU: with 2 threads and busy cores,
+                                                        # every small op can wait a scheduler slice for its 2nd thread
+
+Issue 6's acceptance. One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
+  generation       rollout(): one torch.Generator per row, student in eval mode under autocast, generate(...,
+                   do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences
+  teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
+                   chunk by chunk inside the loss)
+  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (student AND teacher lm_head
+                   per chunk, beta=1: reverse KL), backward of the summed loss (recomputes each chunk)
+  optimizer        (not asked for, shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
+The same 8 demo prompts (opd_prompts rows 0..7, PromptCollator) every step, sampled with per-row seeds that change
+with the step. --warmup steps first, then the median of --steps steps per phase; shares are of the sum of medians.
+Random weights sample EOS almost never, so every row generates --max_new_tokens tokens; trained models stop early.
+
+Then the generation alone is taken apart (separate runs, so the extra synchronisation does not touch the table
+above): the model's forward and each decoder layer are timed with hooks, and model.generate's next_token_logits
+(the lm_head) and sample_next_token (temperature, top-k/p, per-row Gumbel noise, argmax) through wrappers installed
+in that module for the duration. Prefill = from the call to the end of the first lm_head; decode = the rest, per
+sampled token. "other" in a decode step is what generate's own loop does between those calls (vocab masking, EOS
+bookkeeping, the all-finished check, Python).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from dataset.collators import PromptCollator, build_sequences  # noqa: E402
+from dataset.make_demo_data import ensure_demo_data  # noqa: E402
+from dataset.sources import RowDataset  # noqa: E402
+from model import DTYPES, Qwen3Config, create_model, generate, load_pretrained, load_tokenizer  # noqa: E402
+from trainer.losses import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.trainer_utils import autocast_context, completion_hidden, derived_seed  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "model", "configs")
+# the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
+generate_module = importlib.import_module("model.generate")
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class PhaseClock:
+    """Milliseconds per phase of a step; CUDA is synchronised at both ends so each phase owns its kernels."""
+
+    def __init__(self, device: str):
+        self.device, self.ms = device, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        sync(self.device)
+        start = time.perf_counter()
+        yield
+        sync(self.device)
+        self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - start) * 1000.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# set-up
+
+def load_models(args):
+    """Student: fp32 master weights, train mode. Teacher: frozen, eval mode, in the autocast dtype on CUDA
+    (as trainer_utils.load_teacher does)."""
+    teacher_dtype = DTYPES[args.dtype] if args.device.startswith("cuda") else torch.float32
+    if args.student_path:
+        student = load_pretrained(args.student_path, dtype=torch.float32, device=args.device)
+    else:
+        student = create_model(Qwen3Config.from_json(args.student_config), seed=args.seed, device=args.device)
+    if args.teacher_path:
+        teacher = load_pretrained(args.teacher_path, dtype=teacher_dtype, device=args.device)
+    else:
+        teacher = create_model(Qwen3Config.from_json(args.teacher_config), seed=args.seed + 1, dtype=teacher_dtype,
+                               device=args.device)
+    teacher.eval().requires_grad_(False)
+    return student.train(), teacher
+
+
+def prompt_batch(args, tokenizer) -> dict:
+    dataset = RowDataset(args.data_path or ensure_demo_data()["opd_prompts"])
+    rows = [dataset[i] for i in range(args.batch_size)]
+    batch = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))(rows)
+    return {**batch, "prompt_ids": batch["prompt_ids"].to(args.device),
+            "prompt_attention_mask": batch["prompt_attention_mask"].to(args.device)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one OPD step, phase by phase (train_opd.py's rollout, distill_loss and Run.backward / optimizer_step)
+
+def rollout(args, student, tokenizer, batch, step: int):
+    generators = [torch.Generator(args.device).manual_seed(derived_seed(args.seed, step, row["row_index"]))
+                  for row in batch["rows"]]
+    student.eval()
+    with autocast_context(args.device, args.dtype):
+        out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
+                       do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
+                       eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, generator=generators, vocab_size=len(tokenizer))
+    student.train()
+    return out
+
+
+def opd_step(args, student, teacher, optimizer, tokenizer, batch, step: int) -> tuple[dict, dict]:
+    clock = PhaseClock(args.device)
+    vocab_size = len(tokenizer)
+    with clock("generation"):
+        out = rollout(args, student, tokenizer, batch, step)
+        input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
+                                                            out.completion_ids, out.completion_mask)
+    with clock("teacher forward"):
+        with torch.no_grad(), autocast_context(args.device, args.dtype):
+            teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
+    with clock("student forward"):
+        with autocast_context(args.device, args.dtype):
+            student_hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
+    with clock("loss forward"):
+        with autocast_context(args.device, args.dtype):
+            loss_sum, num_tokens = chunked_generalized_jsd_loss(
+                student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, targets,
+                beta=args.beta, temperature=args.temperature, chunk_size=args.loss_chunk_size, vocab_size=vocab_size)
+    loss_divisor = float(args.batch_size * input_ids.shape[1])  # Run.backward divides by a constant, undone later
+    with clock("backward"):
+        (loss_sum / loss_divisor).backward()
+    with clock("optimizer"):
+        tokens = max(float(num_tokens), 1.0)
+        torch._foreach_mul_([p.grad for p in student.parameters() if p.grad is not None], loss_divisor / tokens)
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    stats = {"generated_tokens": int(out.completion_mask.sum()), "decode_steps": out.completion_ids.shape[1],
+             "loss": loss_sum.item() / tokens, "prompt_len": batch["prompt_ids"].shape[1]}
+    return clock.ms, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generation taken apart
+
+class GenerationProbe:
+    """Times the pieces of generate(): model forwards (and the decoder layers inside them) through hooks,
+    next_token_logits and sample_next_token through wrappers installed in model.generate while active.
+    Records (what, ms, end time) in call order."""
+
+    def __init__(self, model, device: str):
+        self.model, self.device = model, device
+        self.events: list[tuple[str, float, float]] = []
+        self._handles, self._saved, self._start = [], {}, {}
+
+    def now(self) -> float:
+        sync(self.device)
+        return time.perf_counter()
+
+    def _record(self, name: str, start: float) -> None:
+        end = self.now()
+        self.events.append((name, (end - start) * 1000.0, end))
+
+    def _timed(self, name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = self.now()
+            result = fn(*args, **kwargs)
+            self._record(name, start)
+            return result
+        return wrapper
+
+    def __enter__(self):
+        for name in ("next_token_logits", "sample_next_token"):  # generate() looks them up in its module
+            self._saved[name] = getattr(generate_module, name)
+            setattr(generate_module, name, self._timed(name, self._saved[name]))
+
+        def pre(key):
+            def hook(module, args):
+                self._start[key] = self.now()
+            return hook
+
+        def post(key):
+            def hook(module, args, output):
+                self._record(key, self._start[key])
+            return hook
+        modules = [("forward", self.model)] + [("layer", layer) for layer in self.model.model.layers]
+        for key, module in modules:
+            self._handles += [module.register_forward_pre_hook(pre(key)), module.register_forward_hook(post(key))]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        for name, fn in self._saved.items():
+            setattr(generate_module, name, fn)
+        self._handles, self._saved = [], {}
+
+
+def take_generation_apart(args, student, tokenizer, batch, runs: int) -> dict:
+    """Mean over `runs` instrumented generate calls: prefill = from the call to the end of the first lm_head;
+    decode = the rest, reported per sampled token (a decode step: sample a token, then forward + lm_head for the
+    next one; the last token is sampled without a forward after it)."""
+    sums: dict[str, float] = {}
+    for run in range(runs):
+        with GenerationProbe(student, args.device) as probe:
+            start = probe.now()
+            out = rollout(args, student, tokenizer, batch, 10_000 + run)
+            end = probe.now()
+        first_head = next(i for i, (name, _, _) in enumerate(probe.events) if name == "next_token_logits")
+        prefill_end = probe.events[first_head][2]
+        prefill_events, decode_events = probe.events[:first_head + 1], probe.events[first_head + 1:]
+
+        def total(events, name):
+            return sum(ms for n, ms, _ in events if n == name)
+        tokens = out.completion_ids.shape[1]
+        values = {
+            "total": (end - start) * 1000.0, "prefill": (prefill_end - start) * 1000.0,
+            "decode": (end - prefill_end) * 1000.0, "tokens_sampled": tokens,
+            "forwards": sum(1 for n, _, _ in decode_events if n == "forward"),
+            "prefill_layers": total(prefill_events, "layer"),
+            "prefill_forward_rest": total(prefill_events, "forward") - total(prefill_events, "layer"),
+            "prefill_lm_head": total(prefill_events, "next_token_logits"),
+            "step_layers": total(decode_events, "layer") / tokens,
+            "step_forward_rest": (total(decode_events, "forward") - total(decode_events, "layer")) / tokens,
+            "step_lm_head": total(decode_events, "next_token_logits") / tokens,
+            "step_sampling": total(decode_events, "sample_next_token") / tokens,
+        }
+        values["prefill_other"] = values["prefill"] - total(prefill_events, "forward") - values["prefill_lm_head"]
+        values["step"] = values["decode"] / tokens
+        values["step_other"] = values["step"] - sum(values[k] for k in ("step_layers", "step_forward_rest",
+                                                                         "step_lm_head", "step_sampling"))
+        for key, value in values.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return {key: value / runs for key, value in sums.items()}
+
+
+def profile_generation(args, student, tokenizer, batch) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        rollout(args, student, tokenizer, batch, 20_000)
+        sync(args.device)
+    sort_by = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    print(f"\ntorch.profiler, one generate call, top ops by {sort_by}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=15))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("models")
+    g.add_argument("--student_config", default=os.path.join(CONFIGS, "qwen3-tiny-student.json"),
+                   help="config.json of a random-weight student (ignored with --student_path)")
+    g.add_argument("--teacher_config", default=os.path.join(CONFIGS, "qwen3-tiny.json"),
+                   help="config.json of a random-weight teacher (ignored with --teacher_path)")
+    g.add_argument("--student_path", default=None, help="HF folder of the student")
+    g.add_argument("--teacher_path", default=None, help="HF folder of the teacher (same tokenizer)")
+    g.add_argument("--tokenizer_path", default=None, help="default: --student_path's, else the packaged Qwen3 one")
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", default=None, help="prompts (default: the demo opd_prompts)")
+    g.add_argument("--batch_size", type=int, default=8)
+    g.add_argument("--max_prompt_length", type=int, default=256)
+    g.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1])
+    g = parser.add_argument_group("generation and loss")
+    g.add_argument("--max_new_tokens", type=int, default=64)
+    g.add_argument("--gen_temperature", type=float, default=1.0)
+    g.add_argument("--top_k", type=int, default=0)
+    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--ignore_eos", type=int, default=0, choices=[0, 1],
+                   help="1: no EOS, every row generates --max_new_tokens (fixed work with trained models)")
+    g.add_argument("--beta", type=float, default=1.0, help="generalized JSD beta (1 = reverse KL)")
+    g.add_argument("--temperature", type=float, default=1.0, help="loss temperature")
+    g.add_argument("--loss_chunk_size", type=int, default=512)
+    g.add_argument("--learning_rate", type=float, default=1e-5)
+    g = parser.add_argument_group("run")
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="autocast dtype on CUDA; CPU is fp32")
+    g.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    g.add_argument("--steps", type=int, default=5, help="timed steps (median per phase)")
+    g.add_argument("--breakdown_runs", type=int, default=3, help="instrumented generate calls to average (0 = off)")
+    g.add_argument("--profile", type=int, default=0, choices=[0, 1], help="1: torch.profiler table of a generate")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch's default); 1 gives steadier times on a shared machine")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda asked but CUDA is not available; use --device cpu")
+    if min(args.batch_size, args.max_new_tokens, args.steps, args.max_prompt_length) < 1 or args.warmup < 0:
+        parser.error("--batch_size, --max_new_tokens, --steps, --max_prompt_length must be >= 1, --warmup >= 0")
+    for path in (args.student_path, args.teacher_path, args.data_path):
+        if path and not os.path.exists(path):
+            parser.error(f"{path} does not exist")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.tokenizer_path or args.student_path)
+    student, teacher = load_models(args)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=args.learning_rate, betas=(0.9, 0.95))
+    batch = prompt_batch(args, tokenizer)
+    s_cfg, t_cfg = student.config, teacher.config
+    print(f"OPD step on {args.device} ({args.dtype + ' autocast' if args.device.startswith('cuda') else 'fp32'}, "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}): "
+          f"student {student.num_parameters() / 1e6:.1f}M (hidden {s_cfg.hidden_size}, {s_cfg.num_hidden_layers} "
+          f"layers), teacher {teacher.num_parameters() / 1e6:.1f}M (hidden {t_cfg.hidden_size}, "
+          f"{t_cfg.num_hidden_layers} layers), vocab {s_cfg.vocab_size}; batch {args.batch_size} prompts "
+          f"(padded to {batch['prompt_ids'].shape[1]} tokens) x max_new_tokens {args.max_new_tokens}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
+
+    for step in range(args.warmup):
+        opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
+    per_phase: dict[str, list[float]] = {}
+    totals, stats_list = [], []
+    for step in range(args.warmup, args.warmup + args.steps):
+        ms, stats = opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
+        for phase, value in ms.items():
+            per_phase.setdefault(phase, []).append(value)
+        totals.append(sum(ms.values()))
+        stats_list.append(stats)
+
+    med = {phase: statistics.median(values) for phase, values in per_phase.items()}
+    step_ms = sum(med.values())
+    generated = statistics.median(s["generated_tokens"] for s in stats_list)
+    decode_steps = statistics.median(s["decode_steps"] for s in stats_list)
+    student_ms = med["student forward"] + med["loss forward"] + med["backward"]
+    rows = [("generation (rollout)", med["generation"]), ("teacher forward (no grad)", med["teacher forward"]),
+            ("student fwd + loss + bwd", student_ms), ("  student forward", med["student forward"]),
+            ("  loss forward (chunked JSD)", med["loss forward"]), ("  backward", med["backward"]),
+            ("optimizer (clip + AdamW)", med["optimizer"])]
+    print(f"\n{'phase':<30} {'ms (median)':>12} {'share':>7}")
+    for name, value in rows:
+        print(f"{name:<30} {value:12.1f} {value / step_ms:7.1%}")
+    print(f"{'step (sum of medians)':<30} {step_ms:12.1f} {1:7.0%}   (median of measured step totals "
+          f"{statistics.median(totals):.1f} ms)")
+    gen_s = med["generation"] / 1000.0
+    print(f"generated: {generated:.0f} tokens (through the first EOS) in {decode_steps:.0f} decode steps x "
+          f"{args.batch_size} rows -> {generated / gen_s:.0f} tokens/s of generation "
+          f"({decode_steps * args.batch_size / gen_s:.0f} row-steps/s); "
+          f"loss (per token) {statistics.median(s['loss'] for s in stats_list):.4f}")
+
+    if args.breakdown_runs:
+        b = take_generation_apart(args, student, tokenizer, batch, args.breakdown_runs)
+        print(f"\ngeneration taken apart (instrumented, mean of {args.breakdown_runs} calls; total {b['total']:.1f} ms "
+              f"vs {med['generation']:.1f} ms uninstrumented):")
+        print(f"  prefill ({batch['prompt_ids'].shape[1]} prompt tokens x {args.batch_size} rows) "
+              f"{b['prefill']:8.1f} ms {b['prefill'] / b['total']:6.1%} of generation: layers "
+              f"{b['prefill_layers']:.1f}, embed/mask/rope/norm {b['prefill_forward_rest']:.1f}, lm_head "
+              f"{b['prefill_lm_head']:.1f}, cache + set-up {b['prefill_other']:.1f}")
+        print(f"  decode ({b['tokens_sampled']:.0f} tokens sampled, {b['forwards']:.0f} one-token forwards)"
+              f" {b['decode']:8.1f} ms {b['decode'] / b['total']:6.1%} of generation, {b['step']:.2f} ms per token:")
+        for key, name in (("step_layers", "decoder layers"), ("step_forward_rest", "embed/mask/rope/final norm"),
+                          ("step_lm_head", "lm_head (next_token_logits)"),
+                          ("step_sampling", "sampling (sample_next_token)"),
+                          ("step_other", "other (vocab mask, EOS bookkeeping, Python)")):
+            print(f"    {name:<44} {b[key]:7.2f} ms {b[key] / b['step']:6.1%}")
+        head_and_sampling = b["step_lm_head"] + b["step_sampling"]
+        print(f"    -> lm_head + sampling {head_and_sampling / b['step']:.0%} of a decode step, the transformer "
+              f"(layers + embed/mask/norm) {(b['step_layers'] + b['step_forward_rest']) / b['step']:.0%}")
+    if args.profile:
+        profile_generation(args, student, tokenizer, batch)
+
+
+if __name__ == "__main__":
+    main()
