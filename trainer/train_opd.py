@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "policy-gradient reverse KL from the sampled tokens' log-probabilities only")
     g.add_argument("--beta", type=float, default=1.0, help="0: forward KL, 1: reverse KL, between: generalized JSD")
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that a micro-batch is on-policy")
-    g.add_argument("--max_new_tokens", type=int, default=128, help="sampled completion length budget")
+    g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
     g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
     g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")

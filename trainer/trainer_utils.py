@@ -73,7 +73,7 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
     g.add_argument("--eval_data_path", default=None, help="held-out prompts with ground truth (default: demo eval)")
     g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
-    g.add_argument("--eval_max_new_tokens", type=int, default=128, help="completion budget of the evaluation")
+    g.add_argument("--eval_max_new_tokens", type=int, default=64, help="completion budget of the evaluation")
     g = parser.add_argument_group("system")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
