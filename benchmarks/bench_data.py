@@ -23,6 +23,7 @@ if ROOT not in sys.path:
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.collators import PromptCollator, SFTCollator  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64, help="rows per collator call")
     parser.add_argument("--max_length", type=int, default=2048)
     parser.add_argument("--max_prompt_length", type=int, default=1024)
+    parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers (the --num_workers flag)")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(None)
@@ -81,11 +83,11 @@ def main() -> None:
     sft_batches = [[with_solution(r) for r in batch] for batch in batches]
     sft = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, enable_thinking=True)
     prompt = PromptCollator(tokenizer, args.max_prompt_length, enable_thinking=True)
-    # The floor: the tokenizer alone on the texts the SFT collator must encode (prompt + full conversation).
-    texts = [t for batch in sft_batches for row in batch for t in sft.render(row["messages"])]
+    # The floor: the tokenizer alone on the text the SFT collator encodes (the full conversation, once per row).
+    texts = [sft.render(row["messages"])[1] for batch in sft_batches for row in batch]
     start, cpu_start = time.perf_counter(), time.process_time()
-    tokens = sum(len(ids) for i in range(0, len(texts), 2 * args.batch_size)
-                 for ids in tokenizer.encode_batch(texts[i:i + 2 * args.batch_size]))
+    tokens = sum(len(ids) for i in range(0, len(texts), args.batch_size)
+                 for ids in tokenizer.encode_batch(texts[i:i + args.batch_size]))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     print(f"tokenizer alone (SFT)  {rate(len(rows), seconds, cpu_seconds)}  {tokens / seconds:9.0f} tokens/s")
     for name, collate, data in (("SFTCollator", sft, sft_batches), ("PromptCollator", prompt, batches)):
@@ -94,6 +96,12 @@ def main() -> None:
                          .sum()) for batch in data)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         print(f"collate {name:14s} {rate(len(rows), seconds, cpu_seconds)}  {tokens / seconds:9.0f} tokens/s")
+    # The training path: the DataLoader collates in --num_workers processes while the model trains.
+    sft_rows = [row for batch in sft_batches for row in batch]
+    loader = DataLoader(sft_rows, batch_size=args.batch_size, collate_fn=sft, num_workers=args.num_workers)
+    start = time.perf_counter()
+    count = sum(len(batch["input_ids"]) for batch in loader)
+    print(f"DataLoader SFT, {args.num_workers} workers {count / (time.perf_counter() - start):7.0f} rows/s")
 
 
 if __name__ == "__main__":
