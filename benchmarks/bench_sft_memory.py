@@ -127,7 +127,7 @@ def setup_worker(name: str, args: argparse.Namespace) -> None:
     task to raise instead."""
     try:
         _setup_worker(name, args)
-    except Exception:
+    except Exception:  # not swallowed: kept and re-raised by the first task (see _worker_state)
         _worker["error"] = traceback.format_exc()
 
 
