@@ -47,9 +47,29 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _MemoSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with its attribute verdicts remembered per (type of object, attribute name).
+
+    The verdict (`is_safe_attribute`: private name, internal attribute of a function/frame/..., method that mutates a
+    known mutable type) depends only on the object's type and the attribute's name, never on the value, so
+    remembering it changes no decision. It halves the time of a render: the SFT collator renders twice per row.
+    """
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj, attr: str, value) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = self._verdicts[key] = super().is_safe_attribute(obj, attr, value)
+        return verdict
+
+
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _MemoSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -99,9 +119,22 @@ class QwenTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def encode_batch_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """ids and the (start, end) character span of each token in its text."""
-        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch_split(self, texts: list[str], split_chars: list[int]) -> list[tuple[list[int], int | None]]:
+        """For each text: its ids, and how many of them spell its first `split_chars[i]` characters.
+
+        The count is None when a token straddles that character position. Only the token at the split is looked at
+        (converting every token's offsets to Python costs as much as a third of the tokenisation itself).
+        """
+        out = []
+        for text, split, encoding in zip(texts, split_chars, self._tok.encode_batch(texts, add_special_tokens=False)):
+            ids = encoding.ids
+            if split >= len(text):
+                out.append((ids, len(ids)))
+                continue
+            index = encoding.char_to_token(split)
+            straddles = index is None or encoding.token_to_chars(index)[0] != split
+            out.append((ids, None if straddles else index))
+        return out
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):

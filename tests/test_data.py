@@ -1,5 +1,6 @@
 # python -m pytest tests/test_data.py
 """Row sources, SFT / prompt collators and the demo data, with the real Qwen3 tokenizer."""
+import copy
 import json
 import os
 
@@ -166,6 +167,16 @@ def test_reasoning_without_thinking_is_a_clear_error(tok):
         SFTCollator(tok, max_length=128, max_prompt_length=64, enable_thinking=False)([row])
     batch = SFTCollator(tok, max_length=128, max_prompt_length=64, enable_thinking=True)([row])
     assert tok.decode(completion_ids(batch, 0)) == "<think>\nhmm\n</think>\n\nhello<|im_end|>\n"
+
+
+def test_token_across_the_prompt_end_is_a_clear_error(tok):
+    # A template whose generation prompt ends inside a word ("Hel" + "lo" tokenises as one token "Hello"): there is
+    # no token boundary where the prompt ends, so the collator refuses instead of guessing one.
+    odd = copy.copy(tok)
+    odd.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}Hel{% endif %}")
+    with pytest.raises(ValueError, match="across the end of the prompt"):
+        SFTCollator(odd, max_length=64, max_prompt_length=32)([chat("Say: ", "Hello")])
 
 
 def test_collator_rejects_impossible_budgets(tok):

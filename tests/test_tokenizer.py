@@ -99,3 +99,21 @@ def test_special_ids_and_length(tokenizers):
     assert ours.get_vocab() == hf.get_vocab()
     assert ours.encode("<|im_end|>") == [151645]
     assert ours.token_to_id("<think>") == hf.convert_tokens_to_ids("<think>")
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_batch_split_counts_the_tokens_of_the_prefix(tokenizers, text):
+    # At every character position: the split count is the number of tokens that spell exactly text[:split], checked
+    # against transformers' offsets: the first token that reaches past the split must start at it, else a token
+    # crosses the position (inside a word; inside " \u2211", whose bytes are spread over two tokens) and it is None.
+    ours, hf = tokenizers
+    offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    splits = list(range(len(text) + 1))
+    results = ours.encode_batch_split([text] * len(splits), splits)
+    for split, (ids, count) in zip(splits, results):
+        assert ids == ours.encode(text)
+        first_past = next((index for index, (_, end) in enumerate(offsets) if end > split), len(offsets))
+        clean = first_past == len(offsets) or offsets[first_past][0] >= split
+        assert count == (first_past if clean else None), f"split {split} of {text!r}"
+        if count is not None:
+            assert ours.decode(ids[:count]) == text[:split]
