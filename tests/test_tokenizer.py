@@ -1,8 +1,11 @@
 # Run: python -m pytest tests/test_tokenizer.py
 """Our tokenizer (tokenizers + the folder's Jinja chat template) against transformers' AutoTokenizer on the same
 real Qwen3 files: chat template rendering byte for byte, encode/decode, special ids, length."""
+import copy
+
 import pytest
 import transformers
+from jinja2.exceptions import SecurityError
 
 from model import default_tokenizer_dir, load_tokenizer
 
@@ -117,3 +120,18 @@ def test_encode_batch_split_counts_the_tokens_of_the_prefix(tokenizers, text):
         assert count == (first_past if clean else None), f"split {split} of {text!r}"
         if count is not None:
             assert ours.decode(ids[:count]) == text[:split]
+
+
+@pytest.mark.parametrize("source", ["{{ messages.__class__.__name__ }}", "{{ messages.append(1) }}",
+                                    "{{ messages[0].update({'role': 'x'}) }}"])
+def test_chat_template_stays_sandboxed(tokenizers, source):
+    # The sandbox's verdicts are memoised per (type, attribute): an unsafe access is refused the second time too,
+    # and a safe one of the same name on another type is still allowed.
+    ours, _ = tokenizers
+    odd = copy.copy(ours)
+    odd.chat_template = source
+    for _ in range(2):
+        with pytest.raises(SecurityError):
+            odd.apply_chat_template([{"role": "user", "content": "hi"}])
+    odd.chat_template = "{{ messages[0].content.upper() }}{{ 'a,b'.split(',') | length }}"
+    assert odd.apply_chat_template([{"role": "user", "content": "hi"}]) == "HI2"
