@@ -8,7 +8,8 @@
 - Concurrency is `concurrency` worker threads over one `httpx.Client` (thread-safe, one connection pool): the work
   is I/O bound, threads keep tracebacks simple, and their number bounds the requests in flight.
 - Retries with exponential backoff + jitter on 429 / 408 / 5xx / timeouts / connection errors / malformed bodies,
-  honouring `Retry-After`. 401/403/404 stop the whole run (wrong key, URL or model: retrying cannot help);
+  honouring `Retry-After`. 401/403/404 stop the whole run (wrong key, URL or model: retrying cannot help), and so
+  does a connection failure that outlives its retries before the server ever answered (not up, wrong host or port);
   other 4xx fail that prompt only.
 - The API key is read from an environment variable whose *name* is a parameter. It lives in the request headers
   only; it is never printed, logged, cached or shown in `repr`, and error texts are scrubbed of it.
@@ -333,6 +334,9 @@ class TeacherClient:
         self.cache, self.concurrency, self.max_retries = cache, concurrency, max_retries
         self.backoff_base, self.backoff_max, self.max_retry_after = backoff_base, backoff_max, max_retry_after
         self.stats = TeacherStats()
+        # Set by the first HTTP response of any status. Until then a connection failure that outlives its retries
+        # means a wrong URL or a server that is not up: it stops the run instead of failing every prompt in turn.
+        self._reached = threading.Event()
         self._rng = random.Random()
         self._api_key = self._read_key(api_key_env)
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
@@ -378,8 +382,12 @@ class TeacherClient:
                 return self._answer_from(outcome, index, key)
             last_try = attempt == self.max_retries
             if not outcome.retryable or last_try:
-                raise TeacherError(index, attempt + 1, outcome.status, outcome.reason, self._scrub(outcome.detail),
-                                   fatal=outcome.status in FATAL_STATUSES)
+                unreachable = outcome.reason == "connection" and not self._reached.is_set()
+                detail = self._scrub(outcome.detail)
+                if unreachable:
+                    detail = f"the teacher at {self.url} never answered: is the server up and the URL right? {detail}"
+                raise TeacherError(index, attempt + 1, outcome.status, outcome.reason, detail,
+                                   fatal=outcome.status in FATAL_STATUSES or unreachable)
             self.stats.add_retry(outcome.reason)
             time.sleep(self._delay(attempt, outcome.retry_after))
         raise AssertionError("unreachable: the loop returns or raises")
@@ -387,10 +395,13 @@ class TeacherClient:
     def _attempt(self, payload: dict[str, Any]) -> dict[str, Any] | _Failure:
         try:
             response = self._http.post(self.url, json=payload)
+        except httpx.ConnectTimeout as e:    # no connection at all (a firewall drops the packets): as a refusal
+            return _Failure("connection", None, f"{type(e).__name__}: {e}", retryable=True)
         except httpx.TimeoutException as e:
             return _Failure("timeout", None, f"{type(e).__name__}: {e}", retryable=True)
         except httpx.TransportError as e:    # refused, reset, closed without a response, protocol garbage
             return _Failure("connection", None, f"{type(e).__name__}: {e}", retryable=True)
+        self._reached.set()
         status = response.status_code
         if status != 200:
             retryable = status in RETRYABLE_STATUSES or status >= 500
@@ -423,7 +434,7 @@ class TeacherClient:
             on_result: Callable[[TeacherAnswer | TeacherError], None] | None = None,
             ) -> list[TeacherAnswer | TeacherError]:
         """Answer every prompt, in order: cached answers first, then at most `concurrency` requests in flight.
-        Each new answer is in the cache before `on_result` sees it. A fatal error (401/403/404) cancels the rest
+        Each new answer is in the cache before `on_result` sees it. A fatal error (401/403/404, a server never reached) cancels the rest
         and is raised; every other failure comes back as a TeacherError in its prompt's slot."""
         plan = plan_requests(self.model, self.params, prompts, self.cache)
         results: list[TeacherAnswer | TeacherError | None] = [None] * len(prompts)

@@ -7,6 +7,7 @@ The fake teacher answers "ANSWER[<prompt>]" and misbehaves on purpose, per promp
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -261,6 +262,33 @@ def test_wrong_key_stops_the_run(teacher, monkeypatch):
             client.run(chats([f"p{i}" for i in range(20)]))
     assert info.value.fatal and "sk-wrong" not in str(info.value)
     assert len(teacher.log) <= 2 + 2       # the first in flight, maybe one more submitted; never all 20
+
+
+def test_a_server_that_is_not_up_stops_the_run(monkeypatch):
+    # Connection refused on every attempt and the server never answered: a wrong URL or a server not started. The
+    # run stops after the first prompt's retries instead of retrying each of the 50 prompts in turn.
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]           # closed again when the block ends: nothing listens there
+    client = TeacherClient(f"http://127.0.0.1:{port}/v1", "m", api_key_env=None, concurrency=2, max_retries=2,
+                           backoff_base=0.01, connect_timeout=0.5)
+    with client, pytest.raises(TeacherError, match="never answered: is the server up") as info:
+        client.run(chats([f"p{i}" for i in range(50)]))
+    assert info.value.fatal and info.value.reason == "connection" and info.value.attempts == 3
+    assert client.stats.snapshot()["sent"] <= 2 * 3 + 2     # the first prompts' attempts, never all 50 x 3
+
+
+def test_a_dropped_connection_after_the_server_answered_fails_one_prompt_only(teacher):
+    # Once the server has answered, connection failures are the prompt's own: reported in its slot, run goes on.
+    prompts = ["first", "always drops", "last"]
+    teacher.plan = {"always drops": ["drop"] * 10}
+    with make_client(teacher, concurrency=1, max_retries=1) as client:
+        results = client.run(chats(prompts))
+    first, dropped, last = results
+    assert first.content == answer_for("first") and last.content == answer_for("last")
+    assert isinstance(dropped, TeacherError) and dropped.reason == "connection" and not dropped.fatal
 
 
 def test_damaged_last_cache_line_is_tolerated_but_not_a_middle_one(tmp_path):
