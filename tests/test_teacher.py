@@ -102,7 +102,14 @@ class FakeTeacher:
                 return
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                length = int(self.headers["Content-Length"])
+                raw = self.rfile.read(length)
+                if len(raw) < length:
+                    # the client closed while sending (a fatal 401 closes it with a request in flight): no answer
+                    self.server.disconnects.append(ConnectionAbortedError(f"body cut at {len(raw)}/{length} bytes"))
+                    self.close_connection = True
+                    return
+                body = json.loads(raw)
                 prompt, action = teacher._next_action(body, self.headers.get("Authorization"))
                 try:
                     self._act(prompt, action)
