@@ -27,8 +27,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from eval.eval_math import load_for_inference, stop_token_ids  # noqa: E402
-from model import DTYPES, KVCache, Qwen3ForCausalLM  # noqa: E402
+from eval.eval_math import add_model_args, load_for_inference, stop_token_ids  # noqa: E402
+from model import KVCache, Qwen3ForCausalLM  # noqa: E402
 from model.generate import sample_next_token  # noqa: E402
 
 
@@ -87,11 +87,7 @@ def reply(model: Qwen3ForCausalLM, tokenizer, history: list[dict], args: argpars
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Chat with a Qwen3 checkpoint (streamed replies)")
-    # model
-    parser.add_argument("--model_path", required=True, help="HF model folder (config, safetensors, tokenizer)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
-                        help="weights dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_model_args(parser)
     # conversation
     parser.add_argument("--prompt", default=None, help="one user message, answered once (default: interactive)")
     parser.add_argument("--system", default=None, help="system message")

@@ -64,6 +64,14 @@ def resolve_dtype(device: str, dtype_name: str | None) -> torch.dtype:
     return DTYPES[dtype_name]
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model_path, --device, --dtype: how eval_math.py and chat.py pick the checkpoint they load."""
+    parser.add_argument("--model_path", required=True, help="HF model folder (config, safetensors, tokenizer)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
+                        help="weights dtype (default: bfloat16 on CUDA, float32 on CPU)")
+
+
 def load_for_inference(model_path: str, device: str, dtype_name: str | None):
     """-> (model in eval mode, its tokenizer). The tokenizer comes from the model folder (save_pretrained writes it)."""
     tokenizer = load_tokenizer(model_path)
@@ -233,11 +241,7 @@ def make_record(index: int, sample: int, n_samples: int, prompt: str, completion
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Math accuracy of a Qwen3 checkpoint (graded with math-verify)")
-    # model
-    parser.add_argument("--model_path", required=True, help="HF model folder (config, safetensors, tokenizer)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, choices=list(DTYPES),
-                        help="weights dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_model_args(parser)
     # data
     parser.add_argument("--data_path", default=None, help=".parquet/.jsonl in DAPO schema (default: demo eval set)")
     parser.add_argument("--max_rows", type=int, default=0, help="evaluate the first N rows only (0 = all)")
