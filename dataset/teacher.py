@@ -434,8 +434,8 @@ class TeacherClient:
             on_result: Callable[[TeacherAnswer | TeacherError], None] | None = None,
             ) -> list[TeacherAnswer | TeacherError]:
         """Answer every prompt, in order: cached answers first, then at most `concurrency` requests in flight.
-        Each new answer is in the cache before `on_result` sees it. A fatal error (401/403/404, a server never reached) cancels the rest
-        and is raised; every other failure comes back as a TeacherError in its prompt's slot."""
+        Each new answer is in the cache before `on_result` sees it. A fatal error (401/403/404, a server never
+        reached) cancels the rest and is raised; every other failure comes back as a TeacherError in its slot."""
         plan = plan_requests(self.model, self.params, prompts, self.cache)
         results: list[TeacherAnswer | TeacherError | None] = [None] * len(prompts)
 

@@ -21,7 +21,8 @@ Rows left out of the output (reported on stderr with their indices): no answer a
 once the thinking is removed, and answers cut off by max_tokens (finish_reason "length") unless --keep_truncated 1.
 Exit status: 0 when the output was written, even with rows left out (a warning says how many);
 1 when no row could be answered (nothing is written), on 401/403/404 (wrong key, URL or model: the run stops at
-once) or a server that never answered (refused / unreachable after the retries), or with --strict 1 when any row was left out; 130 on Ctrl-C (in-flight requests are dropped, not awaited).
+once) or a server that never answered (refused / unreachable after the retries), or with --strict 1 when any row
+was left out; 130 on Ctrl-C (in-flight requests are dropped, not awaited).
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ class _MemoSandbox(ImmutableSandboxedEnvironment):
 
     The verdict (`is_safe_attribute`: private name, internal attribute of a function/frame/..., method that mutates a
     known mutable type) depends only on the object's type and the attribute's name, never on the value, so
-    remembering it changes no decision. It halves the time of a render: the SFT collator renders twice per row.
+    remembering it changes no decision. It cuts a render's time by a quarter (the SFT collator renders twice
+    per row; measured 165 -> 123 us for the two).
     """
 
     def __init__(self, **options):

@@ -20,14 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from dataset.collators import SFTCollator
-from dataset.make_demo_data import ensure_demo_data
-from dataset.sources import RowDataset
 from eval.heldout import HeldoutEvaluator
-from model import load_tokenizer
 from trainer.losses import chunked_loss, distillation_loss, sft_loss
 from trainer.trainer_utils import (ROOT, Run, add_common_args, add_teacher_args, build_model, completion_hidden,
-                                   load_teacher, resolve_teacher_path, validate_common_args)
+                                   load_sft_data, load_teacher, resolve_teacher_path, validate_common_args)
 
 DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")
 
@@ -49,10 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    tokenizer_dir = args.tokenizer_path or args.model_path
-    tokenizer = load_tokenizer(tokenizer_dir)
-    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
-    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, student, dataset, collator, tokenizer_dir)
     teacher = load_teacher(args, tokenizer, run.raw_model, run.device)

@@ -17,13 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dataset.collators import SFTCollator
-from dataset.make_demo_data import ensure_demo_data
-from dataset.sources import RowDataset
 from eval.heldout import HeldoutEvaluator
-from model import load_tokenizer
 from trainer.losses import chunked_sft_loss
-from trainer.trainer_utils import Run, add_common_args, build_model, completion_hidden, validate_common_args
+from trainer.trainer_utils import (Run, add_common_args, build_model, completion_hidden, load_sft_data,
+                                   validate_common_args)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,10 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    tokenizer_dir = args.tokenizer_path or args.model_path
-    tokenizer = load_tokenizer(tokenizer_dir)
-    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
-    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     model = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, model, dataset, collator, tokenizer_dir)
     evaluator = HeldoutEvaluator(args, tokenizer, run)

@@ -30,7 +30,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from dataset.collators import SFTCollator
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
+from model.tokenizer import QwenTokenizer
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,6 +208,17 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
         return load_pretrained(path, dtype=torch.float32, device=device)
     config = Qwen3Config.from_json(config_path or DEFAULT_MODEL_CONFIG)
     return create_model(config, seed=args.seed if seed is None else seed, device=device)
+
+
+def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, RowDataset, SFTCollator]:
+    """-> (tokenizer folder, tokenizer, chat rows with solutions, SFT collator): what SFT and white-box KD train on.
+    The tokenizer comes from --tokenizer_path, else the model folder, else the real Qwen3 files; the rows from
+    --data_path, else the demo training set (generated on first use)."""
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
+    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    return tokenizer_dir, tokenizer, dataset, collator
 
 
 def add_teacher_args(parser: argparse.ArgumentParser) -> None:
