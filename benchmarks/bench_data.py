@@ -6,7 +6,7 @@
 Builds a parquet of synthetic DAPO rows in a temporary folder (prompt stored as a list of structs, reward_model and
 extra_info as structs, prompt text about as long as DAPO's), loads it with RowDataset, then collates every row with
 SFTCollator (each row given a synthetic assistant solution, as a teacher would write) and with PromptCollator.
-"load + SFT collate" is the acceptance number (target >= 2,000 rows/s): both phases, end to end.
+"load + SFT collate" is the headline number (target >= 2,000 rows/s): both phases, end to end.
 "tokenizer alone" is the floor: encode_batch on the two texts per row the SFT collator encodes, nothing else.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
         print(f"collate {name:14s} {rate(len(rows), seconds, cpu_seconds)}  {tokens / seconds:9.0f} tokens/s")
         if name == "SFTCollator":
             sft_seconds, sft_cpu_seconds = seconds, cpu_seconds
-    # The acceptance number: the file loaded and every row collated for SFT, end to end (target >= 2,000 rows/s).
+    # The headline number: the file loaded and every row collated for SFT, end to end (target >= 2,000 rows/s).
     print(f"load + SFT collate     {rate(len(rows), load_seconds + sft_seconds, load_cpu_seconds + sft_cpu_seconds)}")
     # The training path: the DataLoader collates in --num_workers processes while the model trains.
     sft_rows = [row for batch in sft_batches for row in batch]

@@ -7,14 +7,14 @@
     python benchmarks/bench_opd.py --threads 1          # steadier on a shared CPU: with 2 threads and busy cores,
                                                         # every small op can wait a scheduler slice for its 2nd thread
 
-Issue 6's acceptance. One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
+One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
   generation       rollout(): one torch.Generator per row, student in eval mode under autocast, generate(...,
                    do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences
   teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
                    chunk by chunk inside the loss)
   student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (student AND teacher lm_head
                    per chunk, beta=1: reverse KL), backward of the summed loss (recomputes each chunk)
-  optimizer        (not asked for, shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
+  optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
 The same 8 demo prompts (opd_prompts rows 0..7, PromptCollator) every step, sampled with per-row seeds that change
 with the step. --warmup steps first, then the median of --steps steps per phase; shares are of the sum of medians.
 Random weights sample EOS almost never, so every row generates --max_new_tokens tokens; trained models stop early.

@@ -7,7 +7,7 @@
     python benchmarks/bench_sft_memory.py --seq_len 256 --completion_len 128 --repeats 1       # a quick look
     python benchmarks/bench_sft_memory.py --threads 1          # steadier times on a shared CPU (memory is the same)
 
-Issue 4's acceptance: the extra memory of our step is <= 40% of the baseline's. Variants, same model, same batch:
+Target: the extra memory of our step is <= 40% of the baseline's. Variants, same model, same batch:
   chunked  ours, as train_sft.py does it: final hidden states -> completion_hidden (only the positions that predict
            a label) -> chunked_sft_loss (lm_head chunk by chunk, recomputed in backward). No (B, T, V) tensor exists.
            (train_sft.py also passes vocab_size=len(tokenizer); that row slice is a view, the same memory. Here all

@@ -23,15 +23,33 @@ SFTCollator
 
 PromptCollator (OPD): the same prompt text, truncated the same way, left padded, plus the input rows unchanged
     (ground truth, messages, ...) so the loop can grade or fall back to the dataset's own completions.
+
+A row the collator cannot use (the template refuses it, no prompt/completion boundary, a token across the boundary)
+is a `RowError`. `validate_rows` finds every such row at start-up, through the collators' own `problems` (the code
+that collates), so a bad row stops the run before the model is built instead of hours in. It takes about 3 s for
+17,000 DAPO-shaped SFT rows on 2 CPU cores (rendering both templates is half of it) and 0.5 s for prompt-only rows.
 """
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
 
+import jinja2
 import numpy as np
 import torch
+from tqdm import tqdm
+
+from dataset.sources import DataError
 
 IGNORE_INDEX = -100
+PROGRESS_MIN_ROWS = 2000   # validate_rows shows a progress bar above this many rows (on a terminal)
+SHOWN_BAD_ROWS = 3         # validate_rows lists this many bad rows, then counts the rest
+VALIDATION_CHUNK = 512     # rows per collator call in validate_rows (the tokenizer encodes a chunk in parallel)
+
+
+class RowError(ValueError):
+    """A row the collator cannot turn into tokens; the message says why and what to change."""
 
 
 def split_conversation(messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
@@ -40,6 +58,20 @@ def split_conversation(messages: list[dict]) -> tuple[list[dict], list[dict] | N
         if messages[k]["role"] == "assistant":
             return messages[:k], messages[:k + 1]
     return messages, None
+
+
+def has_completion(messages: list[dict]) -> bool:
+    return split_conversation(messages)[1] is not None
+
+
+def _apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             enable_thinking=enable_thinking)
+    except jinja2.TemplateSyntaxError:
+        raise  # the template itself is broken, not the row
+    except jinja2.TemplateError as e:
+        raise RowError(f"the chat template refuses the row: {e}") from None
 
 
 def _left_pad(rows: list[list[int]], pad_value: int) -> torch.Tensor:
@@ -71,36 +103,65 @@ class SFTCollator:
         self.max_length = max_length
         self.max_prompt_length = max_prompt_length
         self.enable_thinking = enable_thinking
+        # One id for a 12-character string with "<|", "_" and "|>" in it: a special token, not a BPE merge.
+        self._special_header = "<|im_start|>" if len(tokenizer.encode("<|im_start|>")) == 1 else None
 
     def render(self, messages: list[dict]) -> tuple[str, str]:
-        """-> (prompt text, full text); full == prompt for a prompt-only row."""
+        """-> (prompt text, full text); full == prompt for a prompt-only row. RowError when the row cannot be split."""
         prompt_messages, full_messages = split_conversation(messages)
-        template = self.tokenizer.apply_chat_template
-        prompt = template(prompt_messages, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+        prompt = _apply_template(self.tokenizer, prompt_messages, True, self.enable_thinking)
         if full_messages is None:
             return prompt, prompt
-        full = template(full_messages, add_generation_prompt=False, enable_thinking=self.enable_thinking)
+        full = _apply_template(self.tokenizer, full_messages, False, self.enable_thinking)
         if not full.startswith(prompt):
             at = len(os.path.commonprefix([prompt, full]))
-            raise ValueError("the chat template renders the conversation so that it does not start with the prompt "
-                             "rendered with add_generation_prompt=True, so there is no prompt/completion boundary. "
-                             "A common cause: an assistant turn with <think> reasoning under enable_thinking=False "
-                             "(the prompt then ends with an empty think block). They differ after "
-                             f"{prompt[max(0, at - 60):at]!r}: prompt goes on {prompt[at:at + 40]!r}, "
-                             f"conversation goes on {full[at:at + 40]!r}")
+            raise RowError("no prompt/completion boundary: the chat template renders the conversation so that it "
+                           "does not start with the prompt rendered with add_generation_prompt=True. A common cause: "
+                           "an assistant turn with <think> reasoning under enable_thinking=False (the prompt then "
+                           "ends with an empty think block): use --enable_thinking 1 or strip the <think> block from "
+                           f"the data. They differ after {prompt[max(0, at - 60):at]!r}: prompt goes on "
+                           f"{prompt[at:at + 40]!r}, conversation goes on {full[at:at + 40]!r}")
         return prompt, full
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        texts = [self.render(row["messages"]) for row in rows]
+    def encode(self, rows: list[dict], tail_only: bool = False) -> list[tuple[list[int], int] | RowError]:
+        """Per row: (ids of the full text, how many of them are the prompt), or the RowError that keeps it out.
+
+        tail_only (for validation): tokenise each text only from the last special `<|im_start|>` of its prompt; the
+        ids are then the tail's. The tokenizer cuts a text at special tokens before anything else, so the tokens after
+        one do not depend on the text before it: whether a token straddles the prompt's end is decided the same way,
+        at a third of the cost on DAPO-shaped rows (the prompt is most of the text)."""
+        results: list = [None] * len(rows)
+        texts: dict[int, tuple[str, int, int]] = {}  # row -> (full text, where the prompt ends, where to start)
+        for i, row in enumerate(rows):
+            try:
+                prompt, full = self.render(row["messages"])
+            except RowError as e:
+                results[i] = e
+                continue
+            texts[i] = full, len(prompt), self._tail_start(prompt) if tail_only else 0
         # One tokenisation per row, of the full text; the boundary is where the prompt text ends, and no token may
         # straddle it (then the prefix tokens are exactly the prompt's own tokens).
-        encoded = self.tokenizer.encode_batch_split([full for _, full in texts], [len(prompt) for prompt, _ in texts])
+        encoded = self.tokenizer.encode_batch_split([full[start:] for full, _, start in texts.values()],
+                                                    [end - start for _, end, start in texts.values()])
+        for (i, (full, end, _)), (ids, boundary) in zip(texts.items(), encoded):
+            results[i] = (ids, boundary) if boundary is not None else RowError(
+                "tokenising the full conversation puts a token across the end of the prompt (prompt ends "
+                f"{full[max(0, end - 40):end]!r}); the boundary between prompt and completion falls inside a token")
+        return results
+
+    def _tail_start(self, prompt: str) -> int:
+        return max(prompt.rfind(self._special_header), 0) if self._special_header else 0
+
+    def problems(self, rows: list[dict]) -> list[RowError | None]:
+        """Per row: why `__call__` would refuse it, or None."""
+        return [result if isinstance(result, RowError) else None for result in self.encode(rows, tail_only=True)]
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         input_ids, prompt_lengths, completion_lengths = [], [], []
-        for (prompt_text, _), (full_ids, boundary) in zip(texts, encoded):
-            if boundary is None:
-                raise ValueError("tokenising the full conversation puts a token across the end of the prompt "
-                                 f"(prompt ends {prompt_text[-40:]!r}); the boundary between prompt and completion "
-                                 "falls inside a token")
+        for result in self.encode(rows):
+            if isinstance(result, RowError):
+                raise result
+            full_ids, boundary = result
             prompt = _keep_end(full_ids[:boundary], self.max_prompt_length)
             completion = full_ids[boundary:boundary + self.max_length - len(prompt)]
             input_ids.append(prompt + completion)
@@ -128,9 +189,23 @@ class PromptCollator:
         self.max_prompt_length = max_prompt_length
         self.enable_thinking = enable_thinking
 
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text: the messages before the last assistant turn, with the generation prompt."""
+        return _apply_template(self.tokenizer, split_conversation(messages)[0], True, self.enable_thinking)
+
+    def problems(self, rows: list[dict]) -> list[RowError | None]:
+        """Per row: why `__call__` would refuse it, or None (tokenising a prompt cannot fail, rendering it can)."""
+        out: list[RowError | None] = []
+        for row in rows:
+            try:
+                self.render(row["messages"])
+                out.append(None)
+            except RowError as e:
+                out.append(e)
+        return out
+
     def __call__(self, rows: list[dict]) -> dict:
-        texts = [self.tokenizer.apply_chat_template(split_conversation(row["messages"])[0], add_generation_prompt=True,
-                                                    enable_thinking=self.enable_thinking) for row in rows]
+        texts = [self.render(row["messages"]) for row in rows]
         prompts = [_keep_end(ids, self.max_prompt_length) for ids in self.tokenizer.encode_batch(texts)]
         prompt_ids = _left_pad(prompts, self.tokenizer.pad_token_id)
         return {
@@ -138,6 +213,44 @@ class PromptCollator:
             "prompt_attention_mask": _last_positions([len(p) for p in prompts], prompt_ids.shape[1]).long(),
             "rows": rows,
         }
+
+
+def validate_rows(dataset: Sequence[dict], collator: SFTCollator | PromptCollator, need_completion: bool,
+                  progress: bool = True) -> None:
+    """Check that `collator` can use every row of `dataset`, exactly as it will during training.
+
+    `need_completion`: every row must have an assistant turn (SFT, KD and OPD with --lmbda < 1 train on the last
+    one). Raises one DataError naming the file, the first SHOWN_BAD_ROWS bad rows with their reasons, and how many
+    rows are bad. A progress bar is shown when `progress`, stderr is a terminal and there are over PROGRESS_MIN_ROWS
+    rows."""
+    total, bad, shown = len(dataset), 0, []
+    show_bar = progress and total > PROGRESS_MIN_ROWS and sys.stderr.isatty()
+    with tqdm(total=total, desc="checking rows", unit="row", disable=not show_bar, file=sys.stderr) as bar:
+        for start in range(0, total, VALIDATION_CHUNK):
+            indices = range(start, min(start + VALIDATION_CHUNK, total))
+            for index, reason in _chunk_problems(dataset, indices, collator, need_completion):
+                bad += 1
+                if len(shown) < SHOWN_BAD_ROWS:
+                    shown.append(f"row {index}: {reason}")
+            bar.update(len(indices))
+    if bad:
+        more = f"; and {bad - len(shown)} more" if bad > len(shown) else ""
+        raise DataError(f"{getattr(dataset, 'path', 'the data')}: {bad} of {total} rows cannot be used: "
+                        + "; ".join(shown) + more)
+
+
+def _chunk_problems(dataset: Sequence[dict], indices: range, collator: SFTCollator | PromptCollator,
+                    need_completion: bool) -> list[tuple[int, str]]:
+    """(row index, one-line reason) for every bad row among `indices`."""
+    rows = [dataset[i] for i in indices]
+    out = []
+    for index, row, error in zip(indices, rows, collator.problems(rows)):
+        if need_completion and not has_completion(row["messages"]):
+            out.append((index, "no assistant turn to train on (SFT, KD and OPD with --lmbda < 1 train on the last "
+                               "assistant turn): add one or drop the row"))
+        elif error is not None:
+            out.append((index, str(error).replace("\n", " ")))
+    return out
 
 
 def build_sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

@@ -26,7 +26,6 @@ import argparse
 import os
 import random
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -34,6 +33,9 @@ if ROOT not in sys.path:
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+
+from common.errors import run_script  # noqa: E402
+from common.files import atomic_write, check_writable  # noqa: E402
 
 DEFAULT_OUT_DIR = os.path.join(ROOT, "dataset", "demo")
 SEED = 1234
@@ -87,26 +89,17 @@ def build_splits(seed: int = SEED) -> dict[str, list[dict]]:
     return splits
 
 
-def _write_parquet_atomic(rows: list[dict], path: str) -> None:
-    # Temp file + os.replace: a crash never leaves a half-written file, and ranks racing here write identical bytes.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp_", suffix=".parquet")
-    os.close(fd)
-    try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the data is not secret and other users may train on it
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def ensure_demo_data(out_dir: str = DEFAULT_OUT_DIR, force: bool = False) -> dict[str, str]:
     """Write the demo parquet files if any is missing (or if force); -> {"sft_train"|"opd_prompts"|"eval": path}."""
     paths = {split: os.path.join(out_dir, f"{split}.parquet") for split in SPLIT_SIZES}
     if force or not all(os.path.isfile(p) for p in paths.values()):
-        os.makedirs(out_dir, exist_ok=True)
+        # stdout, like the loops' log lines: stderr is for the one-line errors
+        print(f"writing the demo data to {out_dir} ({'--force' if force else 'first use'})", flush=True)
+        check_writable(out_dir, "the demo data folder")
         for split, rows in build_splits().items():
-            _write_parquet_atomic(rows, paths[split])
+            # Atomic: a crash never leaves a half-written file, and ranks racing here write identical bytes.
+            with atomic_write(paths[split]) as f:
+                pq.write_table(pa.Table.from_pylist(rows), f)
     return paths
 
 
@@ -120,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -24,8 +24,11 @@ literal (`ast.literal_eval`, never `eval`), because both spellings occur in the 
 Rows are validated once, when the dataset is built, so a broken row stops the run at start-up instead of at step
 5,000. A row that cannot be understood raises `DataError` naming the file, the row number (0-based; jsonl also gives
 the 1-based line), the column and the reason: unparseable string, not a list, a turn that is not a dict or lacks
-role/content, an unknown role, empty content, no user turn, an assistant turn before any user turn, or none of the
-columns above. Valid roles are system, user, assistant and tool (the roles Qwen3's template renders).
+role/content, an unknown role, non-string or empty content, no user turn, an assistant turn before any user turn, or
+none of the columns above. Valid roles are system, user, assistant and tool (the roles Qwen3's template renders).
+A file that cannot be read is a `DataError` as well: missing, a folder, not UTF-8 (jsonl; the line is named), a
+line that is not JSON, a damaged parquet file. `DataError` is a `common.errors.UserError`: scripts print it as one
+line and exit with code 2. Whether the collator can render every row is checked by `dataset.collators.validate_rows`.
 
 Speed: parquet columns are read with pyarrow's `to_pylist` once and every row is normalised when the dataset is
 built; `__getitem__` is a list lookup plus a shallow copy (17,000 DAPO rows load in well under a second).
@@ -40,19 +43,21 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from common.errors import UserError
+
 VALID_ROLES = ("system", "user", "assistant", "tool")
 CHAT_COLUMNS = ("messages", "conversations", "prompt")
 ASSISTANT_COLUMNS = ("response", "solution", "answer")
 
 
-class DataError(ValueError):
-    """A row that cannot be turned into chat messages. The message names the file, the row and the column."""
+class DataError(UserError, ValueError):
+    """A data file or row that cannot be used. The message names the file, the row and the column where they apply."""
 
 
 class _RowError(Exception):
     """Raised inside row parsing; `RowDataset` adds the file and row number and re-raises it as DataError."""
 
-    def __init__(self, column: str, reason: str):
+    def __init__(self, column: str | None, reason: str):
         super().__init__(reason)
         self.column = column
         self.reason = reason
@@ -125,8 +130,9 @@ def normalize_row(row: dict) -> dict:
             break
     else:
         if row.get("question") is None:
-            raise _RowError("-", f"none of the columns {CHAT_COLUMNS + ('question',)} has a value "
-                                 f"(columns: {sorted(row)})")
+            raise _RowError(None, f"none of the columns {', '.join(CHAT_COLUMNS + ('question',))} has a value "
+                                  f"(the row has: {', '.join(sorted(row)) or 'no columns'}): rename the column that "
+                                  f"holds the chat list or the question")
         messages, consumed = _question_messages(row)
     out = {key: value for key, value in row.items() if key not in consumed}
     out["messages"] = messages
@@ -137,45 +143,70 @@ def normalize_row(row: dict) -> dict:
 
 
 def _read_parquet(path: str) -> list[tuple[str, dict]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    # Column-wise to_pylist is one C++ pass per column; zipping the lists is cheaper than table.to_pylist().
-    columns = {name: table.column(name).to_pylist() for name in table.column_names}
+    try:
+        table = pq.read_table(path)
+        # Column-wise to_pylist is one C++ pass per column; zipping the lists is cheaper than table.to_pylist().
+        columns = {name: table.column(name).to_pylist() for name in table.column_names}
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())}): the file is damaged, cut short or "
+                        f"not parquet; export or download it again") from None
     names = list(columns)
     return [(f"row {i}", dict(zip(names, values))) for i, values in enumerate(zip(*columns.values()))]
 
 
+def _decode_line(raw_line: bytes, path: str, line_no: int) -> str:
+    try:
+        return raw_line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: line {line_no}: not UTF-8 (byte {e.start + 1} of the line is "
+                        f"{raw_line[e.start:e.start + 1]!r}): convert the file to UTF-8") from None
+
+
 def _read_jsonl(path: str) -> list[tuple[str, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"row {len(rows)} (line {line_no})"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: {where}: invalid JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: {where}: a JSON {type(row).__name__}, expected an object of columns")
-            rows.append((where, row))
+    try:
+        with open(path, "rb") as f:
+            # Lines are decoded one by one (not by a text-mode file) so that bad bytes are reported with their line.
+            for line_no, raw_line in enumerate(f, start=1):
+                line = _decode_line(raw_line, path, line_no)
+                if not line.strip():
+                    continue
+                where = f"row {len(rows)} (line {line_no})"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: {where}: invalid JSON: {e}") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}: {where}: a JSON {type(row).__name__}, expected an object of columns")
+                rows.append((where, row))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the file ({e.strerror}): check that you may read it") from None
     return rows
+
+
+def _check_path(path: str) -> None:
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a folder, not a data file: give the .parquet or .jsonl file itself")
+    if not os.path.exists(path):
+        where = "" if os.path.isabs(path) else f" (looked for {os.path.abspath(path)})"
+        raise DataError(f"data file not found: {path}{where}: check the path")
 
 
 class RowDataset(Dataset):
     """Map-style dataset over a .parquet or .jsonl file of chat rows; see the module docstring for the format."""
 
     def __init__(self, path: str):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"data file not found: {path}")
+        _check_path(path)
         self.path = path
         if path.endswith(".parquet"):
             raw = _read_parquet(path)
         elif path.endswith(".jsonl"):
             raw = _read_jsonl(path)
         else:
-            raise DataError(f"{path}: unsupported file type (expected .parquet or .jsonl)")
+            raise DataError(f"{path}: unsupported file type: convert it to .parquet or .jsonl")
         if not raw:
             raise DataError(f"{path}: the file holds no rows")
         self._rows = [self._normalize(where, row) for where, row in raw]
@@ -184,7 +215,8 @@ class RowDataset(Dataset):
         try:
             return normalize_row(row)
         except _RowError as e:
-            raise DataError(f"{self.path}: {where}: column {e.column!r}: {e.reason}") from None
+            column = "" if e.column is None else f"column {e.column!r}: "
+            raise DataError(f"{self.path}: {where}: {column}{e.reason}") from None
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -11,11 +11,14 @@
   honouring `Retry-After`. 401/403/404 stop the whole run (wrong key, URL or model: retrying cannot help), and so
   does a connection failure that outlives its retries before the server ever answered (not up, wrong host or port);
   other 4xx fail that prompt only.
+- Before the first request, one probe (`check_reachable`: GET {base_url}/models, a few seconds at most) refuses a
+  wrong host or port, or a server that is not up, at once with `TeacherUnreachable`, instead of after the retries.
 - The API key is read from an environment variable whose *name* is a parameter. It lives in the request headers
   only; it is never printed, logged, cached or shown in `repr`, and error texts are scrubbed of it.
 - The cache is JSONL keyed by sha256 of canonical JSON of (model, messages, sampling parameters) -- never Python's
   `hash()`, which is salted per process. Each answer is appended, flushed and fsynced as it arrives, so a kill
-  loses only the requests in flight and a rerun sends only what is missing.
+  loses only the requests in flight and a rerun sends only what is missing. A damaged line is skipped with a
+  warning and its prompt asked again.
 """
 from __future__ import annotations
 
@@ -103,10 +106,15 @@ class TeacherError(RuntimeError):
         super().__init__(f"prompt {index}: no answer after {attempts} attempt(s); last: {last} ({detail})")
 
 
+class TeacherUnreachable(ConnectionError):
+    """The probe before the first request found nothing at the URL: refused, unknown host, no route, or no answer
+    to the connection in time. The message names the URL."""
+
+
 class TeacherStats:
-    """Thread-safe counters. `sent` counts HTTP requests (attempts); `answered` / `failed` count prompts settled by
-    this run; `cached` counts prompts served from the cache; `retries` counts retries by reason
-    (http_429, http_5xx codes, timeout, connection, malformed_json)."""
+    """Thread-safe counters. `sent` counts chat-completion requests (attempts; not the probe); `answered` / `failed`
+    count prompts settled by this run; `cached` counts prompts served from the cache; `retries` counts retries by
+    reason (http_429, http_5xx codes, timeout, connection, malformed_json)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -167,8 +175,11 @@ class AnswerCache:
     """Append-only JSONL of teacher answers, one record per line, keyed by `cache_key`.
 
     A damaged *last* line is what a crash mid-write leaves: it is ignored with a warning and cut off before the next
-    append (otherwise the next record would be glued onto it and corrupt a good line). A damaged line anywhere else
-    is not a crash artefact and is an error naming the line. Loading never modifies the file (dry runs stay pure).
+    append (otherwise the next record would be glued onto it and corrupt a good line). A damaged line elsewhere
+    (a disk error, two runs writing one cache at once) is skipped with a warning naming it and left in place: its
+    prompt is simply asked again, and the records appended after it are whole lines. A file in which no line is a
+    record is not a cache and is refused (appending answers to it would damage someone else's file). Loading never
+    modifies the file (dry runs stay pure).
     """
 
     REQUIRED = ("key", "content")
@@ -185,10 +196,9 @@ class AnswerCache:
 
     def _load(self) -> None:
         with open(self.path, "rb") as f:
-            data = f.read()
-        lines = data.split(b"\n")
-        # indices of lines holding something; the last of them is allowed to be damaged
-        nonblank = [i for i, line in enumerate(lines) if line.strip()]
+            lines = f.read().split(b"\n")
+        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)   # may be torn by a crash
+        damaged: list[tuple[int, str]] = []      # (line number, reason) of damaged lines before the last one
         offset = 0
         for i, line in enumerate(lines):
             start, offset = offset, offset + len(line) + 1
@@ -197,19 +207,30 @@ class AnswerCache:
             try:
                 record = self._parse(line)
             except ValueError as e:
-                if i != nonblank[-1]:
-                    raise ValueError(f"{self.path}:{i + 1}: damaged cache line ({e}); only the last line may be "
-                                     f"damaged (a crash mid-write). Fix or delete that line.") from e
-                warnings.warn(f"{self.path}:{i + 1}: ignoring a damaged last line ({len(line)} bytes, {e}); "
-                              f"probably a crash mid-write. It will be cut off before the next append.",
-                              RuntimeWarning, stacklevel=3)
-                self._truncate_at = start
+                if i == last:
+                    warnings.warn(f"{self.path}:{i + 1}: ignoring a damaged last line ({len(line)} bytes, {e}); "
+                                  f"probably a crash mid-write. It will be cut off before the next append.",
+                                  RuntimeWarning, stacklevel=3)
+                    self._truncate_at = start
+                else:
+                    damaged.append((i + 1, str(e)))
                 continue
             # a key seen twice (two runs racing on one cache) keeps its first answer
             self._records.setdefault(record["key"], record)
             self._needs_newline = i == len(lines) - 1      # no b"\n" after it
         if self._truncate_at is not None:
             self._needs_newline = False
+        if damaged:
+            self._report_damaged(damaged)
+
+    def _report_damaged(self, damaged: list[tuple[int, str]]) -> None:
+        numbers = ", ".join(str(n) for n, _ in damaged[:10]) + (", ..." if len(damaged) > 10 else "")
+        where = f"{self.path}:{damaged[0][0]}" if len(damaged) == 1 else f"{self.path}: lines {numbers}"
+        if not self._records:
+            raise ValueError(f"{where}: not an answer cache (no line is a cache record; first problem: "
+                             f"{damaged[0][1]}); use a new cache file name or delete this file")
+        warnings.warn(f"{where}: skipping {len(damaged)} damaged cache line(s) ({damaged[0][1]}); their prompts "
+                      f"are asked again. Delete the line(s) to silence this warning.", RuntimeWarning, stacklevel=4)
 
     def _parse(self, line: bytes) -> dict[str, Any]:
         record = json.loads(line.decode("utf-8"))          # UnicodeDecodeError / JSONDecodeError are ValueErrors
@@ -308,6 +329,21 @@ def chat_completions_url(base_url: str) -> str:
     return url + "/v1/chat/completions"
 
 
+def _check_url(url: str) -> None:
+    """A ValueError for a URL httpx could not even try (no scheme, no host), rather than a connection error."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"teacher URL {url!r}: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"teacher URL {url!r} must look like http://HOST:PORT/v1")
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks and runs of spaces as single spaces: error messages are one line."""
+    return " ".join(text.split())
+
+
 def _retry_after_seconds(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after")
     if value is None:
@@ -324,12 +360,18 @@ class TeacherClient:
     def __init__(self, base_url: str, model: str, *, api_key_env: str | None = "OPENAI_API_KEY",
                  params: SamplingParams | None = None, cache: AnswerCache | None = None, concurrency: int = 8,
                  connect_timeout: float = 10.0, read_timeout: float = 600.0, max_retries: int = 5,
-                 backoff_base: float = 1.0, backoff_max: float = 60.0, max_retry_after: float = 300.0):
-        if concurrency < 1 or max_retries < 0 or connect_timeout <= 0 or read_timeout <= 0:
+                 backoff_base: float = 1.0, backoff_max: float = 60.0, max_retry_after: float = 300.0,
+                 probe_timeout: float = 3.0):
+        if concurrency < 1 or max_retries < 0 or min(connect_timeout, read_timeout, probe_timeout) <= 0:
             raise ValueError(f"need concurrency >= 1, max_retries >= 0 and positive timeouts; got concurrency="
-                             f"{concurrency}, max_retries={max_retries}, timeouts={connect_timeout}/{read_timeout}")
+                             f"{concurrency}, max_retries={max_retries}, timeouts={connect_timeout}/{read_timeout}/"
+                             f"{probe_timeout}")
         self.base_url, self.model, self.api_key_env = base_url, model, api_key_env
         self.url = chat_completions_url(base_url)
+        _check_url(self.url)
+        self.models_url = self.url[:-len("/chat/completions")] + "/models"
+        self.connect_timeout, self.probe_timeout = connect_timeout, probe_timeout
+        self._probed = False
         self.params = params or SamplingParams()
         self.cache, self.concurrency, self.max_retries = cache, concurrency, max_retries
         self.backoff_base, self.backoff_max, self.max_retry_after = backoff_base, backoff_max, max_retry_after
@@ -368,6 +410,29 @@ class TeacherClient:
 
     def close(self) -> None:
         self._http.close()
+
+    # -- the probe -----------------------------------------------------------------------------------------------------
+
+    def check_reachable(self) -> None:
+        """One GET {base}/models; TeacherUnreachable when nothing answers the connection. Called by `run` before its
+        first request; call it earlier to refuse a wrong URL before slow set-up work.
+
+        Only the connection is judged, within `probe_timeout` (or the connect timeout, when shorter): a refusal, an
+        unknown host, no route or no answer to the connection means a wrong URL or a server that is not up. A
+        response of any status passes (some servers have no /models, some want another key there), and so does a
+        slow server: a read timeout means something accepted the connection, and the requests' own timeouts and
+        retries take it from there. The body is never read."""
+        timeout = httpx.Timeout(self.probe_timeout, connect=min(self.connect_timeout, self.probe_timeout))
+        try:
+            with self._http.stream("GET", self.models_url, timeout=timeout):
+                pass
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError, httpx.UnsupportedProtocol) as e:
+            raise TeacherUnreachable(f"the teacher at {self.base_url} cannot be reached ({type(e).__name__}: "
+                                     f"{self._scrub(one_line(str(e)))}): is the server up and the URL right?"
+                                     ) from None
+        except httpx.TransportError:
+            pass                 # connected, then slow, closed or garbled: reachable; the requests handle the rest
+        self._probed = True
 
     # -- one prompt ----------------------------------------------------------------------------------------------------
 
@@ -434,8 +499,9 @@ class TeacherClient:
             on_result: Callable[[TeacherAnswer | TeacherError], None] | None = None,
             ) -> list[TeacherAnswer | TeacherError]:
         """Answer every prompt, in order: cached answers first, then at most `concurrency` requests in flight.
-        Each new answer is in the cache before `on_result` sees it. A fatal error (401/403/404, a server never
-        reached) cancels the rest and is raised; every other failure comes back as a TeacherError in its slot."""
+        Each new answer is in the cache before `on_result` sees it. Before the first request the server is probed
+        (`check_reachable`; TeacherUnreachable). A fatal error (401/403/404, a server never reached) cancels the rest
+        and is raised; every other failure comes back as a TeacherError in its slot."""
         plan = plan_requests(self.model, self.params, prompts, self.cache)
         results: list[TeacherAnswer | TeacherError | None] = [None] * len(prompts)
 
@@ -450,6 +516,8 @@ class TeacherClient:
             if key not in to_send:
                 self.stats.add("cached", len(plan.groups[key]))
                 settle(key, TeacherAnswer.from_record(self.cache.get(key), plan.groups[key][0], cached=True))
+        if plan.to_send and not self._probed:
+            self.check_reachable()
         self._send_all(prompts, plan, settle)
         return results  # type: ignore[return-value]  # every slot is filled: cached, answered or failed
 

@@ -4,7 +4,8 @@
     python eval/chat.py --model_path Qwen3-0.6B --device cuda --enable_thinking 1     # interactive
     printf 'What is 2+3?\\nAnd times 4?\\n' | python eval/chat.py --model_path checkpoints/sft
 
-Interactive mode reads one user message per line from stdin until EOF or `exit`; `/reset` clears the conversation.
+Interactive mode reads one user message per line from stdin until EOF (Ctrl-D, exit code 0) or `exit`; `/reset`
+clears the conversation. Ctrl-C stops at once (exit code 130), also in the middle of a reply.
 Replies go to stdout, each followed by a newline, and nothing else does (the "> " prompt goes to stderr, and only
 on a terminal), so piped output is exactly the replies.
 
@@ -17,6 +18,7 @@ part of earlier assistant turns, so the rendered history is not the previous tur
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from collections.abc import Callable
@@ -27,7 +29,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from eval.eval_math import add_model_args, load_for_inference, stop_token_ids  # noqa: E402
+from common.errors import refuse, run_script  # noqa: E402
+from eval.eval_math import add_model_args, load_for_inference, stop_token_ids, validate_model_args  # noqa: E402
 from model import KVCache, Qwen3ForCausalLM  # noqa: E402
 from model.generate import sample_next_token  # noqa: E402
 
@@ -99,13 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
-        parser.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+        refuse(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        refuse(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
-        parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible: pass --device cpu")
+        refuse(f"--top_p must be in (0, 1], got {args.top_p}")
+    validate_model_args(args)
     return args
 
 
@@ -120,15 +122,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         history.append({"role": "user", "content": args.prompt})
         reply(model, tokenizer, history, args, generator)
         return history
-    interactive = sys.stdin.isatty()
+    stdin = sys.stdin or io.StringIO()  # Python sets sys.stdin to None when fd 0 is closed (`<&-`): no input
+    interactive = stdin.isatty()
     while True:
         if interactive:
             sys.stderr.write("> ")  # stderr: piped stdout holds the replies only
             sys.stderr.flush()
-        line = sys.stdin.readline()
-        if not line or line.strip() == "exit":  # "" is EOF; a blank line is "\n"
+        line = stdin.readline()
+        if not line:  # EOF (Ctrl-D); a blank line is "\n"
+            if interactive:
+                sys.stderr.write("\n")  # end on a new line, not after the "> " prompt
             return history
         message = line.strip()
+        if message == "exit":
+            return history
         if message == "/reset":
             history = list(system)
         elif message:
@@ -137,4 +144,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -6,10 +6,14 @@
     python eval/eval_math.py --model_path Qwen3-0.6B --n_samples 8 --temperature 0.6 --top_p 0.95   # pass@k
 
 Writes one JSON line per sample (input order: index, prompt, completion, extracted, ground_truth, correct, reason,
-completion_tokens, eos, and `sample` when n_samples > 1) to --out (default MODEL/eval_<data stem>.jsonl), a JSON
-summary beside it (<out stem>.summary.json), and prints one line:
+completion_tokens, eos, and `sample` when n_samples > 1) to --out, a JSON summary beside it (<out stem>.summary.json),
+and prints one line:
 
     accuracy 0.735 [0.671, 0.790] (147/200) | mean completion 41.2 tokens | eos 98% | 12.3 s
+
+The default --out lies beside the model folder, not inside it (a training run's next save replaces that folder
+whole): `--model_path checkpoints/sft` on the demo set writes checkpoints/sft_eval_eval.jsonl and
+checkpoints/sft_eval_eval.summary.json.
 
 The interval is Wilson's 95% score interval. With n_samples > 1 the summary adds pass@k for k = 1, 2, 4, ..., n
 (the unbiased estimator of Chen et al. 2021, averaged over problems) and mean@n (the mean per-sample accuracy);
@@ -27,7 +31,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -38,8 +41,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from common.errors import UserError, refuse, run_script  # noqa: E402
+from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
@@ -67,15 +73,42 @@ def resolve_dtype(device: str, dtype_name: str | None) -> torch.dtype:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--model_path, --device, --dtype: how eval_math.py and chat.py pick the checkpoint they load."""
     parser.add_argument("--model_path", required=True, help="HF model folder (config, safetensors, tokenizer)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when one is visible)")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES),
                         help="weights dtype (default: bfloat16 on CUDA, float32 on CPU)")
 
 
+def validate_model_args(args: argparse.Namespace) -> None:
+    """Refuse a model folder or a device that cannot work, before anything loads (eval_math.py and chat.py)."""
+    if not os.path.exists(args.model_path):
+        refuse(f"--model_path {args.model_path} does not exist: pass a model folder (config.json, model.safetensors, "
+               f"tokenizer files), e.g. checkpoints/sft")
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        refuse(f"--model_path {args.model_path} is not a model folder: it has no config.json")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        refuse(f"--device {args.device} is not a device these scripts run on: pass cpu, cuda or cuda:N")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and visible == 0:
+        refuse(f"--device {args.device} but no CUDA device is visible: pass --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= visible:
+        refuse(f"--device {args.device} but only {visible} CUDA device(s) are visible: pass cuda:0 ... "
+               f"cuda:{visible - 1}")
+
+
 def load_for_inference(model_path: str, device: str, dtype_name: str | None):
     """-> (model in eval mode, its tokenizer). The tokenizer comes from the model folder (save_pretrained writes it)."""
-    tokenizer = load_tokenizer(model_path)
-    model = load_pretrained(model_path, dtype=resolve_dtype(device, dtype_name), device=device)
+    try:
+        tokenizer = load_tokenizer(model_path)
+        model = load_pretrained(model_path, dtype=resolve_dtype(device, dtype_name), device=device)
+    except UserError:
+        raise  # it names the file and what to do already
+    except (FileNotFoundError, ValueError, SafetensorError) as error:  # a missing or damaged file of the folder
+        raise UserError(f"--model_path {model_path} cannot be loaded: {error}") from error
     return model.eval(), tokenizer
 
 
@@ -256,55 +289,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds the per-(row, sample) sampling generators")
     # grading and output
     parser.add_argument("--grade_timeout", type=float, default=5.0, help="seconds per graded sample")
-    parser.add_argument("--out", default=None, help="per-sample JSONL (default: MODEL/eval_<data stem>.jsonl)")
+    parser.add_argument("--out", default=None,
+                        help="per-sample JSONL (default: beside the model folder, MODEL_eval_<data stem>.jsonl)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
         check_sampling(args.n_samples, args.temperature, args.top_p)
     except ValueError as e:
-        parser.error(str(e))
+        refuse(str(e))
     for name in ("batch_size", "max_new_tokens", "max_prompt_length"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.max_rows < 0:
-        parser.error(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
+        refuse(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
     if not args.grade_timeout > 0:
-        parser.error(f"--grade_timeout must be > 0, got {args.grade_timeout}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible: pass --device cpu")
+        refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
+    validate_model_args(args)
     return args
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Temporary file + rename: an interrupted run never leaves a half-written result that looks complete."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def output_paths(args: argparse.Namespace, data_path: str) -> tuple[str, str]:
-    stem = os.path.splitext(os.path.basename(data_path))[0]
-    out = args.out or os.path.join(args.model_path, f"eval_{stem}.jsonl")
+def output_paths(out: str | None, model_path: str, data_path: str) -> tuple[str, str]:
+    """-> (per-sample JSONL, summary JSON). The default lies beside the model folder, never inside it: a training
+    run's next save replaces that folder whole, and the results would vanish with it."""
+    if out is None:
+        folder = os.path.normpath(model_path)
+        if os.path.basename(folder) in (".", ".."):  # no folder name to build on
+            folder = os.path.abspath(folder)
+        stem = os.path.splitext(os.path.basename(data_path))[0]
+        out = os.path.join(os.path.dirname(folder), f"{os.path.basename(folder)}_eval_{stem}.jsonl")
     return out, os.path.splitext(out)[0] + ".summary.json"
+
+
+def write_text(path: str, text: str) -> None:
+    with atomic_write(path) as f:
+        f.write(text.encode("utf-8"))
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     data_path = args.data_path or ensure_demo_data()["eval"]
+    out_path, summary_path = output_paths(args.out, args.model_path, data_path)
+    check_writable(os.path.dirname(os.path.abspath(out_path)), "the output folder")  # not after an hour of generation
     dataset = RowDataset(data_path)
     rows = [dataset[i] for i in range(len(dataset) if args.max_rows == 0 else min(args.max_rows, len(dataset)))]
     try:
         check_ground_truth(rows)  # before the model loads: a bad file should fail in a second, not a minute
     except ValueError as e:
-        raise SystemExit(f"{data_path}: {e}") from None
+        raise UserError(f"{data_path}: {e}") from None
     torch.manual_seed(args.seed)
     model, tokenizer = load_for_inference(args.model_path, args.device, args.dtype)
     summary, records = evaluate_math(model, tokenizer, rows, batch_size=args.batch_size,
@@ -312,14 +343,13 @@ def main(argv: list[str] | None = None) -> dict:
                                      enable_thinking=bool(args.enable_thinking), n_samples=args.n_samples,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                      grade_timeout=args.grade_timeout, progress=not args.no_progress)
-    out_path, summary_path = output_paths(args, data_path)
     summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args))
-    write_atomic(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    write_atomic(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_text(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     print(format_summary(summary))
     print(f"wrote {out_path} and {summary_path}")
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

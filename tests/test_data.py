@@ -286,7 +286,7 @@ def test_invalid_jsonl_line(tmp_path):
 # ---------------------------------------------------------------- demo data
 
 
-def test_demo_data_disjoint_deterministic_and_loadable(tmp_path, tok):
+def test_demo_data_disjoint_deterministic_and_loadable(tmp_path, tok, capsys):
     splits = build_splits()
     assert splits == build_splits(), "demo data must not depend on anything but the fixed seed"
     questions = {name: {row["prompt"][0]["content"].split("?")[0].split(".")[0].split(" ", 1)[1]
@@ -297,8 +297,11 @@ def test_demo_data_disjoint_deterministic_and_loadable(tmp_path, tok):
 
     paths = ensure_demo_data(str(tmp_path))
     assert set(paths) == {"sft_train", "opd_prompts", "eval"}
+    assert capsys.readouterr().out == f"writing the demo data to {tmp_path} (first use)\n", "first use is not silent"
+    assert sorted(os.listdir(tmp_path)) == ["eval.parquet", "opd_prompts.parquet", "sft_train.parquet"]
     mtime = os.path.getmtime(paths["eval"])
     assert ensure_demo_data(str(tmp_path)) == paths and os.path.getmtime(paths["eval"]) == mtime
+    assert capsys.readouterr().out == ""
     sft, opd, held_out = (RowDataset(paths[k]) for k in ("sft_train", "opd_prompts", "eval"))
     assert len(sft) == 1600 and len(opd) == 512 and len(held_out) == 200
     row = sft[0]

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from common.errors import UserError
 from conftest import ROOT, TINY_CONFIG
 from dataset.sources import RowDataset
 from eval import chat, eval_math
@@ -72,6 +73,28 @@ def test_cli_writes_results_in_input_order_and_summary(setup, capsys):
     assert capsys.readouterr().out.startswith(f"accuracy {correct / len(records):.3f} [")
 
 
+def test_default_output_lies_beside_the_model_folder(setup, capsys):
+    """Not inside it: a training run's next save replaces the model folder whole, results and all."""
+    eval_math.main(["--model_path", setup["model_dir"], "--data_path", setup["data"], "--max_rows", "2",
+                    "--max_new_tokens", "2", "--device", "cpu", "--no_progress"])
+    out, summary = setup["folder"] / "model_eval_problems.jsonl", setup["folder"] / "model_eval_problems.summary.json"
+    assert f"wrote {out} and {summary}" in capsys.readouterr().out
+    save_pretrained(setup["model"], setup["model_dir"])  # what the next save of a training run does
+    assert len(out.read_text().splitlines()) == 2 and json.loads(summary.read_text())["out"] == str(out)
+    assert not [name for name in os.listdir(setup["model_dir"]) if "eval" in name]
+
+
+def test_output_paths():
+    assert eval_math.output_paths(None, "checkpoints/sft", "dataset/demo/eval.parquet") == \
+        ("checkpoints/sft_eval_eval.jsonl", "checkpoints/sft_eval_eval.summary.json")
+    assert eval_math.output_paths(None, "checkpoints/sft/", "d/test.jsonl")[0] == "checkpoints/sft_eval_test.jsonl"
+    assert eval_math.output_paths("r/out.jsonl", "checkpoints/sft", "d/test.jsonl") == ("r/out.jsonl",
+                                                                                       "r/out.summary.json")
+    here = os.path.abspath(".")
+    assert eval_math.output_paths(None, ".", "eval.parquet")[0] == \
+        os.path.join(os.path.dirname(here), f"{os.path.basename(here)}_eval_eval.jsonl")
+
+
 def stub_from(answers: dict[str, str], tokenizer):
     """A complete_batch replacement: the completion is chosen by the question found in the decoded prompt."""
     def complete_batch(model, tok, prompt_ids, prompt_mask, *args, **kwargs):
@@ -127,7 +150,7 @@ def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
     assert summary["mean@4"] == pytest.approx(5 / 12) and summary["eos_share"] == 0.0
     with pytest.raises(ValueError, match="temperature > 0"):
         evaluate_math(setup["model"], setup["tokenizer"], rows_of(setup["data"]), n_samples=4, temperature=0.0)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match="temperature > 0"):
         eval_math.parse_args(["--model_path", "x", "--n_samples", "4"])
 
 
@@ -143,7 +166,7 @@ def test_greedy_is_the_same_across_batch_sizes(setup):
 
 def test_missing_ground_truth_refused(setup, tmp_path):
     path = write_parquet(tmp_path / "partial.parquet", PROBLEMS[:2] + [("What is 1 + 1?", None)] + PROBLEMS[2:])
-    with pytest.raises(SystemExit, match="row 2 has no ground truth"):
+    with pytest.raises(UserError, match="row 2 has no ground truth"):
         eval_math.main(["--model_path", setup["model_dir"], "--data_path", path, "--device", "cpu"])
     with pytest.raises(ValueError, match="row 2 has no ground truth"):
         evaluate_math(setup["model"], setup["tokenizer"], rows_of(path), progress=False)

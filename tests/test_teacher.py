@@ -3,6 +3,7 @@
 
 The fake teacher answers "ANSWER[<prompt>]" and misbehaves on purpose, per prompt and per attempt, following a plan:
 429 + Retry-After, 500, a response stalled past the client's read timeout, a dropped connection, malformed JSON.
+It also answers the client's reachability probe (GET /v1/models), with a chosen status and delay.
 """
 import json
 import os
@@ -19,8 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dataset.teacher import (AnswerCache, SamplingParams, TeacherAnswer, TeacherClient, TeacherError, cache_key,
-                             split_thinking)
+from common.errors import run_script
+from dataset.teacher import (AnswerCache, SamplingParams, TeacherAnswer, TeacherClient, TeacherError,
+                             TeacherUnreachable, cache_key, split_thinking)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "dataset", "teacher_generate.py")
@@ -60,6 +62,8 @@ class FakeTeacher:
         self.delay = delay
         self.plan: dict[str, list[str]] = {}
         self.log: list[tuple[float, str, str]] = []     # (arrival time, prompt, action)
+        self.probes: list[str] = []                     # paths of GET requests (the reachability probe)
+        self.probe_status, self.probe_delay = 200, 0.0
         self.bodies: list[dict] = []
         self.attempts: Counter = Counter()
         self.lock = threading.Lock()
@@ -100,6 +104,15 @@ class FakeTeacher:
 
             def log_message(self, format, *args):   # the default prints every request to stderr
                 return
+
+            def do_GET(self):
+                with teacher.lock:
+                    teacher.probes.append(self.path)
+                time.sleep(teacher.probe_delay)
+                try:
+                    self._send(teacher.probe_status, {"object": "list", "data": [{"id": "fake-teacher"}]})
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True       # the probe gave up on a slow server; that is the point
 
             def do_POST(self):
                 length = int(self.headers["Content-Length"])
@@ -160,9 +173,13 @@ class FakeTeacher:
 
 
 @pytest.fixture
-def teacher(monkeypatch):
+def no_proxy(monkeypatch):
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def teacher(monkeypatch, no_proxy):
     monkeypatch.setenv(KEY_ENV, KEY)
     server = FakeTeacher()
     yield server
@@ -178,6 +195,13 @@ def make_client(teacher: FakeTeacher, cache: AnswerCache | None = None, **kw) ->
 
 def chats(prompts: list[str]) -> list[list[dict]]:
     return [[{"role": "user", "content": p}] for p in prompts]
+
+
+def closed_port_url() -> str:
+    """A URL on 127.0.0.1 where nothing listens: the port is closed again when the socket is."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/v1"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -288,18 +312,38 @@ def test_wrong_key_stops_the_run(teacher, monkeypatch):
     assert len(teacher.log) <= 2 + 2       # the first in flight, maybe one more submitted; never all 20
 
 
-def test_a_server_that_is_not_up_stops_the_run(monkeypatch):
-    # Connection refused on every attempt and the server never answered: a wrong URL or a server not started. The
-    # run stops after the first prompt's retries instead of retrying each of the 50 prompts in turn.
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]           # closed again when the block ends: nothing listens there
-    client = TeacherClient(f"http://127.0.0.1:{port}/v1", "m", api_key_env=None, concurrency=2, max_retries=2,
-                           backoff_base=0.01, connect_timeout=0.5)
-    with client, pytest.raises(TeacherError, match="never answered: is the server up") as info:
+def test_a_server_that_is_not_up_is_refused_by_one_probe(no_proxy):
+    # Connection refused: a wrong URL or a server not started. One probe says so before any request is sent,
+    # instead of each prompt's retries (22-24 s and 42 connection attempts with the CLI's defaults before the probe).
+    url = closed_port_url()
+    client = TeacherClient(url, "m", api_key_env=None, concurrency=2)       # default timeouts and retries
+    started = time.monotonic()
+    with client, pytest.raises(TeacherUnreachable, match="is the server up") as info:
         client.run(chats([f"p{i}" for i in range(50)]))
+    assert time.monotonic() - started < 1.0
+    assert url in str(info.value) and "Connection refused" in str(info.value)
+    assert client.stats.snapshot()["sent"] == 0
+
+
+@pytest.mark.parametrize("status, delay", [(404, 0.0), (200, 1.0)], ids=["no-models-endpoint", "slow"])
+def test_the_probe_passes_any_answer_and_a_slow_server(teacher, status, delay):
+    # A server without /models, or one too busy to answer the probe within its timeout, is reachable: not refused.
+    teacher.probe_status, teacher.probe_delay = status, delay
+    with make_client(teacher, probe_timeout=0.3) as client:
+        first = client.run(chats(["a"]))
+        second = client.run(chats(["b"]))
+    assert first[0].content == answer_for("a") and second[0].content == answer_for("b")
+    assert teacher.probes == ["/v1/models"]          # once per client, before its first request
+
+
+def test_a_server_that_never_answers_a_request_stops_the_run(teacher):
+    # The probe got through but every request's connection is dropped before any answer: after the first prompt's
+    # retries the run stops instead of retrying each of the 50 prompts in turn.
+    prompts = [f"p{i}" for i in range(50)]
+    teacher.plan = {p: ["drop"] * 10 for p in prompts}
+    with make_client(teacher, concurrency=2, max_retries=2) as client:
+        with pytest.raises(TeacherError, match="never answered: is the server up") as info:
+            client.run(chats(prompts))
     assert info.value.fatal and info.value.reason == "connection" and info.value.attempts == 3
     assert client.stats.snapshot()["sent"] <= 2 * 3 + 2     # the first prompts' attempts, never all 50 x 3
 
@@ -315,7 +359,7 @@ def test_a_dropped_connection_after_the_server_answered_fails_one_prompt_only(te
     assert isinstance(dropped, TeacherError) and dropped.reason == "connection" and not dropped.fatal
 
 
-def test_damaged_last_cache_line_is_tolerated_but_not_a_middle_one(tmp_path):
+def test_damaged_last_cache_line_is_cut_off_before_the_next_append(tmp_path):
     path = tmp_path / "cache.jsonl"
     good = [json.dumps({"key": f"k{i}", "content": f"c{i}"}) for i in range(2)]
     path.write_text(good[0] + "\n" + good[1] + "\n" + '{"key": "k2", "cont')      # a crash mid-write
@@ -326,9 +370,29 @@ def test_damaged_last_cache_line_is_tolerated_but_not_a_middle_one(tmp_path):
     cache.close()
     assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == ["k0", "k1", "k3"]
 
-    path.write_text(good[0] + "\n" + "garbage{\n" + good[1] + "\n")
-    with pytest.raises(ValueError, match=r"cache.jsonl:2: damaged cache line"):
-        AnswerCache(str(path))
+
+def test_damaged_middle_cache_line_is_skipped_and_the_cache_stays_usable(tmp_path):
+    path = tmp_path / "cache.jsonl"
+    good = [json.dumps({"key": f"k{i}", "content": f"c{i}"}) for i in range(3)]
+    path.write_text(good[0] + "\n" + "garbage{\n" + good[1] + "\n" + '{"key": "k9"}\n' + good[2])  # no final \n
+    with pytest.warns(RuntimeWarning, match=r"cache.jsonl: lines 2, 4: skipping 2 damaged cache line\(s\)"):
+        cache = AnswerCache(str(path))
+    assert len(cache) == 3 and "k2" in cache and "k9" not in cache      # k9 has no content: its prompt is re-asked
+    cache.put({"key": "k9", "content": "c9"})
+    cache.put({"key": "k4", "content": "c4"})
+    cache.close()
+
+    lines = path.read_text().splitlines()
+    assert lines[1] == "garbage{" and lines[3] == '{"key": "k9"}'        # left in place, not silently destroyed
+    assert [json.loads(x)["key"] for i, x in enumerate(lines) if i not in (1, 3)] == ["k0", "k1", "k2", "k9", "k4"]
+    with pytest.warns(RuntimeWarning, match=r"cache.jsonl: lines 2, 4: skipping"):
+        again = AnswerCache(str(path))
+    assert len(again) == 5 and again.get("k9")["content"] == "c9"
+
+    path.write_text("\n".join(["garbage{", "more garbage", good[0][:9]]))      # someone else's file
+    with pytest.warns(RuntimeWarning, match="damaged last line"):
+        with pytest.raises(ValueError, match=r"cache.jsonl: lines 1, 2: not an answer cache"):
+            AnswerCache(str(path))   # appending answers to it would damage it
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -347,13 +411,15 @@ def cli_args(teacher: FakeTeacher, data: str, out: str, *extra: str) -> list[str
 
 
 def run_cli(capsys, teacher: FakeTeacher, data: str, out: str, *extra: str) -> tuple[int, str, str]:
-    """The CLI's main() in this process (importing torch via dataset.sources once, not per run): (rc, out, err)."""
+    """The CLI's main() in this process (importing torch via dataset.sources once, not per run), under run_script as
+    the script runs it: (exit code, stdout, stderr)."""
     from dataset.teacher_generate import main
 
     capsys.readouterr()
-    rc = main(cli_args(teacher, data, out, *extra))
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(lambda: main(cli_args(teacher, data, out, *extra)))
     captured = capsys.readouterr()
-    return rc, captured.out, captured.err
+    return exit_info.value.code, captured.out, captured.err
 
 
 def start_cli_process(teacher: FakeTeacher, data: str, out: str, *extra: str) -> subprocess.Popen:
@@ -391,7 +457,7 @@ def test_cli_dapo_parquet_failures_left_out_then_filled(teacher, tmp_path, capsy
     assert set(rows[0]) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
     cache_text = (tmp_path / "sft.parquet.cache.jsonl").read_text()
     assert_no_key(stdout, stderr, cache_text, open(out, "rb").read().decode("latin-1"))
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
 
     # the teacher recovers: a rerun sends the failed prompt only (truncated / empty answers are cached, not re-asked)
     teacher.plan = {}
@@ -479,3 +545,99 @@ def test_cli_sigkill_then_rerun_loses_and_repeats_nothing(teacher, tmp_path):
     keys = [json.loads(line)["key"] for line in cache_path.read_text().splitlines()]
     assert len(keys) == len(set(keys)) == 40
     assert_no_key(stderr, rerun.stdout, rerun.stderr, cache_path.read_text(), repr(teacher.log))
+
+
+def test_cli_damaged_middle_cache_line_reasks_its_prompt(teacher, tmp_path, capsys):
+    prompts = [f"Compute {i} - 1" for i in range(4)]
+    data, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "sft.parquet")
+    cache_path = tmp_path / "sft.parquet.cache.jsonl"
+    pq.write_table(pa.Table.from_pylist(dapo_rows(prompts)), data)
+    assert run_cli(capsys, teacher, data, out, "--concurrency", "1")[0] == 0
+    lines = cache_path.read_text().splitlines()
+    lost = json.loads(lines[1])["messages"][0]["content"]
+    lines[1] = lines[1][:40] + "\x00garbled"         # a disk error in the middle of the file
+    cache_path.write_text("\n".join(lines) + "\n")
+
+    mark = len(teacher.log)
+    rc, _, err = run_cli(capsys, teacher, data, out)
+    assert rc == 0, err
+    assert f"teacher: warning: {cache_path}:2: skipping 1 damaged cache line(s)" in err
+    assert teacher.prompts_sent(mark) == [lost]
+    assert [r["prompt"][1]["content"] for r in pq.read_table(out).to_pylist()] == [answer_for(p) for p in prompts]
+
+
+def test_cli_damaged_data_file_is_one_line(teacher, tmp_path, capsys):
+    data, out = tmp_path / "prompts.parquet", str(tmp_path / "sft.parquet")
+    data.write_bytes(b"PAR1 this is not parquet")
+    rc, _, err = run_cli(capsys, teacher, str(data), out)
+    assert rc == 2 and err.startswith(f"error: --data_path {data}") and err.count("\n") == 1, err
+    assert teacher.log == [] and not os.path.exists(out)
+
+
+# every refusal before the first request: (extra CLI arguments or replacements, exit code, what the line says)
+START_UP_FAILURES = {
+    "missing-data-file": ({"--data_path": "{tmp}/nothing.parquet"}, 2, "--data_path {tmp}/nothing.parquet: no such"),
+    "missing-flag": ({"--model": None}, 2, "the following arguments are required: --model"),
+    "bad-flag": ({"--concurrency": "0"}, 2, "--concurrency must be >= 1"),
+    "bad-sampling": ({"--temperature": "-1"}, 2, "temperature=-1.0 must be >= 0"),
+    "unset-key": ({"--api_key_env": "TEACHER_TEST_UNSET_KEY"}, 2, "TEACHER_TEST_UNSET_KEY is not set"),
+    "url-without-scheme": ({"--base_url": "127.0.0.1:8000/v1"}, 2, "must look like http://HOST:PORT/v1"),
+    # a folder that cannot be made: its parent is a regular file (permission bits would not stop root)
+    "unwritable-out": ({"--out": "{tmp}/a_file/sft.parquet"}, 2, "the --out folder {tmp}/a_file is not writable"),
+    "unwritable-cache": ({"--cache": "{tmp}/a_file/c.jsonl"}, 2, "the --cache folder {tmp}/a_file is not writable"),
+}
+
+
+@pytest.mark.parametrize("case", list(START_UP_FAILURES))
+def test_cli_start_up_failure_is_one_line_and_sends_nothing(teacher, tmp_path, case):
+    changes, code, says = START_UP_FAILURES[case]
+    data, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "sft.parquet")
+    pq.write_table(pa.Table.from_pylist(dapo_rows(["1 + 1?"])), data)
+    (tmp_path / "a_file").write_text("a regular file")
+    args = cli_args(teacher, data, out)
+    for flag, value in changes.items():
+        i = args.index(flag) if flag in args else len(args)
+        args[i:i + 2] = [] if value is None else [flag, value.format(tmp=tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "TEACHER_TEST_UNSET_KEY"}
+    proc = subprocess.run([sys.executable, CLI, *args], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert says.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
+    assert teacher.log == [] and teacher.probes == []      # no request, not even the probe: no paid answer lost
+    assert not os.path.exists(out)
+
+
+def test_cli_unreachable_server_is_refused_in_seconds_with_default_flags(no_proxy, tmp_path):
+    url = closed_port_url()
+    data, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "sft.parquet")
+    pq.write_table(pa.Table.from_pylist(dapo_rows([f"q{i}" for i in range(20)])), data)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, CLI, "--data_path", data, "--out", out, "--base_url", url, "--model", "m",
+                           "--api_key_env", KEY_ENV], env={**os.environ, KEY_ENV: KEY}, capture_output=True,
+                          text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: the teacher at {url} cannot be reached"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert elapsed < 5.0, f"{elapsed:.1f} s to refuse an unreachable server"
+    assert not os.path.exists(out)
+
+
+def test_cli_ctrl_c_says_the_answers_are_cached(teacher, tmp_path):
+    teacher.delay = 0.1
+    prompts = [f"Problem #{i}" for i in range(40)]
+    data, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "sft.parquet")
+    cache_path = tmp_path / "sft.parquet.cache.jsonl"
+    pq.write_table(pa.Table.from_pylist(dapo_rows(prompts)), data)
+
+    proc = start_cli_process(teacher, data, out, "--concurrency", "2")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (cache_path.exists() and cache_path.read_text().count("\n") >= 4):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=10)
+    assert proc.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted: the ") and f"answers so far are in {cache_path}" in last, stderr
+    assert "run the same command again to continue" in last and "Traceback" not in stderr
+    assert not os.path.exists(out)

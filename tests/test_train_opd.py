@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from common.errors import UserError
 from dataset.collators import PromptCollator, build_sequences
 from dataset.sources import RowDataset
 from loop_helpers import loop_args, max_weight_diff, metrics, weights
@@ -112,7 +113,7 @@ def test_mismatched_tokenizers_are_refused(tiny_config_path, chat_jsonl, teacher
     tokenizer_json["added_tokens"][-1]["content"] = "<|a_token_only_the_teacher_has|>"
     with open(os.path.join(teacher_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(tokenizer_json, f)
-    with pytest.raises(SystemExit, match="tokenizer .* differs"):
+    with pytest.raises(UserError, match="tokenizer .* differs"):
         train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, max_steps=1))
 
 
@@ -123,14 +124,14 @@ def test_mismatched_tokenizers_are_refused(tiny_config_path, chat_jsonl, teacher
     ({"max_new_tokens": 80}, "max_new_tokens"),
 ])
 def test_impossible_flags_are_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path, flags, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UserError, match=message):
         train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, **flags))
 
 
 def test_lmbda_below_one_needs_completions(tiny_config_path, teacher_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}) + "\n")
-    with pytest.raises(SystemExit, match="no assistant turn"):
+    with pytest.raises(UserError, match="no assistant turn"):
         train_opd(opd_args(tiny_config_path, str(prompts), tmp_path, teacher_dir, lmbda=0.5))
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from conftest import write_chat_jsonl
 from loop_helpers import loop_args, metrics
+from common.errors import UserError
 from dataset.collators import SFTCollator
 from dataset.sources import RowDataset
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
@@ -62,17 +63,17 @@ def test_damaged_checkpoint_is_a_clear_error(tiny_config_path, chat_jsonl, tmp_p
     resume_path = tmp_path / "sft_resume.pt"
     data = resume_path.read_bytes()
     resume_path.write_bytes(data[:len(data) // 2])
-    with pytest.raises(RuntimeError, match="damaged"):
+    with pytest.raises(UserError, match="damaged"):
         train_sft(args + ["--from_resume", "1"])
     assert resume_path.read_bytes() == data[:len(data) // 2], "a failed resume must not touch the checkpoint"
 
 
 def test_checkpoint_of_another_configuration_is_refused(tiny_config_path, chat_jsonl, tmp_path):
     train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1))
-    with pytest.raises(RuntimeError, match="learning_rate"):
+    with pytest.raises(UserError, match="learning_rate"):
         train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1, learning_rate=0.5,
                            from_resume=1))
-    with pytest.raises(RuntimeError, match="global batch"):
+    with pytest.raises(UserError, match="global batch"):
         train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=1, from_resume=1))
 
 
@@ -94,5 +95,5 @@ def test_swanlab_offline_run_is_resumed_under_the_same_id(tiny_config_path, chat
     (["--warmup_ratio", "1.5"], "warmup_ratio"),
 ])
 def test_impossible_flags_are_refused_up_front(tiny_config_path, chat_jsonl, tmp_path, flags, message, capsys):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UserError, match=message):
         train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path) + flags)

@@ -10,7 +10,7 @@ Two layers:
 * `chunked_loss` and its wrappers compute the same sums from final hidden states, projecting through the
   lm_head a chunk of positions at a time and recomputing each chunk in backward, so the (N, V) logits never
   exist in full. The wrappers return sums plus token counts: the training skeleton divides by the token count
-  of the whole accumulation window and all ranks (DESIGN.md, "Exact loss normalisation").
+  of the whole accumulation window and all ranks (docs/architecture.md, "Invariant 1: exact token normalisation").
 
 Every loss is accumulated in fp32 even for bf16/fp16 inputs, and the teacher is always a constant.
 """

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from common.errors import refuse, run_script
 from eval.heldout import HeldoutEvaluator
 from trainer.losses import chunked_loss, distillation_loss, sft_loss
 from trainer.trainer_utils import (ROOT, Run, add_common_args, add_teacher_args, build_model, completion_hidden,
@@ -39,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     validate_common_args(args)
     resolve_teacher_path(args)
     if not 0.0 <= args.alpha <= 1.0:
-        raise SystemExit(f"argument error: --alpha must be in [0, 1], got {args.alpha}")
+        refuse(f"--alpha must be in [0, 1], got {args.alpha}")
     return args
 
 
@@ -78,4 +79,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from dataset.collators import PromptCollator, SFTCollator, build_sequences
+from common.errors import refuse, run_script
+from dataset.collators import PromptCollator, SFTCollator, build_sequences, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from eval.heldout import HeldoutEvaluator
@@ -56,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.model_path and not args.model_config:
         args.model_path = os.path.join(args.save_dir, "kd")  # the KD quick-start's student
         if not os.path.isfile(os.path.join(args.model_path, "config.json")):
-            raise SystemExit(f"argument error: no student at {args.model_path}: run `python trainer/train_sft.py && "
-                             f"python trainer/train_distillation.py` first, or pass --model_path / --model_config")
+            refuse(f"no student at {args.model_path}: run `python trainer/train_sft.py && python "
+                   f"trainer/train_distillation.py` first, or pass --model_path / --model_config")
     validate_common_args(args)
     resolve_teacher_path(args)
     validate_opd_args(args)
@@ -65,8 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def validate_opd_args(args: argparse.Namespace) -> None:
-    def refuse(message: str):
-        raise SystemExit(f"argument error: {message}")
     if not 0.0 <= args.lmbda <= 1.0 or not 0.0 <= args.beta <= 1.0:
         refuse(f"--lmbda ({args.lmbda}) and --beta ({args.beta}) must be in [0, 1]")
     if args.loss == "sampled_kl" and args.lmbda < 1.0:
@@ -77,14 +76,13 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"<= --max_length ({args.max_length}): raise --max_length or lower one of the budgets")
     if args.gen_temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
         refuse("--gen_temperature must be > 0, --top_p in (0, 1], --top_k >= 0")
-
-
-def refuse_prompt_only_data(dataset: RowDataset, path: str) -> None:
-    """With lmbda < 1 some batches train on the dataset's completions: every row must have one."""
-    for index in range(len(dataset)):
-        if not any(turn["role"] == "assistant" for turn in dataset[index]["messages"]):
-            raise SystemExit(f"argument error: --lmbda < 1 distils the dataset's own completions, but {path} row "
-                             f"{index} has no assistant turn: use --lmbda 1 or a dataset with completions")
+    if args.loss == "sampled_kl" and (args.gen_temperature != args.temperature or args.top_k or args.top_p < 1.0):
+        # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
+        # temperature-scaled, untruncated student distribution
+        refuse(f"--loss sampled_kl estimates the reverse KL of the student at --temperature {args.temperature} from "
+               f"its own samples, so it needs --gen_temperature {args.temperature} --top_k 0 --top_p 1 (got "
+               f"--gen_temperature {args.gen_temperature} --top_k {args.top_k} --top_p {args.top_p}: a biased "
+               f"estimate); use --loss jsd to sample differently")
 
 
 def rollout(run: Run, args: argparse.Namespace, tokenizer, sft_collator: SFTCollator, batch: dict, epoch: int,
@@ -147,10 +145,11 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(tokenizer_dir)
     data_path = args.data_path or ensure_demo_data()["opd_prompts"]
     dataset = RowDataset(data_path)
-    if args.lmbda < 1.0:
-        refuse_prompt_only_data(dataset, data_path)
     prompt_collator = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
     sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
+    validate_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0,
+                  progress=int(os.environ.get("RANK", 0)) == 0)
     student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, student, dataset, prompt_collator, tokenizer_dir)
     teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
@@ -176,4 +175,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

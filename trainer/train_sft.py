@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.errors import run_script
 from eval.heldout import HeldoutEvaluator
 from trainer.losses import chunked_sft_loss
 from trainer.trainer_utils import (Run, add_common_args, build_model, completion_hidden, load_sft_data,
@@ -57,4 +58,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

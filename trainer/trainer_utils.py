@@ -6,7 +6,7 @@ window and all ranks, gradient clipping, logging (console, metrics.jsonl, swanla
 HF export. What does not: collation, generation, forward passes and losses -- those are the algorithm, and each
 script spells them out.
 
-The normalisation invariant (DESIGN.md): an optimizer step's gradient is the gradient of
+The normalisation invariant (docs/architecture.md): an optimizer step's gradient is the gradient of
     (sum of token losses over the whole accumulation window and all ranks) / (number of loss tokens in it).
 Every micro-step backwards its *summed* loss; at the end of the window the token count is all-reduced and the
 gradients are scaled once, before clipping. A mean per micro-batch divided by accumulation_steps would weight a
@@ -15,12 +15,17 @@ short completion's tokens more than a long one's, and a short tail window would 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import ctypes
 import hashlib
 import json
 import math
 import os
 import random
+import signal
+import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -30,7 +35,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from dataset.collators import SFTCollator
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped, UserError, refuse
+from common.files import (atomic_write, check_free_space, check_writable, raise_disk_error,
+                          remove_stale_temporaries)
+from dataset.collators import SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
@@ -46,7 +54,7 @@ CHECKPOINT_FORMAT = 1
 # arguments
 
 def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
-    """The flags every loop shares (DESIGN.md "CLI"); each script adds its own algorithm's flags."""
+    """The flags every loop shares (README.md, "Flags shared by the three loops"); each script adds its own algorithm's flags."""
     g = parser.add_argument_group("model")
     g.add_argument("--model_path", default=None, help="HF folder to start from (config.json + safetensors)")
     g.add_argument("--model_config", default=None,
@@ -90,6 +98,8 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
     g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
                    help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
+    g.add_argument("--start_over", type=int, default=0, choices=[0, 1],
+                   help="1: move an existing run of this name aside (SAVE_DIR/NAME.replaced-TIME/) and start anew")
     g = parser.add_argument_group("logging")
     g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between log lines")
     g.add_argument("--use_swanlab", type=int, default=0, choices=[0, 1])
@@ -100,9 +110,6 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
 
 def validate_common_args(args: argparse.Namespace) -> None:
     """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
-    def refuse(message: str):
-        raise SystemExit(f"argument error: {message}")
-
     if args.model_path and args.model_config:
         refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
     for name in ("epochs", "batch_size", "accumulation_steps", "max_length", "max_prompt_length",
@@ -122,9 +129,13 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse("--max_steps and --grad_clip must be >= 0")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         refuse("--device cuda but no CUDA device is visible: pass --device cpu")
-    for path in (args.model_path, args.model_config, args.data_path, args.eval_data_path):
+    for flag in ("model_path", "model_config", "data_path", "eval_data_path", "tokenizer_path"):
+        path = getattr(args, flag)
         if path and not os.path.exists(path):
-            refuse(f"{path} does not exist")
+            refuse(f"--{flag} {path} does not exist")
+    if args.from_resume and args.start_over:
+        refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
+    check_writable(args.save_dir, "--save_dir")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,11 +184,24 @@ def init_distributed_mode(device: str) -> DistInfo:
     if "RANK" not in os.environ:
         return DistInfo(device=device)
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    die_with_launcher()
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def die_with_launcher() -> None:
+    """torchrun starts each worker in a session of its own, so a launcher killed with SIGKILL leaves its workers
+    training on, into the folder a rerun will use. On Linux the kernel is asked to kill a worker when its launcher
+    dies (PR_SET_PDEATHSIG); a launcher that died before the request was made is noticed by the parent PID."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if parent == 1 or os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def autocast_context(device: str, dtype_name: str):
@@ -218,6 +242,8 @@ def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, 
     tokenizer = load_tokenizer(tokenizer_dir)
     dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
     collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    # every row rendered as the collator will, before the model is built: a bad row stops the run now, not hours in
+    validate_rows(dataset, collator, need_completion=True, progress=int(os.environ.get("RANK", 0)) == 0)
     return tokenizer_dir, tokenizer, dataset, collator
 
 
@@ -233,10 +259,10 @@ def resolve_teacher_path(args: argparse.Namespace) -> None:
     if args.teacher_path is None:
         args.teacher_path = os.path.join(args.save_dir, "sft")
     if not os.path.isfile(os.path.join(args.teacher_path, "config.json")):
-        raise SystemExit(f"argument error: no teacher model at {args.teacher_path}: run `python trainer/train_sft.py` "
-                         f"first (it writes checkpoints/sft/), or pass --teacher_path")
+        refuse(f"no teacher model at {args.teacher_path}: run `python trainer/train_sft.py` first (it writes "
+               f"checkpoints/sft/), or pass --teacher_path")
     if args.temperature <= 0:
-        raise SystemExit(f"argument error: --temperature must be > 0, got {args.temperature}")
+        refuse(f"--temperature must be > 0, got {args.temperature}")
 
 
 def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -249,14 +275,14 @@ def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, 
         else None
     teacher_tokenizer = load_tokenizer(teacher_tokenizer_dir)
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"argument error: the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the "
-                         f"student's ({tokenizer.folder}); token-level distillation needs the same vocabulary")
+        refuse(f"the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the student's "
+               f"({tokenizer.folder}); token-level distillation needs the same vocabulary")
     dtype = DTYPES[args.dtype] if device.startswith("cuda") else torch.float32
     teacher = load_pretrained(args.teacher_path, dtype=dtype, device=device)
     for name, model in (("student", student), ("teacher", teacher)):
         if model.config.vocab_size < len(tokenizer):
-            raise SystemExit(f"argument error: the {name}'s embedding has {model.config.vocab_size} rows, fewer "
-                             f"than the tokenizer's {len(tokenizer)} tokens")
+            refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
+                   f"{len(tokenizer)} tokens")
     teacher.eval().requires_grad_(False)
     return teacher
 
@@ -324,17 +350,25 @@ class Run:
             self.total_steps = min(self.total_steps, args.max_steps)
         self.warmup_steps = int(args.warmup_ratio * self.total_steps)
 
-        os.makedirs(args.save_dir, exist_ok=True)
         self.out_prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.out_prefix}_resume.pt"
+        self.metrics_path = f"{self.out_prefix}_metrics.jsonl"
+        self.lock = RunLock(f"{self.out_prefix}.lock") if self.dist.is_main else None
+        self.prepare_save_dir()
         self.state = RunState()
         if args.from_resume:
-            self.resume()
+            try:
+                self.resume()
+            except BaseException:
+                if self.lock:
+                    self.lock.release()  # a refused resume leaves the folder as it found it
+                raise
         self.tracker = init_tracker(args, self.state, self.dist.is_main)
-        self.metrics_file = open_metrics(f"{self.out_prefix}_metrics.jsonl", self.state.step) \
-            if self.dist.is_main else None
+        self.metrics_file = open_metrics(self.metrics_path, self.state.step) if self.dist.is_main else None
         self.window_sums: dict[str, torch.Tensor] = {}
         self.done = self.state.step >= self.total_steps
+        self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
+        self.stop_request = StopRequest(self)
         self.timer = StepTimer()
         print0(f"world {self.dist.world_size} x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
                f"global batch {self.global_batch} | {len(dataset)} rows | {self.steps_per_epoch} steps/epoch | "
@@ -403,7 +437,7 @@ class Run:
     def optimizer_step(self, log_extra: dict | None = None) -> dict:
         """Exact normalisation over the window and all ranks, clip, step, log, checkpoint. Returns the metrics."""
         args, state = self.args, self.state
-        totals = self.reduce_window_sums()
+        totals, stop_signal = self.reduce_window_sums()
         global_tokens = totals["tokens"]
         lr = get_lr(state.step, self.total_steps, args.learning_rate, self.warmup_steps)
         for group in self.optimizer.param_groups:
@@ -416,7 +450,7 @@ class Run:
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm))
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
-            raise FloatingPointError(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); stopping "
+            raise RuntimeFailure(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); stopping "
                                      f"before it reaches the weights. Lower --learning_rate or check the data.")
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -429,14 +463,21 @@ class Run:
         self.window_sums = {}
         self.log(metrics)
         self.done = state.step >= self.total_steps
-        if state.step % args.save_interval == 0 or self.done:
+        if state.step % args.save_interval == 0 or self.done or stop_signal:
             self.save()
+        if stop_signal and not self.done:
+            self.stop(stop_signal)
         return metrics
 
-    def reduce_window_sums(self) -> dict[str, float]:
+    def reduce_window_sums(self) -> tuple[dict[str, float], int]:
+        """The window's sums over all ranks, and the stop signal any rank received (0: none) -- in one all-reduce,
+        so that every rank stops after the same step even when the signal reached only some of them."""
         names = sorted(self.window_sums)
-        local = torch.stack([self.window_sums[name] for name in names])
-        return dict(zip(names, all_reduce_sum(local, self.dist).tolist()))
+        local = torch.stack([self.window_sums[name] for name in names]
+                            + [torch.tensor(float(self.stop_request.signal), dtype=torch.float64, device=self.device)])
+        reduced = all_reduce_sum(local, self.dist).tolist()
+        stop = self.stop_request.signal or (signal.SIGTERM if reduced[-1] else 0)
+        return dict(zip(names, reduced[:-1])), int(stop)
 
     def window_metrics(self, totals: dict[str, float], lr: float, grad_norm: float) -> dict:
         tokens = totals.pop("tokens")
@@ -483,7 +524,10 @@ class Run:
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Resume state (every rank's RNG gathered to rank 0) and the HF folder, written by rank 0 alone."""
+        """The HF folder, then the resume checkpoint (every rank's RNG gathered to rank 0), written by rank 0.
+
+        The resume file is the commit point: it is written last, so whenever it says step N the export of step N is
+        complete, and a run killed during an export resumes from the previous checkpoint and exports again."""
         rng = collect_rng_states(self.dist)
         if self.dist.is_main:
             checkpoint = {
@@ -497,10 +541,56 @@ class Run:
                 "world_size": self.dist.world_size, "swanlab_run_id": self.state.swanlab_run_id,
                 "args": vars(self.args), "rng": rng,
             }
-            atomic_torch_save(checkpoint, self.resume_path)
-            save_pretrained(self.raw_model, self.out_prefix, tokenizer_dir=self.tokenizer_dir)
+            check_free_space(self.args.save_dir, self.expected_save_bytes(), f"the checkpoint of step {self.state.step}")
+            try:
+                save_pretrained(self.raw_model, self.out_prefix, tokenizer_dir=self.tokenizer_dir)
+                with atomic_write(self.resume_path) as f:
+                    torch.save(checkpoint, f)
+            except (OSError, RuntimeError) as error:
+                # torch.save reports a failed write as RuntimeError("unexpected pos ...") raised while handling it
+                cause = error if isinstance(error, OSError) else error.__context__
+                if not isinstance(cause, OSError):
+                    raise
+                raise_disk_error(cause, f"the checkpoint of step {self.state.step} to {self.args.save_dir} (the "
+                                        f"previous checkpoint is intact)")
+        self.saved_step = self.state.step
         if self.dist.enabled:
             dist.barrier()
+
+    def expected_save_bytes(self) -> int:
+        """Resume file (fp32 weights and AdamW's two moments) plus the HF export, both held beside the old ones."""
+        weights = sum(p.numel() for p in self.raw_model.parameters())
+        export = sum(p.numel() * p.element_size() for p in self.raw_model.parameters())
+        return 3 * 4 * weights + export
+
+    def prepare_save_dir(self) -> None:
+        """Rank 0, before anything is written: take the run lock, refuse to start over a run by accident (or set it
+        aside when asked), and remove what killed runs of this name left half-written."""
+        if not self.dist.is_main:
+            return
+        self.lock.acquire()
+        if os.path.exists(self.resume_path) and not self.args.from_resume:
+            if not self.args.start_over:
+                self.lock.release()
+                raise UserError(f"{self.resume_path} holds a run of this name: continue it with --from_resume 1, or "
+                                f"pass --start_over 1 to move its files aside and start anew (or another --save_weight)")
+            aside = f"{self.out_prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.makedirs(aside)
+            for path in (self.out_prefix, self.resume_path, self.metrics_path):
+                if os.path.exists(path):
+                    os.replace(path, os.path.join(aside, os.path.basename(path)))
+            print0(f"--start_over 1: the previous run's files are in {aside}/")
+        for path in (self.out_prefix, self.resume_path, self.metrics_path):
+            for stale in remove_stale_temporaries(path):
+                print0(f"removed {stale}, left half-written by a run that was killed")
+
+    def stop(self, signum: int) -> None:
+        """End the run after a stop signal, with the checkpoint of this step written."""
+        name = signal.Signals(signum).name
+        message = (f"stopped by {name} after step {self.state.step}: checkpoint {self.resume_path}; continue with "
+                   f"the same command and --from_resume 1")
+        self.close()
+        raise Stopped(message, EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED)
 
     def resume(self) -> None:
         if not os.path.exists(self.resume_path):
@@ -519,15 +609,27 @@ class Run:
                f"{self.state.samples_in_epoch} samples into the epoch (saved by {checkpoint['world_size']} ranks)")
 
     def finish(self) -> None:
-        self.tracker.finish()
-        if self.metrics_file:
-            self.metrics_file.close()
+        self.close()
         print0(f"done: {self.state.step} steps in {format_seconds(self.timer.elapsed())}"
                + (f", peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
                   if self.device.startswith("cuda") else "") + f" -> {self.out_prefix}/")
+
+    def close(self) -> None:
+        """Flush the logs, give back the lock, the signal handlers and the process group."""
+        self.stop_request.restore()
+        self.tracker.finish()
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.lock:
+            self.lock.release()
         if self.dist.enabled:
             dist.barrier()
             dist.destroy_process_group()
+
+    def last_checkpoint(self) -> str:
+        if self.saved_step is None:
+            return "no checkpoint yet"
+        return f"last checkpoint {self.resume_path} (step {self.saved_step})"
 
 
 def open_metrics(path: str, resumed_step: int):
@@ -542,26 +644,11 @@ def open_metrics(path: str, resumed_step: int):
     return open(path, "a", encoding="utf-8")
 
 
-def atomic_torch_save(obj, path: str) -> None:
-    """Temporary file in the same folder, fsync, os.replace: a kill mid-write leaves the previous file intact."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 # Flags that may differ on resume: they change how the run is executed or logged, not what it computes.
 RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
                      "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
                      "gradient_checkpointing", "max_steps", "eval_interval", "eval_rows", "eval_data_path",
-                     "eval_max_new_tokens", "save_dir"}
+                     "eval_max_new_tokens", "save_dir", "start_over"}
 
 
 def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:
@@ -569,24 +656,25 @@ def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, mode
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # torch raises several types for a truncated or corrupt zip; all mean the same
-        raise RuntimeError(f"{path} is damaged and cannot be read ({type(error).__name__}: {error}). Delete it to "
-                           f"start from scratch, or restore it from a backup.") from error
+        raise UserError(f"{path} is damaged and cannot be read ({type(error).__name__}: {str(error)[:120]}). Restore "
+                        f"it from a backup, or pass --start_over 1 (without --from_resume) to set it aside and start "
+                        f"anew") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise RuntimeError(f"{path} is not a resume checkpoint of this project (format "
-                           f"{checkpoint.get('format') if isinstance(checkpoint, dict) else type(checkpoint)})")
+        raise UserError(f"{path} is not a resume checkpoint of this project (format "
+                        f"{checkpoint.get('format') if isinstance(checkpoint, dict) else type(checkpoint).__name__})")
     if checkpoint["model_config"] != model.config.to_hf_dict():
-        raise RuntimeError(f"{path} was written for another model configuration; resume with the same "
-                           f"--model_path/--model_config, or use another --save_weight")
+        raise UserError(f"{path} was written for another model configuration; resume with the same "
+                        f"--model_path/--model_config, or use another --save_weight")
     saved = checkpoint["args"]
     changed = {k: (saved.get(k), v) for k, v in vars(args).items()
                if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
     if changed:
         details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        raise RuntimeError(f"{path} was written with other settings ({details}); resume with the original flags "
-                           f"or use another --save_weight")
+        raise UserError(f"{path} was written with other settings ({details}); resume with the original flags "
+                        f"or use another --save_weight")
     if checkpoint["global_batch"] != global_batch:
-        raise RuntimeError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
-                           f"now {global_batch}; keep the global batch to continue the same sample stream")
+        raise UserError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
+                        f"now {global_batch}; keep the global batch to continue the same sample stream")
     return checkpoint
 
 
@@ -612,6 +700,100 @@ def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one run per name, and a graceful stop on a signal
+
+def _process_start_time(pid: int) -> str | None:
+    """The kernel's start time of a running process (Linux), None when there is none: tells a live lock holder from
+    a new process that reuses its PID. A zombie (killed, not yet reaped) does not run."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+class RunLock:
+    """`SAVE_DIR/NAME.lock` (host, PID): a second run with the same name is refused, naming the holder. A lock left
+    by a process that no longer runs on this host is taken over with a message; one from another host (a shared
+    file system) is never guessed about."""
+
+    def __init__(self, path: str):
+        self.path, self.held = path, False
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start_time(os.getpid())}
+
+    def acquire(self) -> None:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                self.take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.me, f)
+            self.held = True
+            atexit.register(self.release)  # a run that fails on an exception gives it back too; SIGKILL cannot
+            return
+        raise UserError(f"cannot take the run lock {self.path}: it keeps reappearing (another run is starting?)")
+
+    def take_over_if_stale(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            holder = {}  # half-written by a process killed while taking it: nobody holds it
+        same_host = holder.get("host") == self.me["host"]
+        pid = holder.get("pid")
+        alive = isinstance(pid, int) and _process_start_time(pid) is not None \
+            and _process_start_time(pid) == holder.get("start")
+        if holder and not same_host:
+            raise UserError(f"{self.path}: a run of this name is held by PID {pid} on host {holder.get('host')}; "
+                            f"wait for it or stop it, use another --save_weight, or delete the lock file if that "
+                            f"run is gone")
+        if alive and pid != os.getpid():
+            raise UserError(f"{self.path}: a run of this name is in progress (PID {pid} on this host); wait for it "
+                            f"or stop it (kill {pid}), or use another --save_weight")
+        if holder and pid != os.getpid():
+            print0(f"taking over {self.path}: its run (PID {pid}) is no longer running")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (a scheduler's preemption notice) and Ctrl-C: note the signal; the run finishes the current
+    optimizer step on every rank, saves and stops (`Run.optimizer_step`). A second Ctrl-C stops at once, saying
+    where the last checkpoint is."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, run: "Run"):
+        self.run, self.signal = run, 0
+        self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            self.restore()
+            raise Stopped(f"interrupted at step {self.run.state.step}: {self.run.last_checkpoint()}; continue with "
+                          f"the same command and --from_resume 1", EXIT_INTERRUPTED)
+        if self.signal:
+            return
+        self.signal = signum
+        print0(f"\n{signal.Signals(signum).name}: finishing step {self.run.state.step + 1}, then saving and stopping"
+               + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""))
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
 
 
 # ----------------------------------------------------------------------------------------------------------------

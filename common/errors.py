@@ -1,0 +1,87 @@
+"""One convention for failures, used by every script.
+
+A user error -- a bad flag, a missing or damaged file, a bad row, an unwritable folder -- is a `UserError`: the
+script prints one line (`error: ...`, naming the file / row / column / flag and what to do) and exits with code 2.
+A failure of the environment -- a server that is down, a full disk -- is a `RuntimeFailure`: one line, exit code 1.
+No traceback in either case; set DISTILL_TRACEBACK=1 to see one while debugging.
+
+Exit codes (also in the README, "When things go wrong"):
+    0    done
+    1    runtime failure (server, disk, non-finite loss, ...)
+    2    usage or data error
+    75   stopped on SIGTERM / SIGUSR1 (preemption notice) after saving a resume checkpoint: rerun with --from_resume 1
+    130  interrupted with Ctrl-C (SIGINT)
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+EXIT_RUNTIME, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 75, 130
+TRACEBACK_ENV = "DISTILL_TRACEBACK"
+
+
+class UserError(Exception):
+    """Something the user can fix (flag, file, row): one line, exit code 2."""
+    exit_code = EXIT_USAGE
+
+
+class RuntimeFailure(Exception):
+    """The environment failed (server, disk): one line, exit code 1."""
+    exit_code = EXIT_RUNTIME
+
+
+class Stopped(Exception):
+    """A run ended early on purpose (a signal): its message is the last line printed, with its own exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def refuse(message: str) -> NoReturn:
+    """The one way to reject a flag or a combination of flags: `error: argument error: ...`, exit code 2."""
+    raise UserError(f"argument error: {message}")
+
+
+def disk_error_message(error: OSError, what: str) -> str | None:
+    """A one-line explanation of a full disk, a quota or a read-only folder while writing `what`; None otherwise."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"no space left while writing {what} ({error.strerror}): free disk space or choose another folder"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {what} ({error.strerror}): choose a writable folder"
+    return None
+
+
+def run_script(main: Callable[[], object]) -> NoReturn:
+    """Run a script's main() under the failure convention and exit with its code (see the module docstring)."""
+    show_traceback = os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+    try:
+        result = main()
+        code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+    except Stopped as error:
+        if show_traceback:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank stops; one says so
+            print(error, file=sys.stderr, flush=True)
+        code = error.exit_code
+    except (UserError, RuntimeFailure) as error:
+        if show_traceback:
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        code = error.exit_code
+    except KeyboardInterrupt:
+        if show_traceback:
+            raise
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
+    except OSError as error:
+        message = disk_error_message(error, error.filename or "a file")
+        if message is None or show_traceback:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        code = EXIT_RUNTIME
+    sys.exit(code)
