@@ -8,28 +8,38 @@
                                                         # every small op can wait a scheduler slice for its 2nd thread
 
 One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
-  generation       rollout(): one torch.Generator per row, student in eval mode under autocast, generate(...,
-                   do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences
+  generation       train_opd.sample_completions itself (the loop's rollout, not a copy): one torch.Generator per
+                   row seeded derived_seed(seed, epoch, row), student in eval mode under autocast, generate(...,
+                   do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences; the
+                   benchmark's step number stands in for the epoch, so every step samples afresh
   teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
                    chunk by chunk inside the loss)
   student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (student AND teacher lm_head
                    per chunk, beta=1: reverse KL), backward of the summed loss (recomputes each chunk)
   optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
+Phases are timed with trainer_utils.PhaseClock (the loop's own clock; its seconds are shown here in ms). The loss
+phases are spelled out rather than calling train_opd.distill_loss, which would time them as one.
 The same 8 demo prompts (opd_prompts rows 0..7, PromptCollator) every step, sampled with per-row seeds that change
 with the step. --warmup steps first, then the median of --steps steps per phase; shares are of the sum of medians.
-Random weights sample EOS almost never, so every row generates --max_new_tokens tokens; trained models stop early.
+Generation stops at the tokenizer's EOS, as in training (there is no way to switch that off: the benchmark runs the
+loop's own rollout). Random weights sample EOS almost never, so with them every row generates --max_new_tokens
+tokens; trained models stop early, so their generation time varies with what they sample. Generated tokens are
+counted from the labels (positions != IGNORE_INDEX: through the first EOS), decode steps as the sequence length
+minus the prompt width.
 
-Then the generation alone is taken apart (separate runs, so the extra synchronisation does not touch the table
-above): the model's forward and each decoder layer are timed with hooks, and model.generate's next_token_logits
-(the lm_head) and sample_next_token (temperature, top-k/p, per-row Gumbel noise, argmax) through wrappers installed
-in that module for the duration. Prefill = from the call to the end of the first lm_head; decode = the rest, per
-sampled token. "other" in a decode step is what generate's own loop does between those calls (vocab masking, EOS
-bookkeeping, the all-finished check, Python).
+Then the generation alone is taken apart (separate runs of the same sample_completions, so the extra
+synchronisation does not touch the table above; the sequences it returns are all these numbers need, so there is no
+separate generate call): the model's forward and each decoder layer are timed with hooks, and model.generate's
+next_token_logits (the lm_head) and sample_next_token (temperature, top-k/p, per-row Gumbel noise, argmax) through
+wrappers installed in that module for the duration. Prefill = from the call to the end of the first lm_head;
+decode = the rest, per sampled token. "other" in a decode step is what generate's own loop does between those
+calls (vocab masking, EOS bookkeeping, the all-finished check, Python), plus, spread over the steps,
+sample_completions' set-up and its build_sequences concatenation.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import importlib
 import os
 import statistics
@@ -42,12 +52,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from dataset.collators import PromptCollator, build_sequences  # noqa: E402
+from dataset.collators import IGNORE_INDEX, PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from model import DTYPES, Qwen3Config, create_model, generate, load_pretrained, load_tokenizer  # noqa: E402
-from trainer.losses import chunked_generalized_jsd_loss  # noqa: E402
-from trainer.trainer_utils import autocast_context, completion_hidden, derived_seed  # noqa: E402
+from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
+from trainer.losses import chunked_generalized_jsd_loss, completion_hidden  # noqa: E402
+from trainer.train_opd import sample_completions  # noqa: E402
+from trainer.trainer_utils import PhaseClock, autocast_context  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "model", "configs")
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
@@ -57,21 +68,6 @@ generate_module = importlib.import_module("model.generate")
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-class PhaseClock:
-    """Milliseconds per phase of a step; CUDA is synchronised at both ends so each phase owns its kernels."""
-
-    def __init__(self, device: str):
-        self.device, self.ms = device, {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        sync(self.device)
-        start = time.perf_counter()
-        yield
-        sync(self.device)
-        self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - start) * 1000.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -103,28 +99,26 @@ def prompt_batch(args, tokenizer) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# one OPD step, phase by phase (train_opd.py's rollout, distill_loss and Run.backward / optimizer_step)
+# one OPD step, phase by phase (train_opd.py's sample_completions itself; distill_loss and Run.backward /
+# optimizer_step spelled out, so that each is timed on its own)
 
 def rollout(args, student, tokenizer, batch, step: int):
-    generators = [torch.Generator(args.device).manual_seed(derived_seed(args.seed, step, row["row_index"]))
-                  for row in batch["rows"]]
-    student.eval()
-    with autocast_context(args.device, args.dtype):
-        out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
-                       do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
-                       eos_token_id=None if args.ignore_eos else tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, generator=generators, vocab_size=len(tokenizer))
-    student.train()
-    return out
+    """train_opd.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
+    -> input_ids, attention_mask, labels."""
+    autocast = functools.partial(autocast_context, args.device, args.dtype)  # what Run.autocast returns
+    return sample_completions(student, args, tokenizer, batch, step, args.device, autocast)
+
+
+def decode_steps(input_ids: torch.Tensor, batch: dict) -> int:
+    """generate's loop count: the completion's width (the sequence minus the prompt)."""
+    return input_ids.shape[1] - batch["prompt_ids"].shape[1]
 
 
 def opd_step(args, student, teacher, optimizer, tokenizer, batch, step: int) -> tuple[dict, dict]:
     clock = PhaseClock(args.device)
     vocab_size = len(tokenizer)
     with clock("generation"):
-        out = rollout(args, student, tokenizer, batch, step)
-        input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
-                                                            out.completion_ids, out.completion_mask)
+        input_ids, attention_mask, labels = rollout(args, student, tokenizer, batch, step)
     with clock("teacher forward"):
         with torch.no_grad(), autocast_context(args.device, args.dtype):
             teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
@@ -145,9 +139,9 @@ def opd_step(args, student, teacher, optimizer, tokenizer, batch, step: int) -> 
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    stats = {"generated_tokens": int(out.completion_mask.sum()), "decode_steps": out.completion_ids.shape[1],
+    stats = {"generated_tokens": int((labels != IGNORE_INDEX).sum()), "decode_steps": decode_steps(input_ids, batch),
              "loss": loss_sum.item() / tokens, "prompt_len": batch["prompt_ids"].shape[1]}
-    return clock.ms, stats
+    return {phase: seconds * 1000.0 for phase, seconds in clock.seconds.items()}, stats
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,14 +201,14 @@ class GenerationProbe:
 
 
 def take_generation_apart(args, student, tokenizer, batch, runs: int) -> dict:
-    """Mean over `runs` instrumented generate calls: prefill = from the call to the end of the first lm_head;
-    decode = the rest, reported per sampled token (a decode step: sample a token, then forward + lm_head for the
-    next one; the last token is sampled without a forward after it)."""
+    """Mean over `runs` instrumented rollouts (sample_completions): prefill = from the call to the end of the
+    first lm_head; decode = the rest, reported per sampled token (a decode step: sample a token, then forward +
+    lm_head for the next one; the last token is sampled without a forward after it)."""
     sums: dict[str, float] = {}
     for run in range(runs):
         with GenerationProbe(student, args.device) as probe:
             start = probe.now()
-            out = rollout(args, student, tokenizer, batch, 10_000 + run)
+            input_ids, _, _ = rollout(args, student, tokenizer, batch, 10_000 + run)
             end = probe.now()
         first_head = next(i for i, (name, _, _) in enumerate(probe.events) if name == "next_token_logits")
         prefill_end = probe.events[first_head][2]
@@ -222,7 +216,7 @@ def take_generation_apart(args, student, tokenizer, batch, runs: int) -> dict:
 
         def total(events, name):
             return sum(ms for n, ms, _ in events if n == name)
-        tokens = out.completion_ids.shape[1]
+        tokens = decode_steps(input_ids, batch)
         values = {
             "total": (end - start) * 1000.0, "prefill": (prefill_end - start) * 1000.0,
             "decode": (end - prefill_end) * 1000.0, "tokens_sampled": tokens,
@@ -277,8 +271,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gen_temperature", type=float, default=1.0)
     g.add_argument("--top_k", type=int, default=0)
     g.add_argument("--top_p", type=float, default=1.0)
-    g.add_argument("--ignore_eos", type=int, default=0, choices=[0, 1],
-                   help="1: no EOS, every row generates --max_new_tokens (fixed work with trained models)")
     g.add_argument("--beta", type=float, default=1.0, help="generalized JSD beta (1 = reverse KL)")
     g.add_argument("--temperature", type=float, default=1.0, help="loss temperature")
     g.add_argument("--loss_chunk_size", type=int, default=512)

@@ -46,9 +46,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.bench_losses import current_rss_bytes, peak_rss_bytes  # noqa: E402
+from dataset.collators import IGNORE_INDEX  # noqa: E402
 from model import Qwen3Config, create_model  # noqa: E402
-from trainer.losses import IGNORE_INDEX, chunked_sft_loss, sft_loss  # noqa: E402
-from trainer.trainer_utils import autocast_context, completion_hidden  # noqa: E402
+from trainer.losses import chunked_sft_loss, completion_hidden, sft_loss  # noqa: E402
+from trainer.trainer_utils import autocast_context  # noqa: E402
 
 GIB = 1024 ** 3
 VARIANTS = ("chunked", "sliced", "full")

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from dataset.sources import DataError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the label of a position that no loss counts (PyTorch's cross_entropy default)
 PROGRESS_MIN_ROWS = 2000   # validate_rows shows a progress bar above this many rows (on a terminal)
 SHOWN_BAD_ROWS = 3         # validate_rows lists this many bad rows, then counts the rest
 VALIDATION_CHUNK = 512     # rows per collator call in validate_rows (the tokenizer encodes a chunk in parallel)
@@ -257,10 +257,11 @@ def build_sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, complet
                     completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt (left padded) + completion -> input_ids, attention_mask, labels.
 
-    Labels are the completion tokens up to and including the first EOS; -100 on the prompt, its padding and
+    Labels are the completion tokens up to and including the first EOS; IGNORE_INDEX on the prompt, its padding and
     everything after EOS (those positions are padding, masked in attention as well)."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
-    labels = torch.cat([torch.full_like(prompt_ids, -100), completion_ids.masked_fill(completion_mask == 0, -100)],
+    labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
+                        completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)],
                        dim=1)
     return input_ids, attention_mask, labels

@@ -225,8 +225,3 @@ class RowDataset(Dataset):
         # A shallow copy, so a consumer that adds keys cannot change the dataset; do not mutate `messages` in place.
         # `row_index` identifies the row for seeds that must not depend on batching (OPD's per-row sampling).
         return {**self._rows[index], "row_index": index}
-
-
-def load_rows(path: str) -> RowDataset:
-    """Alias of `RowDataset(path)`, for scripts that read better with a verb."""
-    return RowDataset(path)

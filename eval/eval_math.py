@@ -51,7 +51,7 @@ from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from eval.grader import grade, wilson_interval  # noqa: E402
 from model import DTYPES, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
-from trainer.trainer_utils import derived_seed  # noqa: E402
+from common.seeds import derived_seed  # noqa: E402
 
 
 @dataclass

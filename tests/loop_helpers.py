@@ -9,7 +9,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from support import ROOT
 
 
 # lr 1e-4: Adam's first steps move a weight by about lr * g / (|g| + eps), which for a gradient near eps amplifies

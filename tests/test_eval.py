@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, TINY_CONFIG
+from support import ROOT, TINY_CONFIG
 from dataset.sources import RowDataset
 from eval import chat, eval_math
 from eval.eval_math import Completion, evaluate_math, pass_at_k
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
-from trainer.trainer_utils import derived_seed
+from common.seeds import derived_seed
 
 # (question, ground truth); prompt lengths differ, so the length sort really reorders the rows
 PROBLEMS = [("What is 2 + 3?", "5"),

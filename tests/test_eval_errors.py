@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.errors import EXIT_INTERRUPTED, EXIT_USAGE, TRACEBACK_ENV, UserError
-from conftest import ROOT, TINY_CONFIG
+from support import ROOT, TINY_CONFIG
 from eval import chat, eval_math
 from model import Qwen3Config, create_model, save_pretrained
 
@@ -63,7 +63,7 @@ def test_cuda_without_cuda_is_one_line(script, model_dir):
                           "no CUDA device is visible: pass --device cpu")
 
 
-@pytest.mark.parametrize("stdin", ["empty", "closed"])
+@pytest.mark.parametrize("stdin", ["empty", pytest.param("closed", marks=pytest.mark.slow)])
 def test_chat_ends_quietly_at_end_of_input(stdin, model_dir):
     """Ctrl-D on a terminal, an empty pipe, or no stdin at all (`<&-`: Python then sets sys.stdin to None)."""
     close_stdin = (lambda: os.close(0)) if stdin == "closed" else None
@@ -73,6 +73,7 @@ def test_chat_ends_quietly_at_end_of_input(stdin, model_dir):
     assert result.stdout == "" and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_chat_ctrl_c_exits_130_without_traceback(model_dir):
     process = subprocess.Popen(script_command("chat.py", "--model_path", model_dir, "--device", "cpu",
                                               "--temperature", "0", "--max_new_tokens", "1"),

@@ -9,13 +9,17 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, write_chat_jsonl
+from support import ROOT, write_chat_jsonl
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, torchrun_command, weights)
 from model import Qwen3Config, create_model, save_pretrained
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
+
+# 2-process torchrun runs and full loops: the whole suite, not the fast tier. One thread in-process, as the
+# subprocesses have (OMP_NUM_THREADS=1): the in-process and subprocess runs then sum in the same order.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 LOOPS = {
     "sft": (train_sft, os.path.join(ROOT, "trainer", "train_sft.py")),
@@ -80,14 +84,14 @@ def long_chat_jsonl(tmp_path):
 
 
 def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):
-    _, script, args = loop
+    main, script, args = loop
     flags = dict(batch=2, accumulation=2, save_interval=2)  # 6 optimizer steps, a checkpoint every 2
-    run_command([sys.executable, script, *args(long_chat_jsonl, tmp_path / "full", **flags)])
+    main(args(long_chat_jsonl, tmp_path / "full", **flags))
     killed = tmp_path / "killed"
     kill_after_first_checkpoint([sys.executable, script, *args(long_chat_jsonl, killed, **flags)],
                                 str(killed / "run_resume.pt"))
     assert checkpoint_step(killed / "run_resume.pt") < 6, "the run finished before it could be killed"
-    run_command([sys.executable, script, *args(long_chat_jsonl, killed, **flags, from_resume=1)])
+    main(args(long_chat_jsonl, killed, **flags, from_resume=1))
     full, resumed = weights(tmp_path / "full"), weights(killed)
     assert all(torch.equal(full[k], resumed[k]) for k in full), "resumed weights are not bit-identical"
     timing = ("tokens_per_s", "step_ms", "gen_s", "train_s", "gen_share", "train_share")

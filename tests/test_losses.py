@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.losses import (chunked_distillation_loss, chunked_generalized_jsd_loss, chunked_loss,
+from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss,
                             chunked_sft_loss, distillation_loss, generalized_jsd_loss, sampled_token_kl_loss,
                             sft_loss)
 
@@ -317,9 +317,11 @@ def unchunked(kind, h, w, th, tw, labels, vocab):
 def chunked(kind, h, w, th, tw, labels, chunk_size, vocab_size=None):
     if kind == "sft":
         return chunked_sft_loss(h, w, labels, chunk_size=chunk_size, vocab_size=vocab_size)
-    if kind == "kd":
-        return chunked_distillation_loss(h, w, th, tw, labels, temperature=2.0, chunk_size=chunk_size,
-                                         vocab_size=vocab_size)
+    if kind == "kd":  # as train_distillation.py does it: chunked_loss over a closure
+        def kd(logits, t_logits, chunk_labels):
+            count = logits.shape[0] if chunk_labels is None else (chunk_labels != -100).sum()
+            return distillation_loss(logits, t_logits, chunk_labels, temperature=2.0, reduction="sum"), count
+        return chunked_loss(kd, h, w, labels, th, tw, chunk_size=chunk_size, vocab_size=vocab_size)
     return chunked_generalized_jsd_loss(h, w, th, tw, labels, beta=float(kind[3:]), chunk_size=chunk_size,
                                         vocab_size=vocab_size)
 

@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from common.errors import UserError, run_script
-from conftest import TINY_CONFIG
+from support import TINY_CONFIG
 from model import Qwen3Config, create_model, default_tokenizer_dir, load_pretrained, load_tokenizer, save_pretrained
 from model.config import REQUIRED, TRANSFORMERS_DEFAULTS, ConfigError, ModelFileError
 

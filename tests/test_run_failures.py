@@ -7,17 +7,21 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, run_script
-from conftest import ROOT, write_chat_jsonl
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped, run_script
+from support import ROOT, write_chat_jsonl
 from loop_helpers import env_one_thread, loop_args, metrics, torchrun_command
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
+
+# in-process runs use one thread, as the subprocesses do (OMP_NUM_THREADS=1), so that they can be compared bit for bit
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SFT = os.path.join(ROOT, "trainer", "train_sft.py")
 DRIVER = os.path.join(ROOT, "tests", "kill_driver.py")
@@ -79,7 +83,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    from conftest import TINY_CONFIG
+    from support import TINY_CONFIG
     path = tmp_path_factory.mktemp("config") / "tiny.json"
     path.write_text(json.dumps(TINY_CONFIG))
     return str(path)
@@ -89,20 +93,26 @@ def config(tmp_path_factory):
 def reference(config, data, tmp_path_factory):
     """An uninterrupted run: 20 rows / batch 4 = 5 steps, saves after steps 2, 4 and 5."""
     save_dir = tmp_path_factory.mktemp("reference")
-    result = run([sys.executable, SFT, *sft_args(config, data, save_dir)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocesses run (OMP_NUM_THREADS=1): the same sums, bit for bit
+    try:
+        train_sft(sft_args(config, data, save_dir))
+    finally:
+        torch.set_num_threads(threads)
     return save_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what, at", [("export", 3), ("resume", 2)])
-def test_kill_during_a_checkpoint_write_then_resume_completes_exactly(config, data, reference, tmp_path, what, at):
+def test_kill_during_a_checkpoint_write_then_resume_completes_exactly(config, data, reference, tmp_path, capsys,
+                                                                     what, at):
     # export 3: the final export (step 5), after the resume file of step 4; resume 2: the resume file of step 4
     killed = run([sys.executable, DRIVER, SFT, what, str(at), *sft_args(config, data, tmp_path)])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert any(".tmp-" in name for name in listing(tmp_path)), "the kill left no half-written temporary"
-    resumed = run([sys.executable, SFT, *sft_args(config, data, tmp_path, from_resume=1)])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "removed" in resumed.stdout and "taking over" in resumed.stdout
+    train_sft(sft_args(config, data, tmp_path, from_resume=1))
+    out = capsys.readouterr().out
+    assert "removed" in out and "taking over" in out
     assert_same_run(reference, tmp_path)
 
 
@@ -119,21 +129,48 @@ def wait_for(path, process: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, EXIT_PREEMPTED), (signal.SIGUSR1, EXIT_PREEMPTED),
-                                          (signal.SIGINT, EXIT_INTERRUPTED)])
-def test_a_signal_saves_the_current_step_and_the_resumed_run_is_bit_identical(config, data, reference, tmp_path,
-                                                                              signum, code):
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_exits_75_and_the_resumed_run_is_bit_identical(config, data, reference,
+                                                                                      tmp_path):
     process = start([sys.executable, SFT, *sft_args(config, data, tmp_path, save_interval=100)])
     wait_for(tmp_path / "run_metrics.jsonl", process)  # training has begun
-    process.send_signal(signum)
+    process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
-    assert process.returncode == code, stderr[-3000:]
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert "Traceback" not in stderr
     step = torch.load(tmp_path / "run_resume.pt", weights_only=False)["step"]
     assert 1 <= step < 5, "the run finished before the signal could stop it"
-    assert f"after step {step}" in stderr and "--from_resume 1" in stderr
-    resumed = run([sys.executable, SFT, *sft_args(config, data, tmp_path, save_interval=100, from_resume=1)])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"stopped by SIGTERM after step {step}" in stderr and "--from_resume 1" in stderr
+    train_sft(sft_args(config, data, tmp_path, save_interval=100, from_resume=1))
+    assert (reference / "run" / "model.safetensors").read_bytes() == (tmp_path / "run" / "model.safetensors").read_bytes()
+
+
+def signal_when_training_has_begun(metrics_path, signum: int) -> threading.Thread:
+    """Send `signum` to this process once the run has logged its first step (the handler runs in the main thread)."""
+    def wait_and_signal():
+        deadline = time.time() + 120
+        while not os.path.exists(metrics_path) or not open(metrics_path).read().strip():
+            assert time.time() < deadline
+            time.sleep(0.01)
+        os.kill(os.getpid(), signum)
+    thread = threading.Thread(target=wait_and_signal, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(signal.SIGUSR1, EXIT_PREEMPTED), (signal.SIGINT, EXIT_INTERRUPTED)])
+def test_sigusr1_and_ctrl_c_save_the_current_step_and_the_resumed_run_is_bit_identical(config, data, reference,
+                                                                                      tmp_path, signum, code):
+    thread = signal_when_training_has_begun(tmp_path / "run_metrics.jsonl", signum)
+    with pytest.raises(Stopped) as stopped:
+        train_sft(sft_args(config, data, tmp_path, save_interval=100))
+    thread.join()
+    step = torch.load(tmp_path / "run_resume.pt", weights_only=False)["step"]
+    assert 1 <= step < 5, "the run finished before the signal could stop it"
+    assert stopped.value.exit_code == code
+    assert f"stopped by {signal.Signals(signum).name} after step {step}" in str(stopped.value)
+    train_sft(sft_args(config, data, tmp_path, save_interval=100, from_resume=1))
     assert (reference / "run" / "model.safetensors").read_bytes() == (tmp_path / "run" / "model.safetensors").read_bytes()
 
 
@@ -261,7 +298,8 @@ def test_bad_flags_are_one_line(config, data, tmp_path, capsys, flags, names):
     assert listing(tmp_path) == []
 
 
-@pytest.mark.parametrize("damage", ["zero_bytes", "truncated", "learning_rate"])
+@pytest.mark.parametrize("damage", [pytest.param("zero_bytes", marks=pytest.mark.slow), "truncated",
+                                    pytest.param("learning_rate", marks=pytest.mark.slow)])
 def test_a_damaged_or_foreign_resume_file_is_one_line(config, data, tmp_path, capsys, damage):
     train_sft(sft_args(config, data, tmp_path, max_steps=1))
     resume = tmp_path / "run_resume.pt"

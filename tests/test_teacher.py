@@ -503,6 +503,7 @@ def test_cli_jsonl_string_prompts_dry_run_and_limit(teacher, tmp_path, capsys):
     assert len(teacher.log) == 3
 
 
+@pytest.mark.slow
 def test_cli_sigkill_then_rerun_loses_and_repeats_nothing(teacher, tmp_path):
     teacher.delay = 0.1
     prompts = [f"Problem #{i}: compute {i} * 3" for i in range(40)]

@@ -18,7 +18,7 @@ from trainer.losses import generalized_jsd_loss
 from trainer.sampler import EpochSampler
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
-from trainer.trainer_utils import derived_seed
+from common.seeds import derived_seed
 
 EOS, PAD = 151645, 151643
 
@@ -97,6 +97,7 @@ def test_logged_loss_is_the_jsd_of_independently_computed_logits(tiny_config_pat
     assert logged["generated_tokens"] == logged["tokens"]
 
 
+@pytest.mark.slow
 def test_lmbda_zero_is_kd_on_the_datasets_completions(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
     # OPD with beta=0 is KL(teacher || student) per token; KD with alpha=0 and T=1 is the same loss
     train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / "opd", teacher_dir, batch=4, max_steps=2, lmbda=0.0,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import write_chat_jsonl
+from support import write_chat_jsonl
 from loop_helpers import loop_args, metrics
 from common.errors import UserError
 from dataset.collators import SFTCollator
@@ -50,6 +50,7 @@ def test_logged_loss_is_the_token_weighted_mean_of_the_step(tiny_config_path, ch
     assert abs(float(sum(micro_means) / 2) - logged["loss"]) > 0.05
 
 
+@pytest.mark.slow
 def test_loss_falls(tiny_config_path, tmp_path):
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
     train_sft(sft_args(tiny_config_path, data, tmp_path, batch=4, epochs=4, learning_rate=1e-2))

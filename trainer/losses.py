@@ -3,7 +3,7 @@
 Two layers:
 
 * Pure tensor functions on logits: `sft_loss`, `generalized_jsd_loss`, `distillation_loss`.
-  Logits and labels are already aligned (position t predicts labels[t]); labels == -100 is masked and
+  Logits and labels are already aligned (position t predicts labels[t]); labels == IGNORE_INDEX (-100) is masked and
   labels=None means every position counts. Callers whose lm_head is padded beyond the tokenizer's vocabulary
   (Qwen3: 151,936 rows) must slice `logits[..., :vocab_size]` themselves, or the padded columns take
   probability mass and change every result.
@@ -14,22 +14,25 @@ Two layers:
 
 Every loss is accumulated in fp32 even for bf16/fp16 inputs, and the teacher is always a constant.
 """
+from __future__ import annotations
+
 import math
-from typing import Callable, Optional, Tuple, Union
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from dataset.collators import IGNORE_INDEX
+
 REDUCTIONS = ("per_token_mean", "sum", "none")
 
-LossOutput = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+LossOutput = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 # ----------------------------------------------------------------------------- helpers
 
-def _loss_mask(labels: Optional[torch.Tensor], token_shape: torch.Size, device: torch.device) -> torch.Tensor:
+def _loss_mask(labels: torch.Tensor | None, token_shape: torch.Size, device: torch.device) -> torch.Tensor:
     """Boolean mask of the positions that count, shape = logits.shape[:-1]."""
     if labels is None:
         return torch.ones(token_shape, dtype=torch.bool, device=device)
@@ -82,7 +85,7 @@ def _non_negative(per_token: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- pure losses
 
-def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross entropy over labels != -100, in fp32.
 
     Returns (loss_sum, num_tokens), num_tokens an int64 tensor. No loss token -> loss_sum is 0 with the graph
@@ -96,7 +99,7 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, 
 
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                         labels: Optional[torch.Tensor] = None, beta: float = 0.5, temperature: float = 1.0,
+                         labels: torch.Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
                          reduction: str = "per_token_mean") -> torch.Tensor:
     """Generalized Jensen-Shannon divergence between student and teacher, per token over the full vocabulary.
 
@@ -126,7 +129,7 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                      labels: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                      labels: torch.Tensor | None = None, temperature: float = 1.0,
                       reduction: str = "per_token_mean") -> torch.Tensor:
     """Hinton KD: T^2 * KL(p_T^T || p_S^T) per token (minimind's train_distillation, without its misnamed
     "batchmean"). The T^2 keeps the gradient scale independent of T. Same reductions as generalized_jsd_loss.
@@ -137,7 +140,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 
 def sampled_token_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                          temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """On-policy distillation from the sampled tokens only (a policy-gradient form of reverse KL).
 
     k_t = log p_S(y_t) - log p_T(y_t) is a one-sample estimate of KL(p_S || p_T) at position t when y_t was drawn
@@ -159,8 +162,8 @@ def sampled_token_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Te
 # ----------------------------------------------------------------------------- chunked from hidden states
 
 def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight: torch.Tensor,
-                labels: Optional[torch.Tensor], teacher_hidden: Optional[torch.Tensor],
-                teacher_weight: Optional[torch.Tensor]) -> LossOutput:
+                labels: torch.Tensor | None, teacher_hidden: torch.Tensor | None,
+                teacher_weight: torch.Tensor | None) -> LossOutput:
     # The teacher is projected in here, not outside: checkpoint keeps its inputs alive until backward, and
     # (chunk, V) teacher logits passed in as inputs would accumulate to the full (N, V) we are avoiding.
     # Recomputing them in backward costs one extra teacher matmul per chunk.
@@ -171,7 +174,7 @@ def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight
     return loss_fn(hidden @ weight.T, teacher_logits, labels)
 
 
-def _add(total: Optional[LossOutput], part: LossOutput) -> LossOutput:
+def _add(total: LossOutput | None, part: LossOutput) -> LossOutput:
     if total is None:
         return part
     if isinstance(part, tuple):
@@ -180,9 +183,9 @@ def _add(total: Optional[LossOutput], part: LossOutput) -> LossOutput:
 
 
 def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                 labels: Optional[torch.Tensor], teacher_hidden: Optional[torch.Tensor] = None,
-                 teacher_weight: Optional[torch.Tensor] = None, chunk_size: int = 512,
-                 vocab_size: Optional[int] = None) -> LossOutput:
+                 labels: torch.Tensor | None, teacher_hidden: torch.Tensor | None = None,
+                 teacher_weight: torch.Tensor | None = None, chunk_size: int = 512,
+                 vocab_size: int | None = None) -> LossOutput:
     """Sum of loss_fn over chunks of positions, without materialising the (N, V) logits.
 
     student_hidden (N, H): only the positions that matter (e.g. completion positions); student_weight (V_pad, H):
@@ -213,7 +216,7 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     # checkpoint only when a graph is being built; under no_grad (evaluation) it would only add overhead
     needs_graph = torch.is_grad_enabled() and (student_hidden.requires_grad or weight.requires_grad)
     num_positions = student_hidden.shape[0]
-    total: Optional[LossOutput] = None
+    total: LossOutput | None = None
     # at least one (possibly empty) chunk, so an empty batch still returns loss_fn's structure of zeros
     for start in range(0, max(num_positions, 1), chunk_size):
         end = start + chunk_size
@@ -225,14 +228,14 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     return total
 
 
-def _count(labels: Optional[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+def _count(labels: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
     if labels is None:
         return torch.tensor(logits.shape[0], dtype=torch.int64, device=logits.device)
     return (labels != IGNORE_INDEX).sum()
 
 
 def chunked_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 512,
-                     vocab_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                     vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sft_loss` from hidden states (N, H) and lm_head weight (V_pad, H), chunked.
 
     Returns (loss_sum, num_tokens).
@@ -244,9 +247,9 @@ def chunked_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
 
 def chunked_generalized_jsd_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                                  teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
-                                 labels: Optional[torch.Tensor], beta: float = 0.5, temperature: float = 1.0,
+                                 labels: torch.Tensor | None, beta: float = 0.5, temperature: float = 1.0,
                                  chunk_size: int = 512,
-                                 vocab_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                                 vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`generalized_jsd_loss` (reduction="sum") from hidden states, chunked. Returns (loss_sum, num_tokens)."""
     _check_args("sum", temperature, beta)
 
@@ -258,15 +261,18 @@ def chunked_generalized_jsd_loss(student_hidden: torch.Tensor, student_weight: t
                         chunk_size=chunk_size, vocab_size=vocab_size)
 
 
-def chunked_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                              teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
-                              labels: Optional[torch.Tensor], temperature: float = 1.0, chunk_size: int = 512,
-                              vocab_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`distillation_loss` (reduction="sum") from hidden states, chunked. Returns (kd_loss_sum, num_tokens)."""
-    _check_args("sum", temperature)
+def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states at the positions that predict a label, and those labels: (N, H) and (N,).
 
-    def loss_fn(logits, teacher_logits, chunk_labels):
-        loss = distillation_loss(logits, teacher_logits, chunk_labels, temperature=temperature, reduction="sum")
-        return loss, _count(chunk_labels, logits)
-    return chunked_loss(loss_fn, student_hidden, student_weight, labels, teacher_hidden, teacher_weight,
-                        chunk_size=chunk_size, vocab_size=vocab_size)
+    prompt_length is the batch minimum of the completions' start: with left padding one scalar slices the batch,
+    and position t predicts labels[t + 1], so hidden[:, p-1:-1] goes with labels[:, p:]. Labels are the authority:
+    within the slice only positions whose label is not IGNORE_INDEX are kept, so neither prompt nor padding ever reaches
+    the lm_head or the loss; the slice is only a speed-up that keeps most prompt positions out of the gather.
+    """
+    has_label = (labels[:, 1:] != IGNORE_INDEX).any(dim=0)
+    start = int(has_label.nonzero()[0]) + 1 if bool(has_label.any()) else labels.shape[1] - 1
+    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True).hidden_states
+    hidden, targets = hidden[:, start - 1:-1], labels[:, start:]
+    keep = targets != IGNORE_INDEX
+    return hidden[keep], targets[keep]

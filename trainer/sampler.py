@@ -26,13 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
-_SEED_MULTIPLIER = 1_000_003  # a prime, so (seed, epoch) pairs do not collide the way seed + epoch would
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The generator seed for one epoch: a function of seed and epoch only."""
-    return (seed * _SEED_MULTIPLIER + epoch) % (2 ** 63)
-
+from common.seeds import derived_seed
 
 class EpochSampler(Sampler[int]):
     """This rank's share of one (seed, epoch) permutation of range(dataset_len); see the module docstring."""
@@ -49,12 +43,9 @@ class EpochSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
     def global_order(self) -> list[int]:
         """The epoch's permutation, cut to a multiple of world_size; identical on every rank and world size."""
-        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        generator = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch))  # never rank or world size
         order = torch.randperm(self.dataset_len, generator=generator).tolist()
         return order[:len(order) - len(order) % self.world_size]
 

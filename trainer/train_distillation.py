@@ -12,7 +12,10 @@ gradients to its hidden states at the completion positions, run the student with
 cross entropy against the data and the temperature-softened forward KL to the teacher, chunk by chunk over the
 full vocabulary. The skeleton normalises by the window's loss tokens over all ranks, clips and steps.
 """
+from __future__ import annotations
+
 import argparse
+import functools
 import os
 import sys
 
@@ -21,15 +24,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.errors import refuse, run_script
-from eval.heldout import HeldoutEvaluator
-from trainer.losses import chunked_loss, distillation_loss, sft_loss
-from trainer.trainer_utils import (ROOT, Run, add_common_args, add_teacher_args, build_model, completion_hidden,
-                                   load_sft_data, load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.heldout import HeldoutEvaluator
+from trainer.losses import chunked_loss, completion_hidden, distillation_loss, sft_loss
+from trainer.setup import (ROOT, add_common_args, add_teacher_args, build_model, init_distributed_mode,
+                           load_sft_data, load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.trainer_utils import Run
 
 DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="White-box KD of a Qwen3 student from a same-tokenizer teacher")
     add_common_args(parser, save_weight="kd")
     add_teacher_args(parser)
@@ -44,37 +48,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+def ce_and_kd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+              temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of positions: summed cross entropy against the data, summed T^2 KL(teacher || student), tokens."""
+    ce_sum, num_tokens = sft_loss(student_logits, labels)
+    kd_sum = distillation_loss(student_logits, teacher_logits, labels, temperature, reduction="sum")
+    return ce_sum, kd_sum, num_tokens
+
+
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    info = init_distributed_mode(args.device)  # first: each rank builds its models on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
-    student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
-    run = Run(args, student, dataset, collator, tokenizer_dir)
-    teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
-    evaluator = HeldoutEvaluator(args, tokenizer, run, teacher)
+    student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
+    teacher = load_teacher(args, tokenizer, student, info.device)
+    run = Run(args, info, student, dataset, collator, tokenizer_dir)
+    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
 
-    def ce_and_kd(student_logits, teacher_logits, labels):
-        ce_sum, num_tokens = sft_loss(student_logits, labels)
-        kd_sum = distillation_loss(student_logits, teacher_logits, labels, args.temperature, reduction="sum")
-        return ce_sum, kd_sum, num_tokens
-
-    evaluator.maybe_evaluate()  # step 0: the baseline the evaluations during training compare against
-    for epoch in range(args.epochs):
-        for window in run.windows(epoch):
-            for i, batch in enumerate(window):
-                batch = {k: v.to(run.device) for k, v in batch.items()}
-                with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
-                    with run.autocast():
-                        with torch.no_grad():
-                            teacher_hidden, _ = completion_hidden(teacher, batch["input_ids"],
-                                                                  batch["attention_mask"], batch["labels"])
-                        student_hidden, targets = completion_hidden(run.model, batch["input_ids"],
-                                                                    batch["attention_mask"], batch["labels"])
-                        ce_sum, kd_sum, num_tokens = chunked_loss(
-                            ce_and_kd, student_hidden, run.raw_model.lm_head.weight, targets, teacher_hidden,
-                            teacher.lm_head.weight, chunk_size=args.loss_chunk_size, vocab_size=len(tokenizer))
-                    run.backward(args.alpha * ce_sum + (1.0 - args.alpha) * kd_sum, num_tokens, ce=ce_sum, kd=kd_sum)
-            run.optimizer_step()
-            evaluator.maybe_evaluate()
+    if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
+        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher))
+    for epoch, window in run.windows():
+        for i, batch in enumerate(window):
+            batch = {k: v.to(run.device) for k, v in batch.items()}
+            with torch.no_grad(), run.autocast():  # the frozen teacher, at the completion positions
+                teacher_hidden, _ = completion_hidden(teacher, batch["input_ids"], batch["attention_mask"],
+                                                      batch["labels"])
+            with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
+                with run.autocast():
+                    student_hidden, targets = completion_hidden(run.model, batch["input_ids"],
+                                                                batch["attention_mask"], batch["labels"])
+                    ce_sum, kd_sum, num_tokens = chunked_loss(
+                        functools.partial(ce_and_kd, temperature=args.temperature), student_hidden,
+                        run.raw_model.lm_head.weight, targets, teacher_hidden, teacher.lm_head.weight,
+                        chunk_size=args.loss_chunk_size, vocab_size=len(tokenizer))
+                run.backward(args.alpha * ce_sum + (1.0 - args.alpha) * kd_sum, num_tokens)
+                run.metrics.token_mean("ce", ce_sum)
+                run.metrics.token_mean("kd", kd_sum)
+        metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
+        run.log(metrics)                # console, metrics.jsonl, swanlab: every --log_interval steps and the last
+        if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
+            run.save()
+        if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher))
+        if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
+            break
     run.finish()
 
 

@@ -19,6 +19,8 @@ The skeleton normalises by the window's loss tokens over all ranks, clips and st
 seed (seed, epoch, row), so a resumed run samples exactly what the killed one would have, and 2 ranks x accumulation
 2 sample what 1 rank x accumulation 4 does.
 """
+from __future__ import annotations
+
 import argparse
 import os
 import sys
@@ -28,18 +30,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.errors import refuse, run_script
-from dataset.collators import PromptCollator, SFTCollator, build_sequences, validate_rows
+from common.seeds import derived_seed
+from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from eval.heldout import HeldoutEvaluator
 from model import generate, load_tokenizer
-from trainer.losses import chunked_generalized_jsd_loss, chunked_loss, sampled_token_kl_loss
-from trainer.trainer_utils import (PhaseClock, Run, add_common_args, add_teacher_args, build_model,
-                                   completion_hidden, derived_seed, load_teacher, resolve_teacher_path,
-                                   validate_common_args)
+from trainer.heldout import HeldoutEvaluator
+from trainer.losses import chunked_generalized_jsd_loss, chunked_loss, completion_hidden, sampled_token_kl_loss
+from trainer.setup import (add_common_args, add_teacher_args, build_model, init_distributed_mode, load_teacher,
+                           resolve_teacher_path, validate_common_args)
+from trainer.trainer_utils import PhaseClock, Run
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="On-policy distillation of a Qwen3 student from a Qwen3 teacher")
     add_common_args(parser, save_weight="opd")
     add_teacher_args(parser)
@@ -49,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "policy-gradient reverse KL from the sampled tokens' log-probabilities only")
     g.add_argument("--beta", type=float, default=1.0, help="0: forward KL, 1: reverse KL, between: generalized JSD")
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that a micro-batch is on-policy")
+    g = parser.add_argument_group("the student's sampling")
     g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
     g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
     g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
@@ -85,34 +89,36 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"estimate); use --loss jsd to sample differently")
 
 
-def rollout(run: Run, args: argparse.Namespace, tokenizer, sft_collator: SFTCollator, batch: dict, epoch: int,
-            micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """Steps 1-2: input_ids, attention_mask, labels (on the completion only) and whether they are on-policy."""
-    # one draw per micro-batch, the same on every rank (no rank in its seed)
-    draw_seed = derived_seed(args.seed, epoch, run.state.step, micro)
-    on_policy = torch.rand(1, generator=torch.Generator().manual_seed(draw_seed)).item() < args.lmbda
-    if not on_policy:
-        data = sft_collator(batch["rows"])
-        return data["input_ids"].to(run.device), data["attention_mask"].to(run.device), \
-            data["labels"].to(run.device), False
+def on_policy_draw(args: argparse.Namespace, epoch: int, step: int, micro: int) -> bool:
+    """Step 1's coin: with probability lmbda the micro-batch is on-policy. One draw per micro-batch, the same on
+    every rank (no rank in its seed)."""
+    generator = torch.Generator().manual_seed(derived_seed(args.seed, epoch, step, micro))
+    return torch.rand(1, generator=generator).item() < args.lmbda
+
+
+def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
+                       autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-2 on-policy: the student samples (KV cache, eval mode, no grad); -> input_ids, attention_mask and
+    labels on the completion through its first EOS."""
     # one generator per row, seeded by (seed, epoch, row): a row's sample depends neither on its batch-mates nor on
     # the world size or accumulation, and a resumed run draws exactly what the killed one would have
-    generators = [torch.Generator(run.device).manual_seed(derived_seed(args.seed, epoch, row["row_index"]))
+    generators = [torch.Generator(device).manual_seed(derived_seed(args.seed, epoch, row["row_index"]))
                   for row in batch["rows"]]
-    prompt_ids = batch["prompt_ids"].to(run.device)
-    prompt_mask = batch["prompt_attention_mask"].to(run.device)
-    run.raw_model.eval()
-    with run.autocast():
-        out = generate(run.raw_model, prompt_ids, prompt_mask, args.max_new_tokens, do_sample=True,
+    prompt_ids = batch["prompt_ids"].to(device)
+    prompt_mask = batch["prompt_attention_mask"].to(device)
+    was_training = student.training
+    student.eval()
+    with autocast():
+        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens, do_sample=True,
                        temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        generator=generators, vocab_size=len(tokenizer))
-    run.raw_model.train()
-    return (*build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask), True)
+    student.train(was_training)
+    return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
 
 def distill_loss(run: Run, args: argparse.Namespace, teacher, vocab_size: int, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                 attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 3-4: teacher and student hidden states at the completion positions, the summed per-token loss."""
     with torch.no_grad():
         teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
@@ -120,27 +126,31 @@ def distill_loss(run: Run, args: argparse.Namespace, teacher, vocab_size: int, i
     heads = dict(student_weight=run.raw_model.lm_head.weight, teacher_hidden=teacher_hidden,
                  teacher_weight=teacher.lm_head.weight, chunk_size=args.loss_chunk_size, vocab_size=vocab_size)
     if args.loss == "jsd":
-        loss_sum, num_tokens = chunked_generalized_jsd_loss(student_hidden, labels=targets, beta=args.beta,
-                                                            temperature=args.temperature, **heads)
-        return loss_sum, num_tokens, {}
+        return chunked_generalized_jsd_loss(student_hidden, labels=targets, beta=args.beta,
+                                            temperature=args.temperature, **heads)
 
     def sampled_kl(student_logits, teacher_logits, chunk_labels):
         surrogate_sum, kl_sum = sampled_token_kl_loss(student_logits, teacher_logits, chunk_labels, args.temperature)
-        return surrogate_sum, kl_sum, (chunk_labels != -100).sum()
+        return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
     surrogate_sum, kl_sum, num_tokens = chunked_loss(sampled_kl, student_hidden, labels=targets, **heads)
-    return surrogate_sum, num_tokens, {"reverse_kl_estimate": kl_sum}
+    run.metrics.token_mean("reverse_kl_estimate", kl_sum)
+    return surrogate_sum, num_tokens
 
 
-def rollout_stats(input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int, on_policy: bool) -> dict:
-    completion = labels != -100
+def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int,
+                      on_policy: bool) -> None:
+    """Completion length and EOS share per row, the on-policy share of micro-batches, generated tokens."""
+    completion = labels != IGNORE_INDEX
     rows = completion.shape[0]
-    ended = ((input_ids == eos_token_id) & completion).any(dim=1).sum()
-    return {"completion_len": (completion.sum(), rows), "eos_share": (ended, rows),
-            "on_policy_share": (int(on_policy), 1), "count_generated_tokens": completion.sum() if on_policy else 0}
+    metrics.ratio("completion_len", completion.sum(), rows)
+    metrics.ratio("eos_share", ((input_ids == eos_token_id) & completion).any(dim=1).sum(), rows)
+    metrics.ratio("on_policy_share", int(on_policy), 1)
+    metrics.total("generated_tokens", completion.sum() if on_policy else 0)
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    info = init_distributed_mode(args.device)  # first: each rank builds its models on its own device
     tokenizer_dir = args.tokenizer_path or args.model_path
     tokenizer = load_tokenizer(tokenizer_dir)
     data_path = args.data_path or ensure_demo_data()["opd_prompts"]
@@ -149,28 +159,40 @@ def main(argv=None) -> None:
     sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
     validate_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0,
-                  progress=int(os.environ.get("RANK", 0)) == 0)
-    student = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
-    run = Run(args, student, dataset, prompt_collator, tokenizer_dir)
-    teacher = load_teacher(args, tokenizer, run.raw_model, run.device)
-    evaluator = HeldoutEvaluator(args, tokenizer, run, teacher)
+                  progress=info.is_main)
+    student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
+    teacher = load_teacher(args, tokenizer, student, info.device)
+    run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
+    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
 
-    evaluator.maybe_evaluate()  # step 0: the baseline the evaluations during training compare against
-    for epoch in range(args.epochs):
-        for window in run.windows(epoch):
-            clock = PhaseClock(run.device)
-            for i, batch in enumerate(window):
-                with clock("gen"):
-                    input_ids, attention_mask, labels, on_policy = rollout(run, args, tokenizer, sft_collator, batch,
-                                                                           epoch, i)
-                with clock("train"), run.micro_step(i, len(window)):  # DDP syncs on the window's last micro-batch
-                    with run.autocast():
-                        loss_sum, num_tokens, extra = distill_loss(run, args, teacher, len(tokenizer), input_ids,
-                                                                   attention_mask, labels)
-                    run.backward(loss_sum, num_tokens, **extra,
-                                 **rollout_stats(input_ids, labels, tokenizer.eos_token_id, on_policy))
-            run.optimizer_step(log_extra=clock.summary())
-            evaluator.maybe_evaluate()
+    if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
+        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta))
+    for epoch, window in run.windows():
+        clock = PhaseClock(run.device)
+        for i, batch in enumerate(window):
+            with clock("gen"):  # steps 1-2: the student's samples, or the dataset's completions
+                on_policy = on_policy_draw(args, epoch, run.step, i)
+                if on_policy:
+                    input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
+                                                                           epoch, run.device, run.autocast)
+                else:
+                    data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
+                    input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
+            with clock("train"), run.micro_step(i, len(window)):  # steps 3-4; DDP syncs on the window's last
+                with run.autocast():
+                    loss_sum, num_tokens = distill_loss(run, args, teacher, len(tokenizer), input_ids,
+                                                        attention_mask, labels)
+                run.backward(loss_sum, num_tokens)
+            add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
+        clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
+        metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
+        run.log(metrics)                # console, metrics.jsonl, swanlab: every --log_interval steps and the last
+        if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
+            run.save()
+        if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta))
+        if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
+            break
     run.finish()
 
 

@@ -11,6 +11,8 @@ boundary, left padding), run the model to its final hidden states, and sum the c
 tokens chunk by chunk through the lm_head (the full B x T x V logits never exist). The skeleton then divides the
 window's gradient by the number of loss tokens of the whole window on all ranks, clips and steps.
 """
+from __future__ import annotations
+
 import argparse
 import os
 import sys
@@ -18,13 +20,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import run_script
-from eval.heldout import HeldoutEvaluator
-from trainer.losses import chunked_sft_loss
-from trainer.trainer_utils import (Run, add_common_args, build_model, completion_hidden, load_sft_data,
-                                   validate_common_args)
+from trainer.heldout import HeldoutEvaluator
+from trainer.losses import chunked_sft_loss, completion_hidden
+from trainer.setup import add_common_args, build_model, init_distributed_mode, load_sft_data, validate_common_args
+from trainer.trainer_utils import Run
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="SFT of a Qwen3 model on chat data (masked cross entropy)")
     add_common_args(parser, save_weight="sft")
     args = parser.parse_args(argv)
@@ -32,28 +34,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    info = init_distributed_mode(args.device)  # first: each rank builds its model on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
-    model = build_model(args, args.device, path=args.model_path, config_path=args.model_config)
-    run = Run(args, model, dataset, collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, run)
+    model = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
+    run = Run(args, info, model, dataset, collator, tokenizer_dir)
+    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
 
-    evaluator.maybe_evaluate()  # step 0: the baseline the evaluations during training compare against
-    for epoch in range(args.epochs):
-        for window in run.windows(epoch):
-            for i, batch in enumerate(window):
-                batch = {k: v.to(run.device) for k, v in batch.items()}
-                with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
-                    with run.autocast():
-                        hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
-                                                            batch["labels"])
-                        loss_sum, num_tokens = chunked_sft_loss(hidden, run.raw_model.lm_head.weight, targets,
-                                                                chunk_size=args.loss_chunk_size,
-                                                                vocab_size=len(tokenizer))
-                    run.backward(loss_sum, num_tokens)
-            run.optimizer_step()
-            evaluator.maybe_evaluate()
+    if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
+        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast))
+    for epoch, window in run.windows():
+        for i, batch in enumerate(window):
+            batch = {k: v.to(run.device) for k, v in batch.items()}
+            with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
+                with run.autocast():
+                    hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
+                                                        batch["labels"])
+                    loss_sum, num_tokens = chunked_sft_loss(hidden, run.raw_model.lm_head.weight, targets,
+                                                            chunk_size=args.loss_chunk_size,
+                                                            vocab_size=len(tokenizer))
+                run.backward(loss_sum, num_tokens)
+        metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
+        run.log(metrics)                # console, metrics.jsonl, swanlab: every --log_interval steps and the last
+        if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
+            run.save()
+        if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast))
+        if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
+            break
     run.finish()
 
 

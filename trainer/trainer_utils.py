@@ -1,10 +1,11 @@
 """The shared skeleton of the three training loops: the mechanics, one call away from the algorithm.
 
-What lives here: the common flags, the cosine LR, DDP set-up, seeds, mixed precision, the data stream (a
-world-size-invariant sampler, grouped into accumulation windows, resumable), exact loss normalisation over the
-window and all ranks, gradient clipping, logging (console, metrics.jsonl, swanlab), atomic resume checkpoints and the
-HF export. What does not: collation, generation, forward passes and losses -- those are the algorithm, and each
-script spells them out.
+What lives here: the cosine LR, mixed precision, the data stream (a world-size-invariant sampler grouped into
+accumulation windows, resumable), exact loss normalisation over the window and all ranks, gradient clipping, the
+window's metrics (one all-reduce), logging (console, metrics.jsonl, swanlab), the run lock, graceful stops, atomic
+resume checkpoints and the HF export. What does not: flags and loading (trainer/setup.py), collation, generation,
+forward passes and losses -- those are the algorithm, and each script spells them out, together with what happens at
+the end of every step (optimizer step, log, save when due, evaluate when due, stop when done).
 
 The normalisation invariant (docs/architecture.md): an optimizer step's gradient is the gradient of
     (sum of token losses over the whole accumulation window and all ranks) / (number of loss tokens in it).
@@ -17,15 +18,12 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
-import hashlib
 import json
 import math
 import os
 import random
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass
 
@@ -35,111 +33,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped, UserError, refuse
-from common.files import (atomic_write, check_free_space, check_writable, raise_disk_error,
-                          remove_stale_temporaries)
-from dataset.collators import SFTCollator, validate_rows
-from dataset.make_demo_data import ensure_demo_data
-from dataset.sources import RowDataset
-from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
-from model.tokenizer import QwenTokenizer
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped, UserError
+from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
+from common.seeds import derived_seed, seed_everything
+from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
+from trainer.setup import DistInfo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
 CHECKPOINT_FORMAT = 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# arguments
-
-def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
-    """The flags every loop shares (README.md, "Flags shared by the three loops"); each script adds its own algorithm's flags."""
-    g = parser.add_argument_group("model")
-    g.add_argument("--model_path", default=None, help="HF folder to start from (config.json + safetensors)")
-    g.add_argument("--model_config", default=None,
-                   help=f"config.json to start from random weights (default without --model_path: "
-                        f"{os.path.relpath(DEFAULT_MODEL_CONFIG, ROOT)})")
-    g.add_argument("--tokenizer_path", default=None,
-                   help="folder with tokenizer.json (default: --model_path, else the packaged Qwen3 tokenizer)")
-    g = parser.add_argument_group("data")
-    g.add_argument("--data_path", default=None, help="parquet or jsonl (default: the built-in demo data)")
-    g.add_argument("--max_length", type=int, default=512, help="prompt + completion tokens per row")
-    g.add_argument("--max_prompt_length", type=int, default=256, help="prompt budget (keeps the prompt's end)")
-    g.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 chat-template switch")
-    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers")
-    g = parser.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=1)
-    g.add_argument("--batch_size", type=int, default=16, help="rows per micro-batch per device")
-    g.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--learning_rate", type=float, default=2e-3,
-                   help="peak learning rate (AdamW); the default suits the tiny demo models, Qwen3-0.6B wants ~1e-5")
-    g.add_argument("--weight_decay", type=float, default=0.0)
-    g.add_argument("--warmup_ratio", type=float, default=0.0, help="share of optimizer steps of linear warm-up")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
-    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all)")
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--loss_chunk_size", type=int, default=512,
-                   help="positions projected through the lm_head at a time (full logits never exist)")
-    g = parser.add_argument_group("held-out evaluation (greedy completions: accuracy; with a teacher: reverse KL)")
-    g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
-    g.add_argument("--eval_data_path", default=None, help="held-out prompts with ground truth (default: demo eval)")
-    g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
-    g.add_argument("--eval_max_new_tokens", type=int, default=64, help="completion budget of the evaluation")
-    g = parser.add_argument_group("system")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                   help="autocast dtype on CUDA (fp16 adds a GradScaler); CPU always trains in fp32")
-    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
-    g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1])
-    g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
-    g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
-    g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
-    g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
-                   help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
-    g.add_argument("--start_over", type=int, default=0, choices=[0, 1],
-                   help="1: move an existing run of this name aside (SAVE_DIR/NAME.replaced-TIME/) and start anew")
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between log lines")
-    g.add_argument("--use_swanlab", type=int, default=0, choices=[0, 1])
-    g.add_argument("--swanlab_project", default="qwen3-distill")
-    g.add_argument("--swanlab_mode", default="offline", choices=["cloud", "local", "offline", "disabled"],
-                   help="offline/local need no account; cloud needs `swanlab login`")
-
-
-def validate_common_args(args: argparse.Namespace) -> None:
-    """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
-    if args.model_path and args.model_config:
-        refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
-    for name in ("epochs", "batch_size", "accumulation_steps", "max_length", "max_prompt_length",
-                 "log_interval", "save_interval", "loss_chunk_size"):
-        if getattr(args, name) < 1:
-            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_prompt_length >= args.max_length:
-        refuse(f"--max_prompt_length ({args.max_prompt_length}) must be smaller than --max_length "
-               f"({args.max_length}) so that completion tokens fit")
-    if not 0.0 <= args.warmup_ratio < 1.0:
-        refuse(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
-    if args.learning_rate <= 0:
-        refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
-    if args.eval_interval < 0 or args.eval_rows < 1 or args.eval_max_new_tokens < 1:
-        refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
-    if args.max_steps < 0 or args.grad_clip < 0:
-        refuse("--max_steps and --grad_clip must be >= 0")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        refuse("--device cuda but no CUDA device is visible: pass --device cpu")
-    for flag in ("model_path", "model_config", "data_path", "eval_data_path", "tokenizer_path"):
-        path = getattr(args, flag)
-        if path and not os.path.exists(path):
-            refuse(f"--{flag} {path} does not exist")
-    if args.from_resume and args.start_over:
-        refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
-    check_writable(args.save_dir, "--save_dir")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# schedule, seeds, distributed, precision
+# schedule, precision, collectives
 
 def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> float:
     """Linear warm-up, then cosine from lr down to 10% of lr, indexed by optimizer step (0-based)."""
@@ -147,61 +52,6 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> flo
         return lr * (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-def derived_seed(*parts: int) -> int:
-    """A seed that is a pure function of its parts (e.g. seed, epoch, step, micro-batch, rank). Python's hash() is
-    salted per process, so it cannot serve: a resumed run must draw exactly what the killed one would have."""
-    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def setup_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.cuda.manual_seed_all(seed)
-
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed_mode(device: str) -> DistInfo:
-    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU)."""
-    if "RANK" not in os.environ:
-        return DistInfo(device=device)
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    die_with_launcher()
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        device = f"cuda:{local_rank}"
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return DistInfo(rank, local_rank, world_size, device)
-
-
-def die_with_launcher() -> None:
-    """torchrun starts each worker in a session of its own, so a launcher killed with SIGKILL leaves its workers
-    training on, into the folder a rerun will use. On Linux the kernel is asked to kill a worker when its launcher
-    dies (PR_SET_PDEATHSIG); a launcher that died before the request was made is noticed by the parent PID."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if parent == 1 or os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def autocast_context(device: str, dtype_name: str):
@@ -223,88 +73,6 @@ def print0(*args, **kwargs) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# models
-
-def build_model(args: argparse.Namespace, device: str, path: str | None = None,
-                config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
-    """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed."""
-    if path:
-        return load_pretrained(path, dtype=torch.float32, device=device)
-    config = Qwen3Config.from_json(config_path or DEFAULT_MODEL_CONFIG)
-    return create_model(config, seed=args.seed if seed is None else seed, device=device)
-
-
-def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, RowDataset, SFTCollator]:
-    """-> (tokenizer folder, tokenizer, chat rows with solutions, SFT collator): what SFT and white-box KD train on.
-    The tokenizer comes from --tokenizer_path, else the model folder, else the real Qwen3 files; the rows from
-    --data_path, else the demo training set (generated on first use)."""
-    tokenizer_dir = args.tokenizer_path or args.model_path
-    tokenizer = load_tokenizer(tokenizer_dir)
-    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
-    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
-    # every row rendered as the collator will, before the model is built: a bad row stops the run now, not hours in
-    validate_rows(dataset, collator, need_completion=True, progress=int(os.environ.get("RANK", 0)) == 0)
-    return tokenizer_dir, tokenizer, dataset, collator
-
-
-def add_teacher_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("teacher")
-    g.add_argument("--teacher_path", default=None,
-                   help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's output")
-    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the distillation loss")
-
-
-def resolve_teacher_path(args: argparse.Namespace) -> None:
-    """Default teacher: the SFT quick-start's model. Refused up front when there is none."""
-    if args.teacher_path is None:
-        args.teacher_path = os.path.join(args.save_dir, "sft")
-    if not os.path.isfile(os.path.join(args.teacher_path, "config.json")):
-        refuse(f"no teacher model at {args.teacher_path}: run `python trainer/train_sft.py` first (it writes "
-               f"checkpoints/sft/), or pass --teacher_path")
-    if args.temperature <= 0:
-        refuse(f"--temperature must be > 0, got {args.temperature}")
-
-
-def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
-    """The teacher, frozen, in eval mode; in the autocast dtype on CUDA (it never needs an fp32 master copy).
-
-    Token-level distillation compares distributions position by position, so student and teacher must mean the same
-    thing by every id: their tokenizers' vocabularies are compared and a difference is refused at start-up.
-    """
-    teacher_tokenizer_dir = args.teacher_path if os.path.isfile(os.path.join(args.teacher_path, "tokenizer.json")) \
-        else None
-    teacher_tokenizer = load_tokenizer(teacher_tokenizer_dir)
-    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
-        refuse(f"the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the student's "
-               f"({tokenizer.folder}); token-level distillation needs the same vocabulary")
-    dtype = DTYPES[args.dtype] if device.startswith("cuda") else torch.float32
-    teacher = load_pretrained(args.teacher_path, dtype=dtype, device=device)
-    for name, model in (("student", student), ("teacher", teacher)):
-        if model.config.vocab_size < len(tokenizer):
-            refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
-                   f"{len(tokenizer)} tokens")
-    teacher.eval().requires_grad_(False)
-    return teacher
-
-
-def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden states at the positions that predict a label, and those labels: (N, H) and (N,).
-
-    prompt_length is the batch minimum of the completions' start: with left padding one scalar slices the batch,
-    and position t predicts labels[t + 1], so hidden[:, p-1:-1] goes with labels[:, p:]. Labels are the authority:
-    within the slice only positions whose label is not -100 are kept, so neither prompt nor padding ever reaches
-    the lm_head or the loss; the slice is only a speed-up that keeps most prompt positions out of the gather.
-    """
-    has_label = (labels[:, 1:] != -100).any(dim=0)
-    start = int(has_label.nonzero()[0]) + 1 if bool(has_label.any()) else labels.shape[1] - 1
-    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True).hidden_states
-    hidden, targets = hidden[:, start - 1:-1], labels[:, start:]
-    keep = targets != -100
-    return hidden[keep], targets[keep]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # the run: data stream, exact accumulation, optimizer step, logging, checkpoints
 
 @dataclass
@@ -315,25 +83,90 @@ class RunState:
     swanlab_run_id: str | None = None
 
 
-class Run:
-    """Holds the mechanics of one training run. A script calls, in order:
-    `Run(args, models...)`, then per epoch `run.windows(epoch)`, per micro-batch `run.micro_step(...)` and
-    `run.backward(...)`, per window `run.optimizer_step()`, and at the end `run.finish()`."""
+class WindowMetrics:
+    """The numbers of one accumulation window, summed over its micro-batches and reduced over all ranks in one
+    all-reduce at the optimizer step. Each name says how it is reduced:
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, dataset, collate_fn, tokenizer_dir: str | None):
-        self.args = args
-        self.dist = init_distributed_mode(args.device)
-        self.device = self.dist.device
-        # seed + rank: ranks must not draw the same random numbers (dropout, sampling); the data order does not
-        # depend on these RNGs at all, it is a function of (seed, epoch) in EpochSampler.
-        setup_seed(args.seed + self.dist.rank)
+        token_mean(name, sum)     a sum over loss tokens, logged per loss token of the whole window (loss, ce, kd)
+        ratio(name, num, den)     sum of numerators / sum of denominators (eos_share = rows ended / rows)
+        total(name, value)        a plain sum (tokens, generated_tokens)
+        rank_mean(name, value)    the mean over ranks of a per-rank number (seconds spent in a phase)
+
+    Every rank must add the same names (they travel in one tensor, in sorted order)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.kinds: dict[str, str] = {}
+        self.sums: dict[str, list[torch.Tensor]] = {}
+
+    def _add(self, kind: str, name: str, *values) -> None:
+        if self.kinds.setdefault(name, kind) != kind:
+            raise ValueError(f"metric {name!r} is a {self.kinds[name]}, not a {kind}")
+        tensors = [torch.as_tensor(v).detach().to(self.device, torch.float64) for v in values]
+        self.sums[name] = [old + new for old, new in zip(self.sums[name], tensors)] if name in self.sums else tensors
+
+    def token_mean(self, name: str, value) -> None:
+        self._add("token_mean", name, value)
+
+    def ratio(self, name: str, numerator, denominator) -> None:
+        self._add("ratio", name, numerator, denominator)
+
+    def total(self, name: str, value) -> None:
+        self._add("total", name, value)
+
+    def rank_mean(self, name: str, value) -> None:
+        self._add("rank_mean", name, value)
+
+    def reduce(self, info: DistInfo, extra: float = 0.0) -> tuple[dict[str, float], float]:
+        """-> (name -> value, the all-ranks sum of `extra`), and start the next window empty. `extra` rides along
+        in the same all-reduce (the stop flag: one collective per step, not two)."""
+        names = sorted(self.sums)
+        flat = [t for name in names for t in self.sums[name]]
+        reduced = all_reduce_sum(torch.stack([*flat, torch.tensor(extra, dtype=torch.float64, device=self.device)]),
+                                 info).tolist()
+        sums, position = {}, 0
+        for name in names:
+            width = len(self.sums[name])
+            sums[name], position = reduced[position:position + width], position + width
+        tokens = max(sums.get("tokens", [0.0])[0], 1.0)
+        values = {}
+        for name in names:
+            kind, sum_ = self.kinds[name], sums[name]
+            values[name] = {"token_mean": lambda: sum_[0] / tokens, "ratio": lambda: sum_[0] / max(sum_[1], 1e-12),
+                            "total": lambda: sum_[0], "rank_mean": lambda: sum_[0] / info.world_size}[kind]()
+        self.kinds, self.sums = {}, {}
+        return values, reduced[-1]
+
+
+class Run:
+    """The mechanics of one training run. A script calls, in this order:
+
+        run = Run(args, dist_info, model, dataset, collate_fn, tokenizer_dir)   # lock, DDP, optimizer, resume
+        for epoch, window in run.windows():          # from where the run stands to the end of the last epoch
+            for i, batch in enumerate(window):
+                with run.micro_step(i, len(window)):  run.backward(loss_sum, num_tokens)
+            metrics = run.optimizer_step()
+            run.log(metrics)
+            if run.save_due(): run.save()
+            ... evaluate when due ...
+            if run.done or run.stop_signal: break
+        run.finish()                                 # after a stop signal: exits 75 / 130 with how to continue
+
+    `run.metrics` takes the loop's own numbers for the window (see WindowMetrics)."""
+
+    def __init__(self, args: argparse.Namespace, info: DistInfo, model: torch.nn.Module, dataset, collate_fn,
+                 tokenizer_dir: str | None):
+        self.args, self.dist, self.device = args, info, info.device
+        # ranks must not draw the same random numbers (dropout, sampling); the data order does not depend on these
+        # generators at all, it is a function of (seed, epoch) in EpochSampler
+        seed_everything(derived_seed(args.seed, info.rank))
         self.tokenizer_dir = tokenizer_dir
         self.dataset, self.collate_fn = dataset, collate_fn
-        self.raw_model = model.to(self.device)
+        self.raw_model = model
         self.raw_model.gradient_checkpointing = bool(args.gradient_checkpointing)
         self.model = torch.compile(self.raw_model) if args.use_compile else self.raw_model
-        if self.dist.enabled:
-            self.model = DistributedDataParallel(self.model, device_ids=[self.dist.local_rank]
+        if info.enabled:
+            self.model = DistributedDataParallel(self.model, device_ids=[info.local_rank]
                                                  if self.device.startswith("cuda") else None)
         self.optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.learning_rate,
                                            weight_decay=args.weight_decay, betas=(0.9, 0.95))
@@ -343,7 +176,7 @@ class Run:
         # is undone exactly when the window's gradients are scaled by constant * world_size / global_tokens.
         self.loss_divisor = float(args.batch_size * args.max_length)
 
-        self.global_batch = args.batch_size * args.accumulation_steps * self.dist.world_size
+        self.global_batch = args.batch_size * args.accumulation_steps * info.world_size
         self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch() / args.accumulation_steps)
         self.total_steps = args.epochs * self.steps_per_epoch
         if args.max_steps:
@@ -353,7 +186,7 @@ class Run:
         self.out_prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.out_prefix}_resume.pt"
         self.metrics_path = f"{self.out_prefix}_metrics.jsonl"
-        self.lock = RunLock(f"{self.out_prefix}.lock") if self.dist.is_main else None
+        self.lock = RunLock(f"{self.out_prefix}.lock") if info.is_main else None
         self.prepare_save_dir()
         self.state = RunState()
         if args.from_resume:
@@ -363,16 +196,26 @@ class Run:
                 if self.lock:
                     self.lock.release()  # a refused resume leaves the folder as it found it
                 raise
-        self.tracker = init_tracker(args, self.state, self.dist.is_main)
-        self.metrics_file = open_metrics(self.metrics_path, self.state.step) if self.dist.is_main else None
-        self.window_sums: dict[str, torch.Tensor] = {}
-        self.done = self.state.step >= self.total_steps
+        self.tracker = init_tracker(args, self.state, info.is_main)
+        self.metrics_file = open_metrics(self.metrics_path, self.state.step) if info.is_main else None
+        self.metrics = WindowMetrics(self.device)
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
         self.stop_request = StopRequest(self)
+        self.stop_signal = 0
         self.timer = StepTimer()
-        print0(f"world {self.dist.world_size} x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
+        print0(f"world {info.world_size} x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
                f"global batch {self.global_batch} | {len(dataset)} rows | {self.steps_per_epoch} steps/epoch | "
                f"{self.total_steps} steps | {self.raw_model.num_parameters() / 1e6:.1f}M parameters | {self.device}")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.state.step
+
+    @property
+    def done(self) -> bool:
+        """All epochs, or --max_steps, done."""
+        return self.state.step >= self.total_steps
 
     # -- data ---------------------------------------------------------------------------------------------------
 
@@ -380,30 +223,30 @@ class Run:
         per_rank = len(self.dataset) // self.dist.world_size
         return math.ceil(per_rank / self.args.batch_size)
 
-    def windows(self, epoch: int):
-        """Yield the accumulation windows of an epoch: lists of up to accumulation_steps collated micro-batches
-        (a last, shorter window is flushed as a step of its own). A resumed run starts where it stopped."""
-        if self.done or epoch < self.state.epoch:
-            return
-        skip = 0
-        if epoch == self.state.epoch:
-            skip = batches_to_skip(self.state.samples_in_epoch, self.dist.world_size, self.args.batch_size)
-        else:
-            self.state.epoch, self.state.samples_in_epoch = epoch, 0
-        sampler = EpochSampler(len(self.dataset), self.args.seed, epoch, self.dist.rank, self.dist.world_size)
-        batches = SkipBatchSampler(sampler, self.args.batch_size, skip)
-        loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
-                            num_workers=self.args.num_workers)
-        window = []
-        for batch in loader:
-            window.append(batch)
-            if len(window) == self.args.accumulation_steps:
-                yield window
-                window = []
-                if self.done:
-                    return
-        if window:
-            yield window
+    def windows(self):
+        """Yield (epoch, window) from where the run stands to the end of its last epoch: a window is a list of up to
+        accumulation_steps collated micro-batches (an epoch's last, shorter window is a step of its own). A resumed
+        run starts in its checkpoint's epoch, after the samples it had consumed; one that is already complete
+        yields nothing. Ends early only when the loop breaks (--max_steps, a stop signal)."""
+        first_epoch = self.args.epochs if self.done else self.state.epoch
+        for epoch in range(first_epoch, self.args.epochs):
+            skip = 0
+            if epoch == self.state.epoch:
+                skip = batches_to_skip(self.state.samples_in_epoch, self.dist.world_size, self.args.batch_size)
+            else:
+                self.state.epoch, self.state.samples_in_epoch = epoch, 0
+            sampler = EpochSampler(len(self.dataset), self.args.seed, epoch, self.dist.rank, self.dist.world_size)
+            batches = SkipBatchSampler(sampler, self.args.batch_size, skip)
+            loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
+                                num_workers=self.args.num_workers)
+            window = []
+            for batch in loader:
+                window.append(batch)
+                if len(window) == self.args.accumulation_steps:
+                    yield epoch, window
+                    window = []
+            if window:
+                yield epoch, window
 
     def micro_step(self, index: int, window_size: int):
         """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last."""
@@ -415,30 +258,20 @@ class Run:
         """Context for the forward passes only (backward under autocast is not recommended by PyTorch)."""
         return autocast_context(self.device, self.args.dtype)
 
-    def backward(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int, **extra) -> None:
-        """Backward a micro-batch's *summed* loss and add its sums to the window's, without a device sync.
-
-        `extra` holds more numbers to log, summed over the window and all ranks:
-          name=tensor                -> logged as a mean over the window's loss tokens (e.g. ce=ce_sum)
-          name=(numerator, denominator) -> logged as their ratio (e.g. eos_share=(num_eos, num_rows))
-          count_name=tensor          -> logged as a total (e.g. count_generated_tokens=...)
-        Every rank must pass the same names (they are all-reduced together)."""
+    def backward(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int) -> None:
+        """Backward a micro-batch's *summed* loss; its sum and token count join the window's metrics (no device
+        sync: they are reduced at the optimizer step)."""
         self.scaler.scale(loss_sum / self.loss_divisor).backward()
-        sums = {"tokens": num_tokens, "loss": loss_sum}
-        for name, value in extra.items():
-            if isinstance(value, tuple):
-                sums[f"{name}:num"], sums[f"{name}:den"] = value
-            else:
-                sums[name] = value
-        for name, value in sums.items():
-            value = torch.as_tensor(value).detach().to(self.device, torch.float64)
-            self.window_sums[name] = self.window_sums.get(name, 0.0) + value
+        self.metrics.token_mean("loss", loss_sum)
+        self.metrics.total("tokens", num_tokens)
 
-    def optimizer_step(self, log_extra: dict | None = None) -> dict:
-        """Exact normalisation over the window and all ranks, clip, step, log, checkpoint. Returns the metrics."""
+    def optimizer_step(self) -> dict:
+        """Exact normalisation over the window and all ranks, clip, step. Returns the window's metrics."""
         args, state = self.args, self.state
-        totals, stop_signal = self.reduce_window_sums()
-        global_tokens = totals["tokens"]
+        values, stop = self.metrics.reduce(self.dist, float(self.stop_request.signal))
+        # a signal that reached only some ranks stops all of them after this same step
+        self.stop_signal = self.stop_request.signal or (signal.SIGTERM if stop else 0)
+        global_tokens = values["tokens"]
         lr = get_lr(state.step, self.total_steps, args.learning_rate, self.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -451,52 +284,22 @@ class Run:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm))
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             raise RuntimeFailure(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); stopping "
-                                     f"before it reaches the weights. Lower --learning_rate or check the data.")
+                                 f"before it reaches the weights. Lower --learning_rate or check the data.")
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
 
         state.step += 1
         state.samples_in_epoch += self.global_batch  # nominal for a short tail window: the epoch ends there
-        metrics = self.window_metrics(totals, lr, grad_norm)
-        metrics.update(log_extra or {})
-        self.window_sums = {}
-        self.log(metrics)
-        self.done = state.step >= self.total_steps
-        if state.step % args.save_interval == 0 or self.done or stop_signal:
-            self.save()
-        if stop_signal and not self.done:
-            self.stop(stop_signal)
-        return metrics
-
-    def reduce_window_sums(self) -> tuple[dict[str, float], int]:
-        """The window's sums over all ranks, and the stop signal any rank received (0: none) -- in one all-reduce,
-        so that every rank stops after the same step even when the signal reached only some of them."""
-        names = sorted(self.window_sums)
-        local = torch.stack([self.window_sums[name] for name in names]
-                            + [torch.tensor(float(self.stop_request.signal), dtype=torch.float64, device=self.device)])
-        reduced = all_reduce_sum(local, self.dist).tolist()
-        stop = self.stop_request.signal or (signal.SIGTERM if reduced[-1] else 0)
-        return dict(zip(names, reduced[:-1])), int(stop)
-
-    def window_metrics(self, totals: dict[str, float], lr: float, grad_norm: float) -> dict:
-        tokens = totals.pop("tokens")
-        elapsed = self.timer.tick(tokens)
-        metrics = {"step": self.state.step, "epoch": self.state.epoch, "loss": totals.pop("loss") / max(tokens, 1.0),
-                   "lr": lr, "grad_norm": grad_norm, "tokens": int(tokens),
-                   "tokens_per_s": self.timer.tokens_per_s(), "step_ms": elapsed * 1000.0}
-        for name, total in totals.items():
-            if name.startswith("count_"):
-                metrics[name.removeprefix("count_")] = total
-            elif name.endswith(":num"):
-                metrics[name.removesuffix(":num")] = total / max(totals[name.replace(":num", ":den")], 1e-12)
-            elif not name.endswith(":den"):
-                metrics[name] = total / max(tokens, 1.0)
-        return metrics
+        elapsed = self.timer.tick(global_tokens)
+        return {"step": state.step, "epoch": state.epoch, "loss": values.pop("loss"), "lr": lr,
+                "grad_norm": grad_norm, "tokens": int(values.pop("tokens")),
+                "tokens_per_s": self.timer.tokens_per_s(), "step_ms": elapsed * 1000.0, **values}
 
     # -- logging --------------------------------------------------------------------------------------------------
 
     def log(self, metrics: dict) -> None:
+        """Every --log_interval steps, the first and the last: console (rank 0), metrics.jsonl and the tracker."""
         step = self.state.step
         if not self.dist.is_main or not (step % self.args.log_interval == 0 or step == 1 or self.done):
             return
@@ -520,6 +323,10 @@ class Run:
         self.tracker.log(metrics, step=self.state.step)
         print0(f"eval at step {self.state.step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         self.timer.last = time.perf_counter()  # evaluation time is not training time: keep it out of ms/step
+
+    def save_due(self) -> bool:
+        """Every --save_interval steps, at the last step, and after a stop signal."""
+        return self.state.step % self.args.save_interval == 0 or self.done or bool(self.stop_signal)
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -584,14 +391,6 @@ class Run:
             for stale in remove_stale_temporaries(path):
                 print0(f"removed {stale}, left half-written by a run that was killed")
 
-    def stop(self, signum: int) -> None:
-        """End the run after a stop signal, with the checkpoint of this step written."""
-        name = signal.Signals(signum).name
-        message = (f"stopped by {name} after step {self.state.step}: checkpoint {self.resume_path}; continue with "
-                   f"the same command and --from_resume 1")
-        self.close()
-        raise Stopped(message, EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED)
-
     def resume(self) -> None:
         if not os.path.exists(self.resume_path):
             print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
@@ -609,7 +408,13 @@ class Run:
                f"{self.state.samples_in_epoch} samples into the epoch (saved by {checkpoint['world_size']} ranks)")
 
     def finish(self) -> None:
+        """Close the logs and the lock. A run stopped by a signal before its end says how to continue and exits
+        (75 for SIGTERM / SIGUSR1, 130 for Ctrl-C) with its checkpoint written."""
         self.close()
+        if self.stop_signal and not self.done:
+            raise Stopped(f"stopped by {signal.Signals(self.stop_signal).name} after step {self.state.step}: "
+                          f"checkpoint {self.resume_path}; continue with the same command and --from_resume 1",
+                          EXIT_INTERRUPTED if self.stop_signal == signal.SIGINT else EXIT_PREEMPTED)
         print0(f"done: {self.state.step} steps in {format_seconds(self.timer.elapsed())}"
                + (f", peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
                   if self.device.startswith("cuda") else "") + f" -> {self.out_prefix}/")
@@ -692,7 +497,7 @@ def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo
     """Each rank takes back its own RNG state. After a world-size change there is no rank-to-rank mapping, so
     every rank re-seeds from (seed, rank, step) instead: reproducible, though not the uninterrupted stream."""
     if saved_world_size != info.world_size:
-        setup_seed(seed + info.rank + 1_000_003 * step)
+        seed_everything(derived_seed(seed, info.rank, step))
         return
     state = states[info.rank]
     random.setstate(state["python"])
@@ -810,9 +615,9 @@ class NullTracker:
 
 
 class SwanlabTracker:
-    def __init__(self, run):
+    def __init__(self):
         import swanlab
-        self.swanlab, self.run = swanlab, run
+        self.swanlab = swanlab
 
     def log(self, metrics: dict, step: int) -> None:
         self.swanlab.log(metrics, step=step)
@@ -831,7 +636,7 @@ def init_tracker(args: argparse.Namespace, state: RunState, is_main: bool):
                        log_dir=os.path.join(args.save_dir, "swanlog"), id=state.swanlab_run_id,
                        resume="allow" if state.swanlab_run_id else None)
     state.swanlab_run_id = run.id
-    return SwanlabTracker(run)
+    return SwanlabTracker()
 
 
 class StepTimer:
@@ -883,10 +688,12 @@ class PhaseClock:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def summary(self) -> dict[str, float]:
+    def add_to(self, metrics: WindowMetrics) -> None:
+        """PHASE_s (seconds, the mean over ranks) and PHASE_share (of all phases' time, over all ranks)."""
         total = sum(self.seconds.values())
-        return {**{f"{phase}_s": s for phase, s in self.seconds.items()},
-                **{f"{phase}_share": s / max(total, 1e-9) for phase, s in self.seconds.items()}}
+        for phase, seconds in self.seconds.items():
+            metrics.rank_mean(f"{phase}_s", seconds)
+            metrics.ratio(f"{phase}_share", seconds, total)
 
 
 def format_seconds(seconds: float) -> str:

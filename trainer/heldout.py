@@ -12,15 +12,15 @@ from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from eval.grader import grade_batch
 from model import generate
-from trainer.losses import chunked_generalized_jsd_loss
-from trainer.trainer_utils import completion_hidden
+from trainer.losses import chunked_generalized_jsd_loss, completion_hidden
 
 
 @torch.no_grad()
 def evaluate_heldout(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
-                     autocast=contextlib.nullcontext, chunk_size: int = 512) -> dict[str, float]:
+                     autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device). Returns accuracy, mean completion length, EOS share
-    and, with a teacher, the token-weighted mean reverse KL(student || teacher) over the greedy completions."""
+    and, with a teacher, the token-weighted mean generalized JSD at `beta` over the greedy completions: beta=1 is
+    the reverse KL(student || teacher), logged as eval/reverse_kl; another beta as eval/jsd_beta<beta>."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -42,23 +42,23 @@ def evaluate_heldout(student, tokenizer, batches: list[dict], max_new_tokens: in
             input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
                                                                 out.completion_ids, out.completion_mask)
             with autocast():
-                kl, tokens = reverse_kl_sum(student, teacher, input_ids, attention_mask, labels, len(tokenizer),
-                                            chunk_size)
+                kl, tokens = divergence_sum(student, teacher, input_ids, attention_mask, labels, len(tokenizer),
+                                            chunk_size, beta)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
     metrics = {"eval/accuracy": correct / max(rows, 1), "eval/completion_len": generated / max(rows, 1),
                "eval/eos_share": ended / max(rows, 1)}
     if teacher is not None:
-        metrics["eval/reverse_kl"] = kl_sum / max(kl_tokens, 1)
+        metrics["eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"] = kl_sum / max(kl_tokens, 1)
     return metrics
 
 
-def reverse_kl_sum(student, teacher, input_ids, attention_mask, labels, vocab_size: int,
-                   chunk_size: int) -> tuple[float, int]:
+def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_size: int, chunk_size: int,
+                   beta: float) -> tuple[float, int]:
     student_hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
     teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
     kl, tokens = chunked_generalized_jsd_loss(student_hidden, student.lm_head.weight, teacher_hidden,
-                                              teacher.lm_head.weight, targets, beta=1.0, chunk_size=chunk_size,
+                                              teacher.lm_head.weight, targets, beta=beta, chunk_size=chunk_size,
                                               vocab_size=vocab_size)
     return float(kl), int(tokens)
 
@@ -66,13 +66,13 @@ def reverse_kl_sum(student, teacher, input_ids, attention_mask, labels, vocab_si
 class HeldoutEvaluator:
     """`--eval_interval` for a training loop: a fixed prompt set (the first --eval_rows rows of --eval_data_path,
     default the demo eval set), evaluated on rank 0 before training, every --eval_interval optimizer steps and at
-    the last step."""
+    the last step. Everything it needs comes in as arguments; it knows nothing of the run."""
 
-    def __init__(self, args, tokenizer, run, teacher=None):
-        self.args, self.tokenizer, self.run, self.teacher = args, tokenizer, run, teacher
-        self.batches = self.load_batches() if args.eval_interval and run.dist.is_main else []
+    def __init__(self, args, tokenizer, device: str, is_main: bool, start_step: int):
+        self.args, self.tokenizer, self.device = args, tokenizer, device
+        self.batches = self.load_batches() if args.eval_interval and is_main else []
         # a resumed run's checkpoint step was already evaluated (if due) by the run that wrote it
-        self.evaluated_step = run.state.step if run.state.step > 0 else -1
+        self.evaluated_step = start_step if start_step > 0 else -1
 
     def load_batches(self) -> list[dict]:
         args = self.args
@@ -82,15 +82,19 @@ class HeldoutEvaluator:
         batches = []
         for start in range(0, len(rows), args.batch_size):
             batch = collator(rows[start:start + args.batch_size])
-            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.run.device),
-                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.run.device)})
+            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.device),
+                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.device)})
         return batches
 
-    def maybe_evaluate(self) -> None:
-        step, interval = self.run.state.step, self.args.eval_interval
-        if not self.batches or step == self.evaluated_step or not (step % interval == 0 or self.run.done):
-            return
+    def due(self, step: int, last: bool) -> bool:
+        """On rank 0: before training (step 0), every --eval_interval steps and at the last step, once per step."""
+        if not self.batches or step == self.evaluated_step:
+            return False
+        return step % self.args.eval_interval == 0 or last
+
+    def evaluate(self, step: int, student, autocast, teacher=None, beta: float = 1.0) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: accuracy, length, EOS share; with a teacher also the
+        student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta)."""
         self.evaluated_step = step
-        self.run.log_eval(evaluate_heldout(self.run.raw_model, self.tokenizer, self.batches,
-                                           self.args.eval_max_new_tokens, self.teacher, self.run.autocast,
-                                           self.args.loss_chunk_size))
+        return evaluate_heldout(student, self.tokenizer, self.batches, self.args.eval_max_new_tokens, teacher,
+                                autocast, self.args.loss_chunk_size, beta)

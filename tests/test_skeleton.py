@@ -1,0 +1,58 @@
+# python -m pytest tests/test_skeleton.py
+"""The skeleton's own contracts, apart from the loops' equivalences (test_loop_invariants.py): the last step is
+logged, each rank builds its model on its own device, and the window's metrics reduce as their kind says."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from support import ROOT
+from loop_helpers import env_one_thread, loop_args, metrics
+from trainer.setup import DistInfo
+from trainer.train_sft import main as train_sft
+from trainer.trainer_utils import PhaseClock, WindowMetrics
+
+
+def test_the_last_step_of_a_max_steps_run_is_logged(tiny_config_path, chat_jsonl, tmp_path, capsys):
+    train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=3, log_interval=2))
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
+    assert "step 3/3 (100%)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_each_rank_builds_its_model_on_its_own_device(tiny_config_path):
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+               os.path.join(ROOT, "tests", "device_probe.py"), tiny_config_path, device]
+    result = subprocess.run(command, env=env_one_thread(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    expected = [f"cuda:{rank}" if device == "cuda" else "cpu" for rank in (0, 1)]
+    assert lines == [f"rank {r} local_rank {r} device {d} weights {d}" for r, d in zip((0, 1), expected)]
+
+
+def test_window_metrics_reduce_by_kind():
+    window = WindowMetrics("cpu")
+    for loss, tokens, ended, rows, seconds in ((6.0, 3, 1, 2, 0.5), (4.0, 2, 2, 2, 1.5)):  # two micro-batches
+        window.token_mean("loss", torch.tensor(loss))
+        window.total("tokens", tokens)
+        window.ratio("eos_share", ended, rows)
+        window.rank_mean("gen_s", seconds)
+    values, extra = window.reduce(DistInfo(), extra=3.0)
+    assert values == {"loss": 2.0, "tokens": 5.0, "eos_share": 0.75, "gen_s": 2.0} and extra == 3.0
+    assert window.sums == {} and window.kinds == {}  # the next window starts empty
+    window.total("tokens", 1)
+    with pytest.raises(ValueError, match="tokens"):
+        window.ratio("tokens", 1, 2)
+
+
+def test_phase_clock_adds_seconds_and_shares():
+    clock = PhaseClock("cpu")
+    clock.seconds = {"gen": 3.0, "train": 1.0}
+    window = WindowMetrics("cpu")
+    window.total("tokens", 1)
+    clock.add_to(window)
+    values, _ = window.reduce(DistInfo())
+    assert values["gen_s"] == 3.0 and values["gen_share"] == 0.75 and values["train_share"] == 0.25

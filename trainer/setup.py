@@ -1,0 +1,228 @@
+"""Script set-up shared by the three training loops: flags and their validation, the distributed start, and
+loading of models, teacher and data. Called once, top to bottom, before the loop; the loop's mechanics are in
+trainer_utils.py.
+
+Order matters and each script keeps it: flags -> distributed start (each rank picks its device) -> data, read and
+validated before any model is built -> models, built directly on the rank's device.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from common.errors import refuse
+from common.files import check_writable
+from dataset.collators import SFTCollator, validate_rows
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
+from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model.tokenizer import QwenTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arguments
+
+def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
+    """The flags every loop shares (README.md, "Flags shared by the three loops"); each script adds its own algorithm's flags."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_path", default=None, help="HF folder to start from (config.json + safetensors)")
+    g.add_argument("--model_config", default=None,
+                   help=f"config.json to start from random weights (default without --model_path: "
+                        f"{os.path.relpath(DEFAULT_MODEL_CONFIG, ROOT)})")
+    g.add_argument("--tokenizer_path", default=None,
+                   help="folder with tokenizer.json (default: --model_path, else the packaged Qwen3 tokenizer)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", default=None, help="parquet or jsonl (default: the built-in demo data)")
+    g.add_argument("--max_length", type=int, default=512, help="prompt + completion tokens per row")
+    g.add_argument("--max_prompt_length", type=int, default=256, help="prompt budget (keeps the prompt's end)")
+    g.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 chat-template switch")
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=1)
+    g.add_argument("--batch_size", type=int, default=16, help="rows per micro-batch per device")
+    g.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--learning_rate", type=float, default=2e-3,
+                   help="peak learning rate (AdamW); the default suits the tiny demo models, Qwen3-0.6B wants ~1e-5")
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--warmup_ratio", type=float, default=0.0, help="share of optimizer steps of linear warm-up")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
+    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all)")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--loss_chunk_size", type=int, default=512,
+                   help="positions projected through the lm_head at a time (full logits never exist)")
+    g = parser.add_argument_group("held-out evaluation (greedy completions: accuracy; with a teacher: reverse KL)")
+    g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
+    g.add_argument("--eval_data_path", default=None, help="held-out prompts with ground truth (default: demo eval)")
+    g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
+    g.add_argument("--eval_max_new_tokens", type=int, default=64, help="completion budget of the evaluation")
+    g = parser.add_argument_group("system")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="autocast dtype on CUDA (fp16 adds a GradScaler); CPU always trains in fp32")
+    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
+    g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1])
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
+    g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
+    g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
+    g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
+                   help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
+    g.add_argument("--start_over", type=int, default=0, choices=[0, 1],
+                   help="1: move an existing run of this name aside (SAVE_DIR/NAME.replaced-TIME/) and start anew")
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    g.add_argument("--use_swanlab", type=int, default=0, choices=[0, 1])
+    g.add_argument("--swanlab_project", default="qwen3-distill")
+    g.add_argument("--swanlab_mode", default="offline", choices=["cloud", "local", "offline", "disabled"],
+                   help="offline/local need no account; cloud needs `swanlab login`")
+
+
+def validate_common_args(args: argparse.Namespace) -> None:
+    """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
+    if args.model_path and args.model_config:
+        refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
+    for name in ("epochs", "batch_size", "accumulation_steps", "max_length", "max_prompt_length",
+                 "log_interval", "save_interval", "loss_chunk_size"):
+        if getattr(args, name) < 1:
+            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_prompt_length >= args.max_length:
+        refuse(f"--max_prompt_length ({args.max_prompt_length}) must be smaller than --max_length "
+               f"({args.max_length}) so that completion tokens fit")
+    if not 0.0 <= args.warmup_ratio < 1.0:
+        refuse(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    if args.learning_rate <= 0:
+        refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.eval_interval < 0 or args.eval_rows < 1 or args.eval_max_new_tokens < 1:
+        refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
+    if args.max_steps < 0 or args.grad_clip < 0:
+        refuse("--max_steps and --grad_clip must be >= 0")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        refuse("--device cuda but no CUDA device is visible: pass --device cpu")
+    for flag in ("model_path", "model_config", "data_path", "eval_data_path", "tokenizer_path"):
+        path = getattr(args, flag)
+        if path and not os.path.exists(path):
+            refuse(f"--{flag} {path} does not exist")
+    if args.from_resume and args.start_over:
+        refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
+    check_writable(args.save_dir, "--save_dir")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed start
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed_mode(device: str) -> DistInfo:
+    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU)."""
+    if "RANK" not in os.environ:
+        return DistInfo(device=device)
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    die_with_launcher()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return DistInfo(rank, local_rank, world_size, device)
+
+
+def die_with_launcher() -> None:
+    """torchrun starts each worker in a session of its own, so a launcher killed with SIGKILL leaves its workers
+    training on, into the folder a rerun will use. On Linux the kernel is asked to kill a worker when its launcher
+    dies (PR_SET_PDEATHSIG); a launcher that died before the request was made is noticed by the parent PID."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if parent == 1 or os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models
+
+def build_model(args: argparse.Namespace, device: str, path: str | None = None,
+                config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
+    """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed."""
+    if path:
+        return load_pretrained(path, dtype=torch.float32, device=device)
+    config = Qwen3Config.from_json(config_path or DEFAULT_MODEL_CONFIG)
+    return create_model(config, seed=args.seed if seed is None else seed, device=device)
+
+
+def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, RowDataset, SFTCollator]:
+    """-> (tokenizer folder, tokenizer, chat rows with solutions, SFT collator): what SFT and white-box KD train on.
+    The tokenizer comes from --tokenizer_path, else the model folder, else the real Qwen3 files; the rows from
+    --data_path, else the demo training set (generated on first use)."""
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
+    collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+    # every row rendered as the collator will, before the model is built: a bad row stops the run now, not hours in
+    validate_rows(dataset, collator, need_completion=True, progress=int(os.environ.get("RANK", 0)) == 0)
+    return tokenizer_dir, tokenizer, dataset, collator
+
+
+def add_teacher_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("teacher")
+    g.add_argument("--teacher_path", default=None,
+                   help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's output")
+    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the distillation loss")
+
+
+def resolve_teacher_path(args: argparse.Namespace) -> None:
+    """Default teacher: the SFT quick-start's model. Refused up front when there is none."""
+    if args.teacher_path is None:
+        args.teacher_path = os.path.join(args.save_dir, "sft")
+    if not os.path.isfile(os.path.join(args.teacher_path, "config.json")):
+        refuse(f"no teacher model at {args.teacher_path}: run `python trainer/train_sft.py` first (it writes "
+               f"checkpoints/sft/), or pass --teacher_path")
+    if args.temperature <= 0:
+        refuse(f"--temperature must be > 0, got {args.temperature}")
+
+
+def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The teacher, frozen, in eval mode; in the autocast dtype on CUDA (it never needs an fp32 master copy).
+
+    Token-level distillation compares distributions position by position, so student and teacher must mean the same
+    thing by every id: their tokenizers' vocabularies are compared and a difference is refused at start-up.
+    """
+    teacher_tokenizer_dir = args.teacher_path if os.path.isfile(os.path.join(args.teacher_path, "tokenizer.json")) \
+        else None
+    teacher_tokenizer = load_tokenizer(teacher_tokenizer_dir)
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        refuse(f"the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the student's "
+               f"({tokenizer.folder}); token-level distillation needs the same vocabulary")
+    dtype = DTYPES[args.dtype] if device.startswith("cuda") else torch.float32
+    teacher = load_pretrained(args.teacher_path, dtype=dtype, device=device)
+    for name, model in (("student", student), ("teacher", teacher)):
+        if model.config.vocab_size < len(tokenizer):
+            refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
+                   f"{len(tokenizer)} tokens")
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
