@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from common.checks import check_device, check_model_dir  # noqa: E402
 from common.errors import UserError, refuse, run_script  # noqa: E402
 from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
@@ -81,23 +82,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_model_args(args: argparse.Namespace) -> None:
     """Refuse a model folder or a device that cannot work, before anything loads (eval_math.py and chat.py)."""
-    if not os.path.exists(args.model_path):
-        refuse(f"--model_path {args.model_path} does not exist: pass a model folder (config.json, model.safetensors, "
-               f"tokenizer files), e.g. checkpoints/sft")
-    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
-        refuse(f"--model_path {args.model_path} is not a model folder: it has no config.json")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        refuse(f"--device {args.device} is not a device these scripts run on: pass cpu, cuda or cuda:N")
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type == "cuda" and visible == 0:
-        refuse(f"--device {args.device} but no CUDA device is visible: pass --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= visible:
-        refuse(f"--device {args.device} but only {visible} CUDA device(s) are visible: pass cuda:0 ... "
-               f"cuda:{visible - 1}")
+    check_model_dir(args.model_path, "--model_path")
+    check_device(args.device)
 
 
 def load_for_inference(model_path: str, device: str, dtype_name: str | None):

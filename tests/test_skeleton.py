@@ -18,7 +18,7 @@ from trainer.trainer_utils import PhaseClock, WindowMetrics
 def test_the_last_step_of_a_max_steps_run_is_logged(tiny_config_path, chat_jsonl, tmp_path, capsys):
     train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=3, log_interval=2))
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
-    assert "step 3/3 (100%)" in capsys.readouterr().out
+    assert "step 3/3 100%" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -56,3 +56,31 @@ def test_phase_clock_adds_seconds_and_shares():
     clock.add_to(window)
     values, _ = window.reduce(DistInfo())
     assert values["gen_s"] == 3.0 and values["gen_share"] == 0.75 and values["train_share"] == 0.25
+
+
+@pytest.mark.slow
+def test_console_lines_of_all_three_loops_fit_120_characters(tiny_config_path, chat_jsonl, tmp_path, capsys):
+    from model import Qwen3Config, create_model, save_pretrained
+    from trainer.train_distillation import main as train_distillation
+    from trainer.train_opd import main as train_opd
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=1), str(tmp_path / "teacher"))
+    teacher = {"teacher_path": str(tmp_path / "teacher")}
+    common = dict(batch=4, max_steps=2, eval_interval=1, eval_rows=4, eval_max_new_tokens=4)
+    train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path / "sft", **common))
+    train_distillation(loop_args(tiny_config_path, chat_jsonl, tmp_path / "kd", **common, **teacher))
+    train_opd(loop_args(tiny_config_path, chat_jsonl, tmp_path / "opd", **common, **teacher, max_new_tokens=8))
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 6 and sum("eval at step" in line for line in lines) == 9
+    assert any(" | ce " in line for line in lines) and any(" | gen " in line for line in lines)
+    too_long = [line for line in lines if len(line) > 120 and not line.startswith(("checking ", "loading ", "random "))]
+    assert not too_long, too_long
+
+
+@pytest.mark.parametrize("tty, ci, shown", [(True, "", True), (True, "true", False), (False, "", False)])
+def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, shown):
+    from trainer.trainer_utils import Progress
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    monkeypatch.setenv("CI", ci)
+    progress = Progress(10, 0, enabled=True)
+    assert (progress.bar is not None) == shown
+    progress.close()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.checks import check_device, check_model_dir
 from common.errors import refuse
 from common.files import check_writable
 from dataset.collators import SFTCollator, validate_rows
@@ -106,8 +107,9 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
     if args.max_steps < 0 or args.grad_clip < 0:
         refuse("--max_steps and --grad_clip must be >= 0")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        refuse("--device cuda but no CUDA device is visible: pass --device cpu")
+    check_device(args.device)
+    if args.model_path:
+        check_model_dir(args.model_path, "--model_path")
     for flag in ("model_path", "model_config", "data_path", "eval_data_path", "tokenizer_path"):
         path = getattr(args, flag)
         if path and not os.path.exists(path):
@@ -119,6 +121,12 @@ def validate_common_args(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 # distributed start
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only (all ranks run the same script)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
 
 @dataclass
 class DistInfo:
@@ -168,9 +176,11 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
                 config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
     """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed."""
     if path:
+        print0(f"loading {path} on {device}")
         return load_pretrained(path, dtype=torch.float32, device=device)
-    config = Qwen3Config.from_json(config_path or DEFAULT_MODEL_CONFIG)
-    return create_model(config, seed=args.seed if seed is None else seed, device=device)
+    config_path = config_path or DEFAULT_MODEL_CONFIG
+    print0(f"random weights from {os.path.relpath(config_path)} on {device}")
+    return create_model(Qwen3Config.from_json(config_path), seed=args.seed if seed is None else seed, device=device)
 
 
 def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, RowDataset, SFTCollator]:
@@ -181,9 +191,15 @@ def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, 
     tokenizer = load_tokenizer(tokenizer_dir)
     dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
     collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
-    # every row rendered as the collator will, before the model is built: a bad row stops the run now, not hours in
-    validate_rows(dataset, collator, need_completion=True, progress=int(os.environ.get("RANK", 0)) == 0)
+    check_rows(dataset, collator, need_completion=True)
     return tokenizer_dir, tokenizer, dataset, collator
+
+
+def check_rows(dataset: RowDataset, collator, need_completion: bool) -> None:
+    """Every row rendered as the collator will, before any model is built: a bad row stops the run now, not hours
+    in (every rank checks; they all reach the same verdict, so none is left waiting)."""
+    print0(f"checking {len(dataset):,} rows of {os.path.relpath(dataset.path)}")
+    validate_rows(dataset, collator, need_completion=need_completion, progress=int(os.environ.get("RANK", 0)) == 0)
 
 
 def add_teacher_args(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +233,7 @@ def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, 
         refuse(f"the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the student's "
                f"({tokenizer.folder}); token-level distillation needs the same vocabulary")
     dtype = DTYPES[args.dtype] if device.startswith("cuda") else torch.float32
+    print0(f"loading the teacher {args.teacher_path} on {device}")
     teacher = load_pretrained(args.teacher_path, dtype=dtype, device=device)
     for name, model in (("student", student), ("teacher", teacher)):
         if model.config.vocab_size < len(tokenizer):

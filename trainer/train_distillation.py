@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                 run.metrics.token_mean("ce", ce_sum)
                 run.metrics.token_mean("kd", kd_sum)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics)                # console, metrics.jsonl, swanlab: every --log_interval steps and the last
+        run.log(metrics, show=("ce", "kd"))  # console, metrics.jsonl, swanlab: every --log_interval steps
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             run.save()
         if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one

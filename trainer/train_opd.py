@@ -31,14 +31,14 @@ import torch
 
 from common.errors import refuse, run_script
 from common.seeds import derived_seed
-from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences, validate_rows
+from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import generate, load_tokenizer
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import chunked_generalized_jsd_loss, chunked_loss, completion_hidden, sampled_token_kl_loss
-from trainer.setup import (add_common_args, add_teacher_args, build_model, init_distributed_mode, load_teacher,
-                           resolve_teacher_path, validate_common_args)
+from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
+                           load_teacher, resolve_teacher_path, validate_common_args)
 from trainer.trainer_utils import PhaseClock, Run
 
 
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_collator = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
     sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
-    validate_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0,
-                  progress=info.is_main)
+    check_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics)                # console, metrics.jsonl, swanlab: every --log_interval steps and the last
+        run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             run.save()
         if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one

@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -32,13 +33,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped, UserError
 from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
 from common.seeds import derived_seed, seed_everything
 from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
-from trainer.setup import DistInfo
+from trainer.setup import DistInfo, print0
 from trainer.tracking import init_tracker
 
 CHECKPOINT_FORMAT = 1
@@ -66,11 +68,6 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
-
-
-def print0(*args, **kwargs) -> None:
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,9 +201,10 @@ class Run:
         self.stop_request = StopRequest(self)
         self.stop_signal = 0
         self.timer = StepTimer()
-        print0(f"world {info.world_size} x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
-               f"global batch {self.global_batch} | {len(dataset)} rows | {self.steps_per_epoch} steps/epoch | "
-               f"{self.total_steps} steps | {self.raw_model.num_parameters() / 1e6:.1f}M parameters | {self.device}")
+        print0(f"{info.world_size} rank(s) x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
+               f"{self.global_batch} rows/step | {len(dataset)} rows | {self.total_steps} steps | "
+               f"{self.raw_model.num_parameters() / 1e6:.1f}M params | {self.device}")
+        self.progress = Progress(self.total_steps, self.state.step, enabled=info.is_main)
 
     @property
     def step(self) -> int:
@@ -299,22 +297,28 @@ class Run:
 
     # -- logging --------------------------------------------------------------------------------------------------
 
-    def log(self, metrics: dict) -> None:
-        """Every --log_interval steps, the first and the last: console (rank 0), metrics.jsonl and the tracker."""
+    def log(self, metrics: dict, show: tuple[str, ...] = ()) -> None:
+        """Rank 0: the progress bar every step; every --log_interval steps, the first and the last, one console line
+        of at most 120 characters (with the loop's own numbers named in `show`, as many as fit) and the full
+        metrics to metrics.jsonl and the tracker."""
         step = self.state.step
-        if not self.dist.is_main or not (step % self.args.log_interval == 0 or step == 1 or self.done):
+        if not self.dist.is_main:
+            return
+        self.progress.update(step, metrics)
+        if not (step % self.args.log_interval == 0 or step == 1 or self.done):
             return
         self.metrics_file.write(json.dumps(metrics) + "\n")
         self.metrics_file.flush()
         self.tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-        known = ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_ms")
-        extra = " ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in known and isinstance(v, (int, float)))
-        print0(f"epoch {metrics['epoch'] + 1}/{self.args.epochs} | step {step}/{self.total_steps} "
-               f"({100.0 * step / self.total_steps:.0f}%) | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-               f"grad_norm(pre-clip) {metrics['grad_norm']:.3f} | tokens {metrics['tokens']} | "
-               f"tok/s {metrics['tokens_per_s']:.0f} | {metrics['step_ms']:.0f} ms/step | "
-               f"elapsed {format_seconds(self.timer.elapsed())} | eta {format_seconds(self.timer.eta(step, self.total_steps))}"
-               + (f" | {extra}" if extra else ""))
+        epoch = f"epoch {metrics['epoch'] + 1}/{self.args.epochs} " if self.args.epochs > 1 else ""
+        parts = [f"{epoch}step {step}/{self.total_steps} {100.0 * step / self.total_steps:.0f}%",
+                 f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.1e}", f"gnorm {metrics['grad_norm']:.3g}",
+                 f"{metrics['tokens_per_s']:.0f} loss tok/s", f"{metrics['step_ms']:.0f} ms/step",
+                 f"eta {self.timer.eta(step, self.total_steps)}"]
+        extras = [format_metric(name, metrics[name]) for name in show if name in metrics]
+        while extras and len(" | ".join(parts + [" ".join(extras)])) > 120:
+            extras.pop()  # what does not fit is in metrics.jsonl and the tracker
+        self.progress.write(" | ".join(parts + ([" ".join(extras)] if extras else [])))
 
     def log_eval(self, metrics: dict) -> None:
         """An evaluation's numbers, at the current step (rank 0 calls this; the others never evaluate)."""
@@ -322,7 +326,8 @@ class Run:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         self.tracker.log(metrics, step=self.state.step)
-        print0(f"eval at step {self.state.step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self.progress.write(f"eval at step {self.state.step} | "
+                            + " ".join(format_metric(k.removeprefix("eval/"), v) for k, v in metrics.items()))
         self.timer.last = time.perf_counter()  # evaluation time is not training time: keep it out of ms/step
 
     def save_due(self) -> bool:
@@ -422,6 +427,7 @@ class Run:
 
     def close(self) -> None:
         """Flush the logs, give back the lock, the signal handlers and the process group."""
+        self.progress.close()
         self.stop_request.restore()
         self.tracker.finish()
         if self.metrics_file:
@@ -606,20 +612,24 @@ class StopRequest:
 # timers
 
 class StepTimer:
-    """Wall time per optimizer step and tokens/s; the first step (warm-up, compilation) is left out of rates."""
+    """Wall time per optimizer step, loss tokens/s, and an ETA. The first step (warm-up, compilation) is left out
+    of the rates. ms/step leaves evaluations out (log_eval restarts the step clock); the ETA does not: it is the
+    wall time per step since the first one, evaluations and saves included, times the steps left."""
 
     def __init__(self):
         self.start = self.last = time.perf_counter()
         self.steps_timed, self.time_timed, self.tokens_timed, self.ticks = 0, 0.0, 0.0, 0
-        self.last_rate = self.last_step_s = 0.0
+        self.last_rate = 0.0
+        self.first_step_end = None
 
     def tick(self, tokens: float) -> float:
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
         self.ticks += 1
-        self.last_step_s = elapsed
         self.last_rate = tokens / max(elapsed, 1e-9)
-        if self.ticks > 1:
+        if self.ticks == 1:
+            self.first_step_end = now
+        else:
             self.steps_timed += 1
             self.time_timed += elapsed
             self.tokens_timed += tokens
@@ -631,9 +641,50 @@ class StepTimer:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def eta(self, step: int, total: int) -> float:
-        per_step = self.time_timed / self.steps_timed if self.steps_timed else self.last_step_s
-        return per_step * (total - step)
+    def eta(self, step: int, total: int) -> str:
+        """"?" until a step after the first has been timed: the first one's warm-up would inflate it."""
+        if not self.steps_timed:
+            return "?"
+        per_step = (time.perf_counter() - self.first_step_end) / self.steps_timed
+        return format_seconds(per_step * (total - step))
+
+
+class Progress:
+    """A live progress bar (steps, ETA, loss, lr, loss tokens/s) on rank 0 when stderr is a terminal; none in CI
+    (the CI environment variable) or when the output is redirected, where the periodic log lines are the record.
+    Lines printed while the bar is up go through it, so they do not tear it."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        show = enabled and sys.stderr.isatty() and not os.environ.get("CI")
+        self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show,
+                        file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+                        ) if show else None
+
+    def update(self, step: int, metrics: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} "
+                                     f"{metrics['tokens_per_s']:.0f} loss tok/s", refresh=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def format_metric(name: str, value) -> str:
+    """`gen_share 0.58` -> `gen 58%`, `accuracy 0.025` -> `accuracy 2.5%`; other numbers with 4 significant digits."""
+    if name.endswith("_share"):
+        return f"{name.removesuffix('_share')} {100.0 * value:.0f}%"
+    if name == "accuracy":
+        return f"accuracy {100.0 * value:.1f}%"
+    return f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}"
 
 
 class PhaseClock:
