@@ -1,0 +1,317 @@
+# python -m pytest tests/test_demo.py
+"""benchmarks/demo.py without training anything: its guard and --fresh, --dry_run, the reading of metrics.jsonl and
+eval summaries, and the table, on a temporary repository root whose commands are run by a fake runner that writes
+what the real commands write (small files of the same shapes)."""
+import json
+import os
+import shlex
+import socket
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import demo
+from common.errors import UserError, run_script
+from eval.grader import wilson_interval
+from support import ROOT
+
+# seconds the fake runner reports for each command, in COMMANDS order
+SECONDS = [3.2, 41.0, 630.0, 12.0, 810.0, 55.0, 408.0, 14.0]
+CORRECT = {"random": 0, "sft": 5, "kd": 0, "opd": 2}
+METRICS = {
+    "sft": [{"step": 0, "eval/accuracy": 0.0, "eval/completion_len": 64.0, "eval/eos_share": 0.0},
+            {"step": 1, "epoch": 0, "loss": 11.8512, "lr": 0.002},
+            {"step": 10, "epoch": 0, "loss": 5.0, "lr": 0.002},
+            {"step": 100, "epoch": 0, "loss": 0.8801, "lr": 0.0},
+            {"step": 100, "eval/accuracy": 0.03, "eval/completion_len": 38.0, "eval/eos_share": 1.0}],
+    "kd": [{"step": 0, "eval/accuracy": 0.0, "eval/eos_share": 0.0, "eval/reverse_kl": 1.5},
+           {"step": 1, "epoch": 0, "loss": 11.2, "ce": 11.85, "kd": 10.6},
+           {"step": 100, "epoch": 0, "loss": 1.28, "ce": 1.82, "kd": 0.75},
+           {"step": 100, "eval/accuracy": 0.0, "eval/eos_share": 0.0, "eval/reverse_kl": 0.992}],
+    "opd": [{"step": 0, "eval/accuracy": 0.0, "eval/eos_share": 0.0, "eval/reverse_kl": 0.992},
+            {"step": 1, "epoch": 0, "loss": 0.95, "eos_share": 0.1},
+            {"step": 8, "eval/accuracy": 0.0, "eval/eos_share": 0.5, "eval/reverse_kl": 0.8},
+            {"step": 32, "epoch": 0, "loss": 0.45, "eos_share": 1.0},
+            {"step": 32, "eval/accuracy": 0.0, "eval/eos_share": 1.0, "eval/reverse_kl": 0.516}],
+}
+SCRIPT_RUN = {"trainer/train_sft.py": "sft", "trainer/train_distillation.py": "kd", "trainer/train_opd.py": "opd"}
+
+
+def write_weights(folder, shapes):
+    """A model folder whose model.safetensors has a header with these shapes (count_parameters reads the header)."""
+    os.makedirs(folder, exist_ok=True)
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         **{f"w{i}": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+                            for i, shape in enumerate(shapes)}}).encode()
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+
+
+def write_summary(path, correct, rows=200, max_new_tokens=64):
+    low, high = wilson_interval(correct, rows)
+    summary = {"rows": rows, "n_samples": 1, "samples": rows, "correct": correct, "accuracy": correct / rows,
+               "accuracy_ci95": [low, high], "mean_completion_tokens": 41.2 if correct else 64.0,
+               "eos_share": 1.0 if correct else 0.0, "reasons": {}, "seconds": 12.3,
+               "args": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f)
+
+
+class FakeRunner:
+    """Writes, for each demo command, what the real one writes into ROOT/checkpoints, and reports SECONDS."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, command, cwd):
+        self.calls.append((command, cwd))
+        argv = shlex.split(command)
+        save_dir = os.path.join(cwd, "checkpoints")
+        if argv[1] == "-c":  # the random init
+            write_weights(os.path.join(save_dir, "random"), [[2_000_000, 10], [128]])
+        elif argv[1] == "eval/eval_math.py":
+            name = os.path.basename(argv[argv.index("--model_path") + 1])
+            write_summary(os.path.join(save_dir, f"{name}_eval_eval.summary.json"), CORRECT[name])
+        else:
+            name = SCRIPT_RUN[argv[1]]
+            write_weights(os.path.join(save_dir, name), [[980_000, 10]])
+            with open(os.path.join(save_dir, f"{name}_metrics.jsonl"), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in METRICS[name])
+            open(os.path.join(save_dir, f"{name}_resume.pt"), "wb").close()
+        return SECONDS[len(self.calls) - 1]
+
+
+def never(command, cwd):
+    raise AssertionError(f"no command should run, got {command}")
+
+
+@pytest.fixture
+def root(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".gitkeep").touch()
+    return tmp_path
+
+
+def table_rows(output):
+    return [line for line in output.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+
+
+# --------------------------------------------------------------------------------------------- the commands
+
+def test_commands_are_the_readme_demo_in_table_order():
+    assert [row.name for row in demo.ROWS] == ["random", "sft", "kd", "opd"]
+    assert [c for row in demo.ROWS for c in row.commands] == demo.COMMANDS
+    for row in demo.ROWS:
+        *train, evaluate = row.commands
+        assert evaluate == f"python eval/eval_math.py --model_path checkpoints/{row.name} --max_new_tokens 64"
+        for command in train:
+            argv = shlex.split(command)
+            assert argv[0] == "python" and "--save_dir" not in argv  # the default folder, as the README runs it
+            if argv[1] != "-c":
+                assert os.path.isfile(os.path.join(ROOT, argv[1])) and SCRIPT_RUN[argv[1]] == row.name
+    assert "'checkpoints/random'" in demo.COMMANDS[0] and "seed=42" in demo.COMMANDS[0]
+    assert demo.command_argv(demo.COMMANDS[2]) == [sys.executable, "trainer/train_sft.py", "--eval_interval", "50"]
+
+
+def test_random_init_command_runs_as_written(tmp_path):
+    """The one-liner's code, with only its output folder changed, saves a loadable model (no training)."""
+    code = shlex.split(demo.COMMANDS[0])[2].replace("'checkpoints/random'", repr(str(tmp_path / "random")))
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    assert os.path.isfile(tmp_path / "random" / "config.json")
+    assert 151936 * 128 < demo.count_parameters(str(tmp_path / "random")) < 21e6  # tied embedding counted once
+
+
+# -------------------------------------------------------------------------------------------------- --dry_run
+
+def test_dry_run_prints_the_commands_only(root, capsys):
+    assert demo.main(["--dry_run"], root=str(root), runner=never) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n".join(demo.COMMANDS) + "\n" and err == ""
+
+
+def test_dry_run_with_earlier_runs_notes_them_and_moves_nothing(root, capsys):
+    (root / "checkpoints" / "sft_resume.pt").touch()
+    assert demo.main(["--dry_run", "--fresh"], root=str(root), runner=never) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n".join(demo.COMMANDS) + "\n"
+    assert "sft_resume.pt" in err and "--fresh would move" in err
+    assert sorted(os.listdir(root / "checkpoints")) == [".gitkeep", "sft_resume.pt"]
+
+
+# ------------------------------------------------------------------------------------------ the guard, --fresh
+
+def test_earlier_runs_are_refused_with_one_line(root, capsys):
+    (root / "checkpoints" / "sft").mkdir()
+    (root / "checkpoints" / "kd_metrics.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(lambda: demo.main([], root=str(root), runner=never))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: checkpoints/ holds 2 file(s)")
+    assert "sft/kd" in err and "--fresh" in err
+    assert sorted(os.listdir(root / "checkpoints")) == [".gitkeep", "kd_metrics.jsonl", "sft"]
+
+
+def test_other_run_names_are_neither_refused_nor_moved(root, capsys):
+    checkpoints = root / "checkpoints"
+    for name in ("opd2", "sft_big", "previous-20260101-000000", "kd2_resume.pt", "opd_2ep_resume.pt"):
+        (checkpoints / name).mkdir() if "." not in name else (checkpoints / name).touch()
+    assert demo.existing_runs(str(checkpoints)) == {}
+    runner = FakeRunner()
+    assert demo.main(["--fresh"], root=str(root), runner=runner) == 0
+    assert len(runner.calls) == len(demo.COMMANDS)
+    for name in ("opd2", "sft_big", "previous-20260101-000000", "kd2_resume.pt", "opd_2ep_resume.pt", ".gitkeep"):
+        assert (checkpoints / name).exists()
+    assert "--fresh: moved" not in capsys.readouterr().out
+
+
+def test_fresh_moves_every_file_of_the_four_runs_aside(root, capsys):
+    checkpoints = root / "checkpoints"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a lock left by a process that is gone
+    old = {"random": ["random/", "random_eval_eval.jsonl", "random_eval_eval.summary.json"],
+           "sft": ["sft/", "sft_resume.pt", "sft_metrics.jsonl", "sft.replaced-20260101-000000/",
+                   "sft_eval_dapo.summary.json", ".sft.tmp-123-abcd/"],
+           "kd": ["kd_resume.pt", ".kd_resume.pt.tmp-1-ab"],
+           "opd": ["opd/", "opd.lock", "opd_metrics.jsonl"]}
+    for files in old.values():
+        for name in files:
+            (checkpoints / name.rstrip("/")).mkdir() if name.endswith("/") else (checkpoints / name).write_text("old")
+    (checkpoints / "opd.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    runner = FakeRunner()
+    assert demo.main(["--fresh"], root=str(root), runner=runner) == 0
+    out = capsys.readouterr().out
+    previous = [name for name in os.listdir(checkpoints) if name.startswith("previous-")]
+    assert len(previous) == 1 and f"into checkpoints/{previous[0]}/" in out
+    moved = sorted(os.listdir(checkpoints / previous[0]))
+    assert moved == sorted(name.rstrip("/") for files in old.values() for name in files)
+    # the new runs are what the commands wrote, not the old files
+    assert (checkpoints / "sft_metrics.jsonl").read_text().startswith("{")
+    assert not (checkpoints / "opd.lock").exists() and not (checkpoints / "sft_eval_dapo.summary.json").exists()
+    assert [command for command, _ in runner.calls] == demo.COMMANDS
+    assert {cwd for _, cwd in runner.calls} == {str(root)}
+
+
+def test_a_run_in_progress_is_refused_even_with_fresh(root):
+    (root / "checkpoints" / "kd.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    with pytest.raises(UserError, match=f"in progress \\(PID {os.getpid()}\\)"):
+        demo.main(["--fresh"], root=str(root), runner=never)
+    assert sorted(os.listdir(root / "checkpoints")) == [".gitkeep", "kd.lock"]
+
+
+def test_a_lock_from_another_host_is_refused(root):
+    (root / "checkpoints" / "sft.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    with pytest.raises(UserError, match="held by PID 1 on host elsewhere"):
+        demo.main(["--fresh"], root=str(root), runner=never)
+
+
+# ----------------------------------------------------------------------------------------------------- the table
+
+def test_the_table_from_the_files_the_commands_write(root, capsys):
+    assert demo.main([], root=str(root), runner=FakeRunner()) == 0
+    out = capsys.readouterr().out
+    for i, command in enumerate(demo.COMMANDS, 1):
+        assert f"[demo {i}/{len(demo.COMMANDS)}] {command}\n" in out
+    report = out[out.index("### What the demo reaches"):]
+    heading = report.splitlines()[0]
+    assert "nproc " in heading and "commit " in heading and "in all)" in heading
+    assert "(greedy, 64 new tokens" in report and "of the first 64 eval prompts" in report
+    rows = table_rows(report)
+    assert len(rows) == 4
+    assert all(row.count(" | ") == 4 for row in rows)  # five cells: no unescaped pipe inside
+    random, sft, kd, opd = rows
+    assert random.startswith("| random init (qwen3-tiny, 20.0M parameters) | `python -c ")
+    assert "0.0% [0.0, 1.9] (0/200)" in random and "0% of completions end with EOS, mean 64 tokens" in random
+    assert random.endswith("| 3 s + 41 s |")
+    assert sft.startswith("| SFT quick start (the teacher, qwen3-tiny, 9.8M parameters) | "
+                          "`python trainer/train_sft.py --eval_interval 50` then "
+                          "`python eval/eval_math.py --model_path checkpoints/sft --max_new_tokens 64` | ")
+    assert "| 2.5% [1.1, 5.7] (5/200) |" in sft
+    assert "100 steps, loss 11.85 -> 0.88; held-out greedy EOS share 0% -> 100%" in sft
+    assert "reverse KL" not in sft and sft.endswith("| 10.5 min + 12 s |")
+    assert "100 steps, loss 11.20 -> 1.28, CE 11.85 -> 1.82, KD 10.60 -> 0.75" in kd
+    assert "held-out reverse KL 1.500 (step 0) -> 0.992 (step 100), -34%" in kd
+    assert kd.endswith("| 13.5 min + 55 s |")
+    assert "| 1.0% [0.3, 3.6] (2/200) |" in opd
+    assert ("32 steps, loss 0.95 -> 0.45; held-out reverse KL 0.992 (step 0) -> 0.516 (step 32), -48%; "
+            "held-out greedy EOS share 0% -> 100%; eval_math: 100% of completions end with EOS, mean 41 tokens") in opd
+    assert opd.endswith("| 6.8 min + 14 s |")
+
+
+def test_a_missing_result_names_the_command_that_writes_it(root):
+    class Forgetful(FakeRunner):  # the KD evaluation "runs" but writes nothing
+        def __call__(self, command, cwd):
+            return 1.0 if "checkpoints/kd" in command else super().__call__(command, cwd)
+
+    forgetful = Forgetful()
+    with pytest.raises(UserError, match="kd_eval_eval.summary.json does not exist: `python eval/eval_math.py "
+                                        "--model_path checkpoints/kd --max_new_tokens 64` writes it"):
+        demo.main([], root=str(root), runner=forgetful)
+
+
+def test_evaluation_settings_that_differ_are_not_summarised(tmp_path):
+    results = []
+    for row, new_tokens in zip(demo.ROWS[:2], (64, 256)):
+        write_summary(tmp_path / f"{row.name}.json", 1, max_new_tokens=new_tokens)
+        summary = demo.read_json(str(tmp_path / f"{row.name}.json"), "x")
+        results.append(demo.RowResult(row, summary, [1.0] * len(row.commands), [], [], None))
+    assert "settings differ: see each command" in demo.intro(results)
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+
+def test_read_metrics_splits_steps_from_evaluations(tmp_path):
+    path = tmp_path / "opd_metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in METRICS["opd"]) + "\n")
+    steps, evals = demo.read_metrics(str(path), "cmd")
+    assert [s["step"] for s in steps] == [1, 32] and [e["step"] for e in evals] == [0, 8, 32]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n', "line 2 is not valid JSON"),
+    ('{"loss": 2.0}\n', "line 1 has no step"),
+    ('{"step": 0, "eval/accuracy": 0.0}\n', "holds no logged step: did `cmd` finish"),
+])
+def test_read_metrics_refuses_a_damaged_file(tmp_path, content, message):
+    path = tmp_path / "m.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError, match=message):
+        demo.read_metrics(str(path), "cmd")
+    with pytest.raises(UserError, match="does not exist: `cmd` writes it"):
+        demo.read_metrics(str(tmp_path / "none.jsonl"), "cmd")
+
+
+def test_notes_and_formats():
+    row = demo.ROWS[3]
+    summary = {"eos_share": 0.5, "mean_completion_tokens": 20.0}
+    one_eval = [{"step": 0, "eval/reverse_kl": 0.04, "eval/eos_share": 0.0}]
+    steps = [{"step": 1, "loss": 0.0374}, {"step": 2, "loss": 0.0222}]
+    assert demo.notes(demo.RowResult(row, summary, [], steps, one_eval, None)) == (
+        "2 steps, loss 0.0374 -> 0.0222; held-out reverse KL 0.040 (step 0); eval_math: 50% of completions end "
+        "with EOS, mean 20 tokens")
+    assert demo.format_seconds(59.4) == "59 s" and demo.format_seconds(630) == "10.5 min"
+    assert demo.number(11.8512) == "11.85" and demo.number(0.0) == "0.00" and demo.number(0.03713) == "0.0371"
+    assert demo.change(0.0, 1.0) == "" and demo.change(0.992, 0.145) == ", -85%"
+    assert demo.cell("a | b") == "a \\| b"
+
+
+def test_count_parameters_reads_the_safetensors_header(tmp_path):
+    write_weights(tmp_path / "m", [[3, 4], [5]])
+    assert demo.count_parameters(str(tmp_path / "m")) == 17
+    assert demo.count_parameters(str(tmp_path / "none")) is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x01")
+    assert demo.count_parameters(str(tmp_path / "bad")) is None
+
+
+# ------------------------------------------------------------------------------------------ running commands
+
+def test_run_command_times_a_command_and_stops_on_failure(tmp_path):
+    seconds = demo.run_command(f"python -c \"open('ran', 'w').write('{tmp_path.name}')\"", str(tmp_path))
+    assert seconds > 0 and (tmp_path / "ran").read_text() == tmp_path.name
+    with pytest.raises(demo.CommandFailed, match="`python -c \"import sys; sys.exit\\(3\\)\"` failed with exit "
+                                                 "code 3") as error:
+        demo.run_command("python -c \"import sys; sys.exit(3)\"", str(tmp_path))
+    assert error.value.exit_code == 3
