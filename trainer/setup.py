@@ -84,7 +84,7 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between log lines")
     g.add_argument("--use_swanlab", type=int, default=0, choices=[0, 1])
     g.add_argument("--swanlab_project", default="qwen3-distill")
-    g.add_argument("--swanlab_mode", default="offline", choices=["cloud", "local", "offline", "disabled"],
+    g.add_argument("--swanlab_mode", default="local", choices=["cloud", "local", "offline", "disabled"],
                    help="offline/local need no account; cloud needs `swanlab login`")
 
 

@@ -1,4 +1,8 @@
-"""Experiment tracking: swanlab on rank 0, or a stand-in that does nothing, so the loop has no `if use_swanlab`."""
+"""Experiment tracking: swanlab on rank 0, or a stand-in that does nothing, so the loop has no `if use_swanlab`.
+
+The logged config is what the run actually used: the flags, with `dtype` as trained (fp32 on CPU, the autocast
+dtype on CUDA), the device and the world size, and no None placeholders (swanlab shows None as `{}`; here it is
+"none"). See README.md, "swanlab", for the versions whose local dashboard shows every series."""
 from __future__ import annotations
 
 import argparse
@@ -27,14 +31,32 @@ class SwanlabTracker:
         self.swanlab.finish()
 
 
-def init_tracker(args: argparse.Namespace, state, is_main: bool):
-    """swanlab on rank 0 with the run's flags as its config; a resumed run continues the same run id."""
+def trained_dtype(device: str, dtype_name: str) -> str:
+    """The precision the forward passes really run in: autocast only on CUDA, plain fp32 on CPU (the rule
+    trainer_utils.autocast_context applies)."""
+    return dtype_name if str(device).startswith("cuda") else "float32"
+
+
+def tracker_config(args: argparse.Namespace, effective: dict | None = None) -> dict:
+    """The config swanlab records: every flag, overridden by the effective settings (device, world_size, dtype),
+    None written as "none". Without `effective` they are derived from the flags and the torchrun environment."""
+    derived = {"device": args.device, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    derived.update(effective or {})
+    derived.setdefault("dtype", trained_dtype(derived["device"], args.dtype))
+    config = {**vars(args), **derived}
+    config["requested_dtype"] = args.dtype
+    return {key: "none" if value is None else value for key, value in config.items()}
+
+
+def init_tracker(args: argparse.Namespace, state, is_main: bool, effective: dict | None = None):
+    """swanlab on rank 0 with the run's effective settings as its config; a resumed run continues the same run id.
+    `effective`: {"device": ..., "world_size": ..., "dtype": ...} as the run resolved them (see tracker_config)."""
     if not (args.use_swanlab and is_main) or args.swanlab_mode == "disabled":
         return NullTracker()
     import swanlab
     mode = {"cloud": "online"}.get(args.swanlab_mode, args.swanlab_mode)
-    run = swanlab.init(project=args.swanlab_project, name=args.save_weight, mode=mode, config=vars(args),
-                       log_dir=os.path.join(args.save_dir, "swanlog"), id=state.swanlab_run_id,
-                       resume="allow" if state.swanlab_run_id else None)
+    run = swanlab.init(project=args.swanlab_project, name=args.save_weight, mode=mode,
+                       config=tracker_config(args, effective), log_dir=os.path.join(args.save_dir, "swanlog"),
+                       id=state.swanlab_run_id, resume="allow" if state.swanlab_run_id else None)
     state.swanlab_run_id = run.id
     return SwanlabTracker()

@@ -41,7 +41,7 @@ from common.seeds import derived_seed, seed_everything
 from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
 from trainer.setup import DistInfo, print0
-from trainer.tracking import init_tracker
+from trainer.tracking import init_tracker, trained_dtype
 
 CHECKPOINT_FORMAT = 1
 
@@ -59,9 +59,8 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> flo
 
 def autocast_context(device: str, dtype_name: str):
     """bf16/fp16 autocast on CUDA; on CPU we train in plain fp32 (CPU autocast is slow and rarely what you want)."""
-    if device.startswith("cuda") and dtype_name != "float32":
-        return torch.autocast("cuda", dtype=DTYPES[dtype_name])
-    return contextlib.nullcontext()
+    dtype = trained_dtype(device, dtype_name)
+    return contextlib.nullcontext() if dtype == "float32" else torch.autocast("cuda", dtype=DTYPES[dtype])
 
 
 def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
@@ -194,7 +193,9 @@ class Run:
                 if self.lock:
                     self.lock.release()  # a refused resume leaves the folder as it found it
                 raise
-        self.tracker = init_tracker(args, self.state, info.is_main)
+        self.tracker = init_tracker(args, self.state, info.is_main,
+                                    effective={"device": info.device, "world_size": info.world_size,
+                                               "dtype": trained_dtype(info.device, args.dtype)})
         self.metrics_file = open_metrics(self.metrics_path, self.state.step) if info.is_main else None
         self.metrics = WindowMetrics(self.device)
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
