@@ -175,6 +175,7 @@ def test_terminal_session(setup, tmp_path):
     assert history.stat().st_mode & 0o777 == 0o600
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_reply_and_then_quits(setup, tmp_path):
     """stdout piped (`chat.py | tee`): the prompt, the echo and the messages use stderr's terminal and stdout gets
     the reply only. Ctrl-C in a long reply stops it and returns to the prompt, keeping what was shown as the turn;

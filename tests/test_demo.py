@@ -115,6 +115,7 @@ def test_commands_are_the_readme_demo_in_table_order():
     assert demo.command_argv(demo.COMMANDS[2]) == [sys.executable, "trainer/train_sft.py", "--eval_interval", "50"]
 
 
+@pytest.mark.slow
 def test_random_init_command_runs_as_written(tmp_path):
     """The one-liner's code, with only its output folder changed, saves a loadable model (no training)."""
     code = shlex.split(demo.COMMANDS[0])[2].replace("'checkpoints/random'", repr(str(tmp_path / "random")))

@@ -226,6 +226,7 @@ def test_full_disk_is_refused_before_the_save_and_the_previous_checkpoint_stays(
     assert not [name for name in listing(small_disk) if ".tmp-" in name]
 
 
+@pytest.mark.slow
 def test_disk_filling_up_during_the_write_keeps_the_previous_checkpoint(config, data, small_disk, capsys, monkeypatch):
     train_sft(sft_args(config, data, small_disk, max_steps=1))
     before = (small_disk / "run_resume.pt").read_bytes()
@@ -243,6 +244,7 @@ def test_read_only_save_dir_is_refused_at_start_up(config, data, small_disk, cap
     assert_one_line_error(code, stderr, 2, "--save_dir", str(small_disk / "out"), "not writable")
 
 
+@pytest.mark.slow
 def test_a_second_run_with_the_same_name_is_refused_and_a_dead_ones_lock_is_taken_over(config, data, tmp_path,
                                                                                        capsys):
     process = start([sys.executable, SFT, *sft_args(config, data, tmp_path)])
@@ -259,6 +261,7 @@ def test_a_second_run_with_the_same_name_is_refused_and_a_dead_ones_lock_is_take
     assert not (tmp_path / "run.lock").exists()
 
 
+@pytest.mark.slow
 def test_an_existing_run_is_never_restarted_by_accident(config, data, tmp_path, capsys):
     train_sft(sft_args(config, data, tmp_path, max_steps=2))
     before = {name: (tmp_path / name).read_bytes() for name in ("run_resume.pt", "run_metrics.jsonl")}

@@ -624,6 +624,7 @@ def test_cli_unreachable_server_is_refused_in_seconds_with_default_flags(no_prox
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_cli_ctrl_c_says_the_answers_are_cached(teacher, tmp_path):
     teacher.delay = 0.1
     prompts = [f"Problem #{i}" for i in range(40)]

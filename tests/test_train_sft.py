@@ -69,6 +69,7 @@ def test_damaged_checkpoint_is_a_clear_error(tiny_config_path, chat_jsonl, tmp_p
     assert resume_path.read_bytes() == data[:len(data) // 2], "a failed resume must not touch the checkpoint"
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_configuration_is_refused(tiny_config_path, chat_jsonl, tmp_path):
     train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1))
     with pytest.raises(UserError, match="learning_rate"):
@@ -78,6 +79,7 @@ def test_checkpoint_of_another_configuration_is_refused(tiny_config_path, chat_j
         train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=1, from_resume=1))
 
 
+@pytest.mark.slow
 def test_swanlab_offline_run_is_resumed_under_the_same_id(tiny_config_path, chat_jsonl, tmp_path):
     args = sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, save_interval=1, use_swanlab=1,
                     swanlab_mode="offline")
