@@ -28,3 +28,13 @@ def write_chat_jsonl(path, num_rows: int, seed: int = 0) -> str:
                                 {"role": "assistant", "content": f"{words} \\boxed{{{i}}}"}]}
             f.write(json.dumps(row) + "\n")
     return str(path)
+
+
+def give_another_tokenizer(model_dir) -> None:
+    """Rename one added token in a model folder's tokenizer.json: same size, another vocabulary."""
+    path = os.path.join(str(model_dir), "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        tokenizer_json = json.load(f)
+    tokenizer_json["added_tokens"][-1]["content"] = "<|a_token_only_the_teacher_has|>"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(tokenizer_json, f)

@@ -503,20 +503,25 @@ def test_cli_jsonl_string_prompts_dry_run_and_limit(teacher, tmp_path, capsys):
     assert len(teacher.log) == 3
 
 
-@pytest.mark.slow
-def test_cli_sigkill_then_rerun_loses_and_repeats_nothing(teacher, tmp_path):
+def start_slow_cli_until_cached(teacher, tmp_path, prompts: list[str], answers: int):
+    """teacher_generate.py on `prompts` against a slow teacher, returned once `answers` answers are cached:
+    -> (process, data path, out path, cache path)."""
     teacher.delay = 0.1
-    prompts = [f"Problem #{i}: compute {i} * 3" for i in range(40)]
     data, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "sft.parquet")
     cache_path = tmp_path / "sft.parquet.cache.jsonl"
     pq.write_table(pa.Table.from_pylist(dapo_rows(prompts)), data)
-
     proc = start_cli_process(teacher, data, out, "--concurrency", "2")
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if cache_path.exists() and cache_path.read_text().count("\n") >= 12:
-            break
+    while time.monotonic() < deadline and not (cache_path.exists()
+                                               and cache_path.read_text().count("\n") >= answers):
         time.sleep(0.02)
+    return proc, data, out, cache_path
+
+
+@pytest.mark.slow
+def test_cli_sigkill_then_rerun_loses_and_repeats_nothing(teacher, tmp_path):
+    prompts = [f"Problem #{i}: compute {i} * 3" for i in range(40)]
+    proc, data, out, cache_path = start_slow_cli_until_cached(teacher, tmp_path, prompts, answers=12)
     proc.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == -signal.SIGKILL
@@ -626,16 +631,8 @@ def test_cli_unreachable_server_is_refused_in_seconds_with_default_flags(no_prox
 
 @pytest.mark.slow
 def test_cli_ctrl_c_says_the_answers_are_cached(teacher, tmp_path):
-    teacher.delay = 0.1
-    prompts = [f"Problem #{i}" for i in range(40)]
-    data, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "sft.parquet")
-    cache_path = tmp_path / "sft.parquet.cache.jsonl"
-    pq.write_table(pa.Table.from_pylist(dapo_rows(prompts)), data)
-
-    proc = start_cli_process(teacher, data, out, "--concurrency", "2")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (cache_path.exists() and cache_path.read_text().count("\n") >= 4):
-        time.sleep(0.02)
+    proc, _, out, cache_path = start_slow_cli_until_cached(teacher, tmp_path, [f"Problem #{i}" for i in range(40)],
+                                                           answers=4)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 130, stderr

@@ -5,7 +5,6 @@ embedding is padded beyond the tokenizer distils over the tokenizer's vocabulary
 with another tokenizer or too small a vocabulary, alpha or temperature out of range, no teacher) are refused at
 start-up. Accumulation, DDP and resume equivalence for KD are in test_loop_invariants.py; the loss functions
 themselves in test_losses.py."""
-import json
 import os
 import shutil
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import UserError
-from support import TINY_CONFIG
+from support import TINY_CONFIG, give_another_tokenizer
 from dataset.collators import SFTCollator
 from dataset.sources import RowDataset
 from loop_helpers import loop_args, max_weight_diff, metrics, weights
@@ -145,11 +144,7 @@ def test_a_teacher_with_a_padded_embedding_distils_over_the_tokenizers_vocabular
 
 def test_a_teacher_with_another_tokenizer_is_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
     teacher_dir = shutil.copytree(teacher_dir, tmp_path / "teacher")
-    with open(os.path.join(teacher_dir, "tokenizer.json"), encoding="utf-8") as f:
-        tokenizer_json = json.load(f)
-    tokenizer_json["added_tokens"][-1]["content"] = "<|a_token_only_the_teacher_has|>"
-    with open(os.path.join(teacher_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_json, f)
+    give_another_tokenizer(teacher_dir)
     with pytest.raises(UserError, match="tokenizer .* differs"):
         train_distillation(kd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, max_steps=1))
     assert not os.path.exists(tmp_path / "run_resume.pt")

@@ -4,7 +4,6 @@ is the generalized JSD of independently computed logits, lmbda=0 is KD on the da
 seeds make samples independent of batching, and bad set-ups are refused at start-up. Accumulation, DDP and
 SIGKILL-resume equivalence for OPD are in test_loop_invariants.py."""
 import json
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from common.errors import UserError
 from dataset.collators import PromptCollator, build_sequences
 from dataset.sources import RowDataset
 from loop_helpers import loop_args, max_weight_diff, metrics, weights
+from support import give_another_tokenizer
 from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
 from trainer.losses import generalized_jsd_loss
 from trainer.sampler import EpochSampler
@@ -109,11 +109,7 @@ def test_lmbda_zero_is_kd_on_the_datasets_completions(tiny_config_path, chat_jso
 
 
 def test_mismatched_tokenizers_are_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
-    with open(os.path.join(teacher_dir, "tokenizer.json"), encoding="utf-8") as f:
-        tokenizer_json = json.load(f)
-    tokenizer_json["added_tokens"][-1]["content"] = "<|a_token_only_the_teacher_has|>"
-    with open(os.path.join(teacher_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_json, f)
+    give_another_tokenizer(teacher_dir)
     with pytest.raises(UserError, match="tokenizer .* differs"):
         train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path, teacher_dir, max_steps=1))
 
