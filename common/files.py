@@ -28,14 +28,15 @@ def temporary_name(path: str) -> str:
     return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _pid_alive(pid: int) -> bool:
+def process_start_time(pid: int) -> str | None:
+    """The kernel's start time of a running process (Linux /proc), None when none runs under that PID: it tells a
+    live owner from a new process that reuses the PID. A zombie (killed, not yet reaped) does not run."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def remove_stale_temporaries(path: str) -> list[str]:
@@ -44,13 +45,9 @@ def remove_stale_temporaries(path: str) -> list[str]:
     removed = []
     for tmp in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.tmp-*")):
         pid = os.path.basename(tmp)[len(name) + 6:].split("-")[0]
-        if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+        if pid.isdigit() and int(pid) != os.getpid() and process_start_time(int(pid)) is not None:
             continue
-        if os.path.isdir(tmp) and not os.path.islink(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
+        _remove(tmp)
         removed.append(tmp)
     return removed
 

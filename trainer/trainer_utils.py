@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped, UserError
-from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
+from common.files import (atomic_write, check_free_space, process_start_time, raise_disk_error,
+                          remove_stale_temporaries)
 from common.seeds import derived_seed, seed_everything
 from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
@@ -518,17 +519,6 @@ def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo
 # ----------------------------------------------------------------------------------------------------------------
 # one run per name, and a graceful stop on a signal
 
-def _process_start_time(pid: int) -> str | None:
-    """The kernel's start time of a running process (Linux), None when there is none: tells a live lock holder from
-    a new process that reuses its PID. A zombie (killed, not yet reaped) does not run."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 class RunLock:
     """`SAVE_DIR/NAME.lock` (host, PID): a second run with the same name is refused, naming the holder. A lock left
     by a process that no longer runs on this host is taken over with a message; one from another host (a shared
@@ -536,7 +526,7 @@ class RunLock:
 
     def __init__(self, path: str):
         self.path, self.held = path, False
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start_time(os.getpid())}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time(os.getpid())}
 
     def acquire(self) -> None:
         for _ in range(3):
@@ -560,8 +550,8 @@ class RunLock:
             holder = {}  # half-written by a process killed while taking it: nobody holds it
         same_host = holder.get("host") == self.me["host"]
         pid = holder.get("pid")
-        alive = isinstance(pid, int) and _process_start_time(pid) is not None \
-            and _process_start_time(pid) == holder.get("start")
+        start = process_start_time(pid) if isinstance(pid, int) else None
+        alive = start is not None and start == holder.get("start")
         if holder and not same_host:
             raise UserError(f"{self.path}: a run of this name is held by PID {pid} on host {holder.get('host')}; "
                             f"wait for it or stop it, use another --save_weight, or delete the lock file if that "
