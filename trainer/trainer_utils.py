@@ -127,11 +127,9 @@ class WindowMetrics:
             width = len(self.sums[name])
             sums[name], position = reduced[position:position + width], position + width
         tokens = max(sums.get("tokens", [0.0])[0], 1.0)
-        values = {}
-        for name in names:
-            kind, sum_ = self.kinds[name], sums[name]
-            values[name] = {"token_mean": lambda: sum_[0] / tokens, "ratio": lambda: sum_[0] / max(sum_[1], 1e-12),
-                            "total": lambda: sum_[0], "rank_mean": lambda: sum_[0] / info.world_size}[kind]()
+        divisor = {"token_mean": lambda _: tokens, "ratio": lambda s: max(s[1], 1e-12), "total": lambda _: 1.0,
+                   "rank_mean": lambda _: info.world_size}
+        values = {name: sums[name][0] / divisor[self.kinds[name]](sums[name]) for name in names}
         self.kinds, self.sums = {}, {}
         return values, reduced[-1]
 
