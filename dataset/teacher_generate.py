@@ -49,8 +49,9 @@ from tqdm import tqdm  # noqa: E402
 from common.errors import (EXIT_INTERRUPTED, RuntimeFailure, Stopped, UserError, disk_error_message,  # noqa: E402
                            refuse, run_script)
 from common.files import atomic_write, check_writable, remove_stale_temporaries  # noqa: E402
+from common.http import RequestError, ServerUnreachable, one_line  # noqa: E402
 from dataset.teacher import (AnswerCache, RequestPlan, SamplingParams, TeacherAnswer, TeacherClient,  # noqa: E402
-                             TeacherError, TeacherUnreachable, one_line, plan_requests)
+                             plan_requests)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -168,8 +169,8 @@ def write_rows(rows: list[dict[str, Any]], path: str, cache: str) -> None:
                              f"requests") from None
 
 
-def left_out_reason(result: TeacherAnswer | TeacherError, keep_truncated: bool) -> str | None:
-    if isinstance(result, TeacherError):
+def left_out_reason(result: TeacherAnswer | RequestError, keep_truncated: bool) -> str | None:
+    if isinstance(result, RequestError):
         return "error"
     if not result.content:
         return "empty"
@@ -178,7 +179,7 @@ def left_out_reason(result: TeacherAnswer | TeacherError, keep_truncated: bool) 
     return None
 
 
-def report_left_out(results: list[TeacherAnswer | TeacherError], keep_truncated: bool) -> list[int]:
+def report_left_out(results: list[TeacherAnswer | RequestError], keep_truncated: bool) -> list[int]:
     """Print the rows left out, by reason, with their indices; return their indices."""
     by_reason: dict[str, list[int]] = {}
     for i, r in enumerate(results):
@@ -187,7 +188,7 @@ def report_left_out(results: list[TeacherAnswer | TeacherError], keep_truncated:
             by_reason.setdefault(reason, []).append(i)
     for reason, indices in by_reason.items():
         print(f"teacher: {len(indices)} row(s) left out ({reason}): {indices}", file=sys.stderr)
-    errors = [r for r in results if isinstance(r, TeacherError)]
+    errors = [r for r in results if isinstance(r, RequestError)]
     for e in errors[:10]:
         print(f"  {e}", file=sys.stderr)
     if len(errors) > 10:
@@ -234,7 +235,7 @@ def connect(args: argparse.Namespace, params: SamplingParams, cache: AnswerCache
         raise UserError(str(e)) from None
     try:
         client.check_reachable()
-    except TeacherUnreachable as e:
+    except ServerUnreachable as e:
         client.close()
         raise RuntimeFailure(str(e)) from None
     return client
@@ -283,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ask(client: TeacherClient, prompts: list[list[dict[str, str]]], request_plan: RequestPlan,
-        keep_truncated: bool) -> list[TeacherAnswer | TeacherError]:
+        keep_truncated: bool) -> list[TeacherAnswer | RequestError]:
     """client.run with a progress bar; a fatal teacher error (401/403/404, never answering) as a RuntimeFailure."""
     # the bar counts what this run sends; cached rows are shown in the postfix, so the rate and ETA stay honest
     bar = tqdm(total=request_plan.rows_to_send, unit="ans", desc="teacher", dynamic_ncols=True, mininterval=0.5)
     counts = {"done": 0, "failed": 0}
 
-    def on_result(result: TeacherAnswer | TeacherError) -> None:
+    def on_result(result: TeacherAnswer | RequestError) -> None:
         if isinstance(result, TeacherAnswer) and result.cached:
             return
         counts["failed" if left_out_reason(result, keep_truncated) else "done"] += 1
@@ -298,7 +299,7 @@ def ask(client: TeacherClient, prompts: list[list[dict[str, str]]], request_plan
 
     try:
         return client.run(prompts, on_result=on_result)
-    except TeacherError as e:        # fatal: 401/403/404 or never answered; the other prompts would fail alike
+    except RequestError as e:        # fatal: 401/403/404 or never answered; the other prompts would fail alike
         raise RuntimeFailure(f"teacher stopped: {one_line(str(e))}") from None
     finally:
         bar.close()
@@ -306,7 +307,7 @@ def ask(client: TeacherClient, prompts: list[list[dict[str, str]]], request_plan
 
 
 def write_output(args: argparse.Namespace, rows: list[dict[str, Any]],
-                 results: list[TeacherAnswer | TeacherError]) -> int:
+                 results: list[TeacherAnswer | RequestError]) -> int:
     left_out = set(report_left_out(results, bool(args.keep_truncated)))
     out_rows = [output_row(row, r.content) for i, (row, r) in enumerate(zip(rows, results)) if i not in left_out]
     if not out_rows:

@@ -27,6 +27,7 @@ seeded by (seed, row, sample): results depend on neither --batch_size nor the so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -52,6 +53,8 @@ from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from eval.grader import grade, wilson_interval  # noqa: E402
 from model import DTYPES, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
+from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
+from serving.weight_sync import check_served_weights  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
 
 
@@ -108,12 +111,19 @@ def stop_token_ids(model: Qwen3ForCausalLM, tokenizer) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- generation
 
 def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                   max_new_tokens: int, temperature: float, top_p: float,
-                   generators: Sequence[torch.Generator] | None, stop_ids: list[int]) -> list[Completion]:
-    """One generate call over a left-padded batch. temperature 0 is greedy. (Tests replace this function.)"""
-    out = generate(model, prompt_ids, prompt_mask, max_new_tokens, do_sample=temperature > 0,
-                   temperature=temperature if temperature > 0 else 1.0, top_p=top_p, eos_token_id=stop_ids,
-                   pad_token_id=tokenizer.pad_token_id, generator=generators, vocab_size=len(tokenizer))
+                   max_new_tokens: int, temperature: float, top_p: float, seeds: Sequence[int],
+                   stop_ids: list[int], server: CompletionServer | None = None) -> list[Completion]:
+    """One batch of completions, from the model (one generate call over the left-padded batch) or from the server
+    that serves it (one request per row). temperature 0 is greedy. (Tests replace this function.)"""
+    sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
+                    eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
+    if server is not None:
+        out = server.generate(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
+                              model_vocab_size=model.config.vocab_size, **sampling)
+    else:
+        generators = [torch.Generator(prompt_ids.device).manual_seed(seed) for seed in seeds] if temperature > 0 \
+            else None
+        out = generate(model, prompt_ids, prompt_mask, max_new_tokens, generator=generators, **sampling)
     ended = torch.isin(out.completion_ids, torch.tensor(stop_ids, device=out.completion_ids.device)).any(dim=1)
     return [Completion(tokenizer.decode(ids[mask.bool()], skip_special_tokens=True), int(mask.sum()), bool(eos))
             for ids, mask, eos in zip(out.completion_ids, out.completion_mask, ended)]
@@ -206,11 +216,12 @@ def check_ground_truth(rows: Sequence[dict]) -> None:
 def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batch_size: int = 32,
                   max_new_tokens: int = 256, max_prompt_length: int = 512, enable_thinking: bool = False,
                   n_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  grade_timeout: float = 5.0, progress: bool = True) -> tuple[dict, list[dict]]:
+                  grade_timeout: float = 5.0, progress: bool = True,
+                  server: CompletionServer | None = None) -> tuple[dict, list[dict]]:
     """Generate n_samples completions per row, grade them, -> (summary, per-sample records in input order).
 
     `rows`: dicts with `messages` and `ground_truth` (RowDataset rows). The model is used as it is (device, dtype);
-    it is put in eval mode and left there.
+    it is put in eval mode and left there. With a `server` (serving this model) the completions come from it.
     """
     check_sampling(n_samples, temperature, top_p)
     check_ground_truth(rows)
@@ -230,11 +241,9 @@ def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batc
     for b in range(0, len(jobs), batch_size):
         batch_jobs = jobs[b:b + batch_size]
         batch = collator([rows[i] for i, _ in batch_jobs])
-        generators = None if temperature == 0 else \
-            [torch.Generator(device).manual_seed(derived_seed(seed, i, s)) for i, s in batch_jobs]
         completions = complete_batch(model, tokenizer, batch["prompt_ids"].to(device),
                                      batch["prompt_attention_mask"].to(device), max_new_tokens, temperature, top_p,
-                                     generators, stop_ids)
+                                     [derived_seed(seed, i, s) for i, s in batch_jobs], stop_ids, server)
         for (i, s), completion in zip(batch_jobs, completions):
             results[i, s] = make_record(i, s, n_samples, tokenizer.decode(prompts[i]), completion,
                                         str(rows[i]["ground_truth"]), grade_timeout)
@@ -273,6 +282,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (sampling only)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the per-(row, sample) sampling generators")
+    parser.add_argument("--server_url", default=None,
+                        help="generate on this OpenAI-compatible server (vLLM) serving --model_path, e.g. "
+                             "http://127.0.0.1:8000/v1; its log-probabilities are checked against the model's first")
+    parser.add_argument("--server_model", default=None,
+                        help="the server's --served-model-name (default: --model_path, vLLM's default name)")
+    parser.add_argument("--server_api_key_env", default=None,
+                        help="environment variable holding the server's API key (default: no key)")
     # grading and output
     parser.add_argument("--grade_timeout", type=float, default=5.0, help="seconds per graded sample")
     parser.add_argument("--out", default=None,
@@ -292,6 +308,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
     validate_model_args(args)
     return args
+
+
+def connect_server(args: argparse.Namespace) -> CompletionServer | None:
+    if not args.server_url:
+        return None
+    server = CompletionServer(args.server_url, args.server_model or args.model_path, what="server",
+                              api_key_env=args.server_api_key_env)
+    server.check(args.max_prompt_length + args.max_new_tokens)
+    return server
 
 
 def output_paths(out: str | None, model_path: str, data_path: str) -> tuple[str, str]:
@@ -322,13 +347,19 @@ def main(argv: list[str] | None = None) -> dict:
         check_ground_truth(rows)  # before the model loads: a bad file should fail in a second, not a minute
     except ValueError as e:
         raise UserError(f"{data_path}: {e}") from None
+    server = connect_server(args)  # a server that is down is refused before the model loads
     torch.manual_seed(args.seed)
     model, tokenizer = load_for_inference(args.model_path, args.device, args.dtype)
+    if server is not None:
+        check_served_weights(server, model, probe_token_ids(tokenizer), next(model.parameters()).dtype,
+                             contextlib.nullcontext, "for --model_path",
+                             f"the server serves another model or --dtype than --model_path {args.model_path}")
     summary, records = evaluate_math(model, tokenizer, rows, batch_size=args.batch_size,
                                      max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
                                      enable_thinking=bool(args.enable_thinking), n_samples=args.n_samples,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                     grade_timeout=args.grade_timeout, progress=not args.no_progress)
+                                     grade_timeout=args.grade_timeout, progress=not args.no_progress,
+                                     server=server)
     summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args))
     write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     write_text(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

@@ -35,3 +35,13 @@ def tiny_config_path(tmp_path):
 @pytest.fixture
 def chat_jsonl(tmp_path):
     return write_chat_jsonl(tmp_path / "chat.jsonl", 20)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """Two real vLLM CPU servers (tests/vllm_servers.py), started once per session when a test first asks."""
+    from vllm_servers import require_vllm, start_servers
+    require_vllm()
+    servers = start_servers(str(tmp_path_factory.mktemp("vllm")))
+    yield servers
+    servers.stop()

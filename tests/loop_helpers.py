@@ -6,9 +6,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.errors import run_script
 from support import ROOT
 
 
@@ -20,6 +22,15 @@ def loop_args(config, data, save_dir, name="run", batch=2, accumulation=1, **ext
             "batch_size": batch, "accumulation_steps": accumulation, "max_length": 96, "max_prompt_length": 32,
             "learning_rate": 1e-4, "log_interval": 1, "seed": 7, **extra}
     return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]
+
+
+# wall-clock numbers, which differ from run to run: throughput, and the seconds and shares of the OPD step's phases
+PHASES = ("gen", "teacher", "train", "sync", "verify")
+TIMING = {"tokens_per_s", "step_ms", *(f"{phase}_s" for phase in PHASES), *(f"{phase}_share" for phase in PHASES)}
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
 
 
 def weights(save_dir, name="run") -> dict[str, torch.Tensor]:
@@ -65,3 +76,20 @@ def kill_after_first_checkpoint(command: list[str], resume_path: str) -> None:
 
 def checkpoint_step(resume_path) -> int:
     return torch.load(resume_path, map_location="cpu", weights_only=False)["step"]
+
+
+def assert_one_line_error(code: int, stderr: str, expected_code: int, *names: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == expected_code, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
+    for name in names:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+def script_exit(main, argv: list[str], capsys) -> tuple[int, str]:
+    """Run a loop's main under the scripts' failure convention, in-process: -> (exit code, stderr)."""
+    with pytest.raises(SystemExit) as info:
+        run_script(lambda: main(argv))
+    return info.value.code, capsys.readouterr().err

@@ -15,6 +15,9 @@ TINY_CONFIG = {
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "float32",
 }
 
+# What a vLLM CPU server can serve (its attention kernels take head_dim 32, 64, ...; not TINY_CONFIG's 16)
+SERVED_CONFIG = {**TINY_CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+
 
 def write_chat_jsonl(path, num_rows: int, seed: int = 0) -> str:
     """Chat rows whose completions have very different lengths (2 to ~60 words), so that a mean per micro-batch

@@ -133,12 +133,12 @@ def test_pass_at_k_hand_values():
 
 def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
     """Rows 0..2 with 4 samples each; sample s of row i is correct when (i, s) is in `right`. The stub recognises
-    the sample by its generator's seed, which is a function of (seed, row, sample) only."""
+    the sample by its seed, which is a function of (seed, row, sample) only."""
     right = {(0, 0), (1, 0), (1, 1), (1, 2), (1, 3)}  # c = 1, 4, 0
     by_seed = {derived_seed(7, i, s): (i, s) for i in range(3) for s in range(4)}
 
-    def complete_batch(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, generators, stop):
-        jobs = [by_seed[g.initial_seed()] for g in generators]
+    def complete_batch(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, seeds, stop, server):
+        jobs = [by_seed[seed] for seed in seeds]
         return [Completion(f"\\boxed{{{PROBLEMS[i][1] if (i, s) in right else 'x'}}}", 2, False) for i, s in jobs]
 
     monkeypatch.setattr(eval_math, "complete_batch", complete_batch)

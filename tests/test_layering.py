@@ -2,7 +2,9 @@
 """The packages import each other in one direction only, so each can be read (and tested) without the ones above it:
 
     common  <-  model  <-  dataset  <-  trainer
-                                   <-  eval (the scripts: model, dataset and the grader; never the training skeleton)
+                     <-  serving   <-  trainer, eval
+                                   <-  eval (the scripts: model, dataset, serving and the grader; never the
+                                       training skeleton)
 
 trainer may use eval's grader (held-out accuracy during training); nothing in eval imports trainer."""
 import ast
@@ -16,8 +18,9 @@ ALLOWED = {
     "common": {"common"},
     "model": {"common", "model"},
     "dataset": {"common", "model", "dataset"},
-    "eval": {"common", "model", "dataset", "eval"},
-    "trainer": {"common", "model", "dataset", "trainer", "eval.grader"},
+    "serving": {"common", "model", "serving"},
+    "eval": {"common", "model", "dataset", "serving", "eval"},
+    "trainer": {"common", "model", "dataset", "serving", "trainer", "eval.grader"},
 }
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped, run_script
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped
 from support import ROOT, write_chat_jsonl
-from loop_helpers import env_one_thread, loop_args, metrics, torchrun_command
+from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, metrics, script_exit, torchrun_command,
+                          without_timing)
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
 
@@ -25,7 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SFT = os.path.join(ROOT, "trainer", "train_sft.py")
 DRIVER = os.path.join(ROOT, "tests", "kill_driver.py")
-TIMING = ("tokens_per_s", "step_ms")
 
 
 def sft_args(config, data, save_dir, **flags) -> list[str]:
@@ -34,23 +34,6 @@ def sft_args(config, data, save_dir, **flags) -> list[str]:
 
 def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env_one_thread(), capture_output=True, text=True, timeout=400, **kwargs)
-
-
-def assert_one_line_error(code: int, stderr: str, expected_code: int, *names: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == expected_code, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
-    for name in names:
-        assert name in lines[0], lines[0]
-    return lines[0]
-
-
-def script_exit(main, argv: list[str], capsys) -> tuple[int, str]:
-    """Run a loop's main under the scripts' failure convention, in-process: -> (exit code, stderr)."""
-    with pytest.raises(SystemExit) as info:
-        run_script(lambda: main(argv))
-    return info.value.code, capsys.readouterr().err
 
 
 def listing(folder) -> list[str]:
@@ -71,8 +54,7 @@ def assert_same_run(reference, other) -> None:
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     for k, state in a["optimizer"]["state"].items():
         assert all(torch.equal(v, b["optimizer"]["state"][k][n]) for n, v in state.items())
-    strip = lambda rows: [{k: v for k, v in m.items() if k not in TIMING} for m in rows]
-    assert strip(metrics(reference)) == strip(metrics(other))
+    assert without_timing(metrics(reference)) == without_timing(metrics(other))
     assert listing(reference) == listing(other), "temporaries or a lock left behind"
 
 

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import run_script
-from dataset.teacher import (AnswerCache, SamplingParams, TeacherAnswer, TeacherClient, TeacherError,
-                             TeacherUnreachable, cache_key, split_thinking)
+from common.http import RequestError, ServerUnreachable
+from dataset.teacher import AnswerCache, SamplingParams, TeacherAnswer, TeacherClient, cache_key, split_thinking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "dataset", "teacher_generate.py")
@@ -295,9 +295,9 @@ def test_exhausted_retries_give_a_clear_error_and_nothing_cached(teacher, tmp_pa
         results = client.run(chats(prompts))
     cache.close()
     err, bad, ok = results
-    assert isinstance(err, TeacherError) and err.index == 0 and err.status == 500 and err.attempts == 3
+    assert isinstance(err, RequestError) and err.index == 0 and err.status == 500 and err.attempts == 3
     assert "prompt 0" in str(err) and "HTTP 500" in str(err) and "3 attempt" in str(err) and KEY not in str(err)
-    assert isinstance(bad, TeacherError) and bad.status == 400 and bad.attempts == 1     # 4xx: no retry
+    assert isinstance(bad, RequestError) and bad.status == 400 and bad.attempts == 1     # 4xx: no retry
     assert ok.content == answer_for("fine")
     assert client.stats.snapshot()["failed"] == 2 and client.stats.snapshot()["retries"] == {"http_500": 2}
     assert [json.loads(x)["content"] for x in (tmp_path / "cache.jsonl").read_text().splitlines()] == [ok.content]
@@ -306,7 +306,7 @@ def test_exhausted_retries_give_a_clear_error_and_nothing_cached(teacher, tmp_pa
 def test_wrong_key_stops_the_run(teacher, monkeypatch):
     monkeypatch.setenv("TEACHER_TEST_WRONG_KEY", "sk-wrong")
     with make_client(teacher, api_key_env="TEACHER_TEST_WRONG_KEY", concurrency=2) as client:
-        with pytest.raises(TeacherError, match="HTTP 401") as info:
+        with pytest.raises(RequestError, match="HTTP 401") as info:
             client.run(chats([f"p{i}" for i in range(20)]))
     assert info.value.fatal and "sk-wrong" not in str(info.value)
     assert len(teacher.log) <= 2 + 2       # the first in flight, maybe one more submitted; never all 20
@@ -318,7 +318,7 @@ def test_a_server_that_is_not_up_is_refused_by_one_probe(no_proxy):
     url = closed_port_url()
     client = TeacherClient(url, "m", api_key_env=None, concurrency=2)       # default timeouts and retries
     started = time.monotonic()
-    with client, pytest.raises(TeacherUnreachable, match="is the server up") as info:
+    with client, pytest.raises(ServerUnreachable, match="is the server up") as info:
         client.run(chats([f"p{i}" for i in range(50)]))
     assert time.monotonic() - started < 1.0
     assert url in str(info.value) and "Connection refused" in str(info.value)
@@ -342,7 +342,7 @@ def test_a_server_that_never_answers_a_request_stops_the_run(teacher):
     prompts = [f"p{i}" for i in range(50)]
     teacher.plan = {p: ["drop"] * 10 for p in prompts}
     with make_client(teacher, concurrency=2, max_retries=2) as client:
-        with pytest.raises(TeacherError, match="never answered: is the server up") as info:
+        with pytest.raises(RequestError, match="never answered: is the server up") as info:
             client.run(chats(prompts))
     assert info.value.fatal and info.value.reason == "connection" and info.value.attempts == 3
     assert client.stats.snapshot()["sent"] <= 2 * 3 + 2     # the first prompts' attempts, never all 50 x 3
@@ -356,7 +356,7 @@ def test_a_dropped_connection_after_the_server_answered_fails_one_prompt_only(te
         results = client.run(chats(prompts))
     first, dropped, last = results
     assert first.content == answer_for("first") and last.content == answer_for("last")
-    assert isinstance(dropped, TeacherError) and dropped.reason == "connection" and not dropped.fatal
+    assert isinstance(dropped, RequestError) and dropped.reason == "connection" and not dropped.fatal
 
 
 def test_damaged_last_cache_line_is_cut_off_before_the_next_append(tmp_path):

@@ -7,20 +7,25 @@ import contextlib
 
 import torch
 
-from dataset.collators import PromptCollator, build_sequences
+from common.seeds import derived_seed
+from dataset.collators import IGNORE_INDEX, PromptCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from eval.grader import grade_batch
 from model import generate
-from trainer.losses import chunked_generalized_jsd_loss, completion_hidden
+from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
+                            sampled_token_kl_from_logprobs)
 
 
 @torch.no_grad()
 def evaluate_heldout(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
-                     autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0) -> dict[str, float]:
+                     autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
+                     teacher_server=None, seed: int = 0) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device). Returns accuracy, mean completion length, EOS share
     and, with a teacher, the token-weighted mean generalized JSD at `beta` over the greedy completions: beta=1 is
-    the reverse KL(student || teacher), logged as eval/reverse_kl; another beta as eval/jsd_beta<beta>."""
+    the reverse KL(student || teacher), logged as eval/reverse_kl; another beta as eval/jsd_beta<beta>. With a
+    teacher on a server (which returns log-probabilities of given tokens only), eval/reverse_kl_estimate instead:
+    the sampled-token estimate on the student's own samples of the prompts."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -45,12 +50,41 @@ def evaluate_heldout(student, tokenizer, batches: list[dict], max_new_tokens: in
                 kl, tokens = divergence_sum(student, teacher, input_ids, attention_mask, labels, len(tokenizer),
                                             chunk_size, beta)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
+        if teacher_server is not None:
+            kl, tokens = sampled_kl_sum(student, teacher_server, tokenizer, batch, max_new_tokens, autocast,
+                                        chunk_size, seed)
+            kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
     metrics = {"eval/accuracy": correct / max(rows, 1), "eval/completion_len": generated / max(rows, 1),
                "eval/eos_share": ended / max(rows, 1)}
     if teacher is not None:
         metrics["eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"] = kl_sum / max(kl_tokens, 1)
+    if teacher_server is not None:
+        metrics["eval/reverse_kl_estimate"] = kl_sum / max(kl_tokens, 1)
     return metrics
+
+
+def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_tokens: int, autocast, chunk_size: int,
+                   seed: int) -> tuple[float, int]:
+    """Sum over the student's sampled tokens y of log p_S(y) - log p_T(y) (a one-sample estimate of the reverse KL
+    at each position), and their number. Row r of the held-out set always samples with seed (seed, -1, r): every
+    evaluation draws with the same random numbers, so the change between evaluations is the model's."""
+    seeds = [derived_seed(seed, -1, row["row_index"]) for row in batch["rows"]]
+    device = batch["prompt_ids"].device
+    with autocast():
+        out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=True,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       generator=[torch.Generator(device).manual_seed(s) for s in seeds], vocab_size=len(tokenizer))
+    input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
+                                                        out.completion_ids, out.completion_mask)
+    teacher_logprobs = teacher_server.completion_logprobs(input_ids, attention_mask,
+                                                          (labels != IGNORE_INDEX).sum(dim=1))
+    with autocast():
+        hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
+        _, kl = chunked_loss(lambda logits, logprobs, chunk_labels: sampled_token_kl_from_logprobs(
+            logits, logprobs, chunk_labels), hidden, student.lm_head.weight, targets, chunk_size=chunk_size,
+            vocab_size=len(tokenizer), teacher_values=teacher_logprobs)
+    return float(kl), int(targets.numel())
 
 
 def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_size: int, chunk_size: int,
@@ -92,9 +126,11 @@ class HeldoutEvaluator:
             return False
         return step % self.args.eval_interval == 0 or last
 
-    def evaluate(self, step: int, student, autocast, teacher=None, beta: float = 1.0) -> dict[str, float]:
+    def evaluate(self, step: int, student, autocast, teacher=None, beta: float = 1.0,
+                 teacher_server=None) -> dict[str, float]:
         """Greedy completions of the held-out prompts: accuracy, length, EOS share; with a teacher also the
-        student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta)."""
+        student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta);
+        with a teacher on a server, the sampled-token reverse-KL estimate."""
         self.evaluated_step = step
         return evaluate_heldout(student, self.tokenizer, self.batches, self.args.eval_max_new_tokens, teacher,
-                                autocast, self.args.loss_chunk_size, beta)
+                                autocast, self.args.loss_chunk_size, beta, teacher_server, self.args.seed)

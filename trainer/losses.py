@@ -151,11 +151,18 @@ def sampled_token_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Te
     current student. Returns (surrogate_loss_sum, kl_estimate_sum) over labels != -100.
     """
     _check_args("sum", temperature)
+    logp_t = _log_probs(teacher_logits.detach(), temperature).gather(-1, labels.clamp_min(0).unsqueeze(-1))
+    return sampled_token_kl_from_logprobs(student_logits, logp_t.squeeze(-1), labels, temperature)
+
+
+def sampled_token_kl_from_logprobs(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor,
+                                   labels: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampled_token_kl_loss` given the teacher's log-probability of each label (shaped like labels) instead of its
+    logits: all a teacher on an inference server returns. Returns (surrogate_loss_sum, kl_estimate_sum)."""
+    _check_args("sum", temperature)
     mask = _loss_mask(labels, student_logits.shape[:-1], student_logits.device)
-    safe_labels = labels.clamp_min(0).unsqueeze(-1)
-    logp_s = _log_probs(student_logits, temperature).gather(-1, safe_labels).squeeze(-1)
-    logp_t = _log_probs(teacher_logits.detach(), temperature).gather(-1, safe_labels).squeeze(-1)
-    kl_estimate = (logp_s - logp_t).detach()
+    logp_s = _log_probs(student_logits, temperature).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    kl_estimate = (logp_s - teacher_logprobs.to(logp_s.dtype)).detach()
     return _reduce(kl_estimate * logp_s, mask, "sum"), _reduce(kl_estimate, mask, "sum")
 
 
@@ -163,11 +170,11 @@ def sampled_token_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Te
 
 def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight: torch.Tensor,
                 labels: torch.Tensor | None, teacher_hidden: torch.Tensor | None,
-                teacher_weight: torch.Tensor | None) -> LossOutput:
+                teacher_weight: torch.Tensor | None, teacher_values: torch.Tensor | None) -> LossOutput:
     # The teacher is projected in here, not outside: checkpoint keeps its inputs alive until backward, and
     # (chunk, V) teacher logits passed in as inputs would accumulate to the full (N, V) we are avoiding.
     # Recomputing them in backward costs one extra teacher matmul per chunk.
-    teacher_logits = None
+    teacher_logits = teacher_values
     if teacher_hidden is not None:
         with torch.no_grad():
             teacher_logits = teacher_hidden @ teacher_weight.T
@@ -185,7 +192,7 @@ def _add(total: LossOutput | None, part: LossOutput) -> LossOutput:
 def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tensor, student_weight: torch.Tensor,
                  labels: torch.Tensor | None, teacher_hidden: torch.Tensor | None = None,
                  teacher_weight: torch.Tensor | None = None, chunk_size: int = 512,
-                 vocab_size: int | None = None) -> LossOutput:
+                 vocab_size: int | None = None, teacher_values: torch.Tensor | None = None) -> LossOutput:
     """Sum of loss_fn over chunks of positions, without materialising the (N, V) logits.
 
     student_hidden (N, H): only the positions that matter (e.g. completion positions); student_weight (V_pad, H):
@@ -193,6 +200,8 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     Each chunk computes logits = hidden @ weight[:vocab_size].T (rows beyond vocab_size are the embedding's
     padding and must not take probability mass) and calls
     loss_fn(student_logits, teacher_logits_or_None, labels_or_None) -> scalar sum or tuple of scalar sums.
+    teacher_values (N, ...) optional: per-position teacher numbers handed to loss_fn in place of teacher logits
+    (a remote teacher's log-probabilities of the labels).
     Each chunk is checkpointed, so backward recomputes one chunk at a time; the teacher never gets gradients.
     Returns the summed result, with the structure loss_fn returns.
     """
@@ -222,7 +231,8 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
         end = start + chunk_size
         args = (loss_fn, student_hidden[start:end], weight,
                 None if labels is None else labels[start:end],
-                None if t_hidden is None else t_hidden[start:end], t_weight)
+                None if t_hidden is None else t_hidden[start:end], t_weight,
+                None if teacher_values is None else teacher_values[start:end].detach())
         part = checkpoint(_chunk_loss, *args, use_reentrant=False) if needs_graph else _chunk_loss(*args)
         total = _add(total, part)
     return total

@@ -34,11 +34,15 @@ from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from model import generate, load_tokenizer
+from model import DTYPES, generate, load_tokenizer
+from serving.engine import CompletionServer, probe_token_ids
+from serving.weight_sync import WeightSync
 from trainer.heldout import HeldoutEvaluator
-from trainer.losses import chunked_generalized_jsd_loss, chunked_loss, completion_hidden, sampled_token_kl_loss
+from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
+                            sampled_token_kl_from_logprobs, sampled_token_kl_loss)
 from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
                            load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.tracking import trained_dtype
 from trainer.trainer_utils import PhaseClock, Run
 
 
@@ -57,6 +61,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
     g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
+    g = parser.add_argument_group("rollout server (default: the built-in engine; docs/serving.md)")
+    g.add_argument("--rollout_url", default=None,
+                   help="sample on this OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8000/v1, started with "
+                        "the weight-sync extension; rank 0 loads the student's weights into it and verifies them")
+    g.add_argument("--rollout_model", default="student", help="the rollout server's --served-model-name")
+    g.add_argument("--rollout_api_key_env", default=None,
+                   help="environment variable holding the rollout server's API key (default: no key)")
+    g.add_argument("--sync_interval", type=int, default=1,
+                   help="optimizer steps between weight syncs (1: strictly on-policy; k: samples from weights up "
+                        "to k-1 steps old, k times fewer syncs)")
+    g.add_argument("--sync_dir", default=None,
+                   help="folder the server can read where the weights are written for it "
+                        "(default SAVE_DIR/SAVE_WEIGHT_rollout_weights; /dev/shm/... on GPU machines)")
+    g.add_argument("--rollout_concurrency", type=int, default=64, help="rollout requests in flight per rank")
+    g.add_argument("--rollout_timeout", type=float, default=600.0, help="seconds to wait for one rollout request")
+    g = parser.add_argument_group("teacher on a server (instead of --teacher_path; docs/serving.md)")
+    g.add_argument("--teacher_url", default=None,
+                   help="an OpenAI-compatible server (vLLM) serving the teacher, e.g. http://127.0.0.1:8001/v1: it "
+                        "returns the teacher's log-probabilities of the sampled tokens (--loss sampled_kl)")
+    g.add_argument("--teacher_model", default="teacher", help="the teacher server's --served-model-name")
+    g.add_argument("--teacher_api_key_env", default=None,
+                   help="environment variable holding the teacher server's API key (default: no key)")
     args = parser.parse_args(argv)
     if not args.model_path and not args.model_config:
         args.model_path = os.path.join(args.save_dir, "kd")  # the KD quick-start's student
@@ -64,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             refuse(f"no student at {args.model_path}: run `python trainer/train_sft.py && python "
                    f"trainer/train_distillation.py` first, or pass --model_path / --model_config")
     validate_common_args(args)
-    resolve_teacher_path(args)
+    if not args.teacher_url:
+        resolve_teacher_path(args)
     validate_opd_args(args)
     return args
 
@@ -80,6 +107,20 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"<= --max_length ({args.max_length}): raise --max_length or lower one of the budgets")
     if args.gen_temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
         refuse("--gen_temperature must be > 0, --top_p in (0, 1], --top_k >= 0")
+    if args.teacher_url and args.loss != "sampled_kl":
+        refuse("--teacher_url gives the teacher's log-probabilities of the sampled tokens only, which --loss jsd "
+               "cannot use (the full-vocabulary divergence needs the teacher's whole distribution at every "
+               "position): use --loss sampled_kl, or a local --teacher_path")
+    if args.teacher_url and args.temperature != 1.0:
+        refuse(f"--teacher_url: a server's log-probabilities are at temperature 1, so --temperature "
+               f"{args.temperature} cannot be applied to the teacher; use --temperature 1 or a local --teacher_path")
+    if args.sync_interval < 1 or args.rollout_concurrency < 1 or args.rollout_timeout <= 0:
+        refuse(f"--sync_interval ({args.sync_interval}) and --rollout_concurrency ({args.rollout_concurrency}) must "
+               f"be >= 1 and --rollout_timeout ({args.rollout_timeout}) > 0")
+    if args.loss == "sampled_kl" and args.rollout_url and args.sync_interval > 1:
+        refuse(f"--loss sampled_kl is a policy gradient on the current student's own samples: with --sync_interval "
+               f"{args.sync_interval} the server samples from older weights (a biased estimate without importance "
+               f"weights); use --sync_interval 1 or --loss jsd")
     if args.loss == "sampled_kl" and (args.gen_temperature != args.temperature or args.top_k or args.top_p < 1.0):
         # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
         # temperature-scaled, untruncated student distribution
@@ -97,44 +138,90 @@ def on_policy_draw(args: argparse.Namespace, epoch: int, step: int, micro: int) 
 
 
 def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
-                       autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-2 on-policy: the student samples (KV cache, eval mode, no grad); -> input_ids, attention_mask and
-    labels on the completion through its first EOS."""
-    # one generator per row, seeded by (seed, epoch, row): a row's sample depends neither on its batch-mates nor on
-    # the world size or accumulation, and a resumed run draws exactly what the killed one would have
-    generators = [torch.Generator(device).manual_seed(derived_seed(args.seed, epoch, row["row_index"]))
-                  for row in batch["rows"]]
+                       autocast, server: CompletionServer | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-2 on-policy: the student samples -- with the built-in engine (KV cache, eval mode, no grad) or on the
+    rollout server, which holds the same weights -> input_ids, attention_mask and labels on the completion through
+    its first EOS."""
+    # one seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
+    # or accumulation, and a resumed run draws exactly what the killed one would have
+    seeds = [derived_seed(args.seed, epoch, row["row_index"]) for row in batch["rows"]]
     prompt_ids = batch["prompt_ids"].to(device)
     prompt_mask = batch["prompt_attention_mask"].to(device)
-    was_training = student.training
-    student.eval()
-    with autocast():
-        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens, do_sample=True,
-                       temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       generator=generators, vocab_size=len(tokenizer))
-    student.train(was_training)
+    sampling = dict(do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
+    if server is not None:
+        out = server.generate(prompt_ids, prompt_mask, args.max_new_tokens, seeds=seeds,
+                              model_vocab_size=student.config.vocab_size, **sampling)
+    else:
+        was_training = student.training
+        student.eval()
+        with autocast():
+            out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
+                           generator=[torch.Generator(device).manual_seed(seed) for seed in seeds], **sampling)
+        student.train(was_training)
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
 
-def distill_loss(run: Run, args: argparse.Namespace, teacher, vocab_size: int, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 3-4: teacher and student hidden states at the completion positions, the summed per-token loss."""
-    with torch.no_grad():
-        teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
-    student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-    heads = dict(student_weight=run.raw_model.lm_head.weight, teacher_hidden=teacher_hidden,
-                 teacher_weight=teacher.lm_head.weight, chunk_size=args.loss_chunk_size, vocab_size=vocab_size)
-    if args.loss == "jsd":
-        return chunked_generalized_jsd_loss(student_hidden, labels=targets, beta=args.beta,
-                                            temperature=args.temperature, **heads)
+def connect_rollout_server(args: argparse.Namespace) -> CompletionServer | None:
+    """The rollout server, checked before any model is loaded (a server that is down is refused in seconds)."""
+    if not args.rollout_url:
+        return None
+    server = CompletionServer(args.rollout_url, args.rollout_model, what="rollout server",
+                              api_key_env=args.rollout_api_key_env, concurrency=args.rollout_concurrency,
+                              timeout=args.rollout_timeout)
+    server.check(args.max_length)
+    return server
 
-    def sampled_kl(student_logits, teacher_logits, chunk_labels):
-        surrogate_sum, kl_sum = sampled_token_kl_loss(student_logits, teacher_logits, chunk_labels, args.temperature)
+
+def connect_teacher_server(args: argparse.Namespace, tokenizer) -> CompletionServer | None:
+    """The teacher's server, checked before any model is loaded: up, serving --teacher_model, our tokenizer."""
+    if not args.teacher_url:
+        return None
+    server = CompletionServer(args.teacher_url, args.teacher_model, what="teacher server",
+                              api_key_env=args.teacher_api_key_env, concurrency=args.rollout_concurrency,
+                              timeout=args.rollout_timeout)
+    server.check(args.max_length)
+    server.check_tokenizer(tokenizer)
+    return server
+
+
+def teacher_scores(teacher, teacher_server: CompletionServer | None, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor, labels: torch.Tensor, autocast) -> torch.Tensor:
+    """Step 3, without gradients: a local teacher's hidden states at the completion positions (its lm_head is
+    applied chunk by chunk inside the loss), or a served teacher's log-probabilities of the sampled tokens."""
+    if teacher_server is not None:
+        return teacher_server.completion_logprobs(input_ids, attention_mask, (labels != IGNORE_INDEX).sum(dim=1))
+    with torch.no_grad(), autocast():
+        return completion_hidden(teacher, input_ids, attention_mask, labels)[0]
+
+
+def distill_loss(run: Run, args: argparse.Namespace, teacher, scores: torch.Tensor, vocab_size: int,
+                 input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4: the student's hidden states at the completion positions, the summed per-token loss against the
+    teacher's `scores` (teacher None: they are a served teacher's log-probabilities of the labels)."""
+    student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
+    common = dict(student_weight=run.raw_model.lm_head.weight, labels=targets, chunk_size=args.loss_chunk_size,
+                  vocab_size=vocab_size)
+    heads = dict(teacher_values=scores) if teacher is None else \
+        dict(teacher_hidden=scores, teacher_weight=teacher.lm_head.weight)
+    if args.loss == "jsd":
+        return chunked_generalized_jsd_loss(student_hidden, beta=args.beta, temperature=args.temperature,
+                                            **common, **heads)
+
+    def sampled_kl(student_logits, teacher_logits_or_logprobs, chunk_labels):
+        loss = sampled_token_kl_from_logprobs if teacher is None else sampled_token_kl_loss
+        surrogate_sum, kl_sum = loss(student_logits, teacher_logits_or_logprobs, chunk_labels, args.temperature)
         return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
-    surrogate_sum, kl_sum, num_tokens = chunked_loss(sampled_kl, student_hidden, labels=targets, **heads)
+    surrogate_sum, kl_sum, num_tokens = chunked_loss(sampled_kl, student_hidden, **common, **heads)
     run.metrics.token_mean("reverse_kl_estimate", kl_sum)
     return surrogate_sum, num_tokens
+
+
+def rollout_weights_path(args: argparse.Namespace) -> str:
+    folder = args.sync_dir or os.path.join(args.save_dir, f"{args.save_weight}_rollout_weights")
+    return os.path.join(folder, "model.safetensors")
 
 
 def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int,
@@ -159,27 +246,40 @@ def main(argv: list[str] | None = None) -> None:
     sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
     check_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0)
+    server = connect_rollout_server(args)
+    teacher_server = connect_teacher_server(args, tokenizer)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
-    teacher = load_teacher(args, tokenizer, student, info.device)
+    teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
     evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
+    weight_sync = None if server is None else WeightSync(
+        server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
+        active=info.is_main)
 
-    if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
-        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta))
+    with run.fail_together():  # rank 0 evaluates; a teacher server failing there stops every rank
+        if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server))
     for epoch, window in run.windows():
         clock = PhaseClock(run.device)
+        if weight_sync and weight_sync.due(run.step, args.sync_interval):  # the server samples from these weights
+            with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
+                weight_sync.push(run.raw_model, run.step)
+            with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
+                run.metrics.total("sync_logprob_diff", weight_sync.verify(run.raw_model, run.autocast))
         for i, batch in enumerate(window):
-            with clock("gen"):  # steps 1-2: the student's samples, or the dataset's completions
+            with clock("gen"), run.fail_together():  # steps 1-2: the student's samples, or the dataset's completions
                 on_policy = on_policy_draw(args, epoch, run.step, i)
                 if on_policy:
                     input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
-                                                                           epoch, run.device, run.autocast)
+                                                                           epoch, run.device, run.autocast, server)
                 else:
                     data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
                     input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
-            with clock("train"), run.micro_step(i, len(window)):  # steps 3-4; DDP syncs on the window's last
+            with clock("teacher"), run.fail_together():  # step 3: the teacher scores them, without gradients
+                scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels, run.autocast)
+            with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
-                    loss_sum, num_tokens = distill_loss(run, args, teacher, len(tokenizer), input_ids,
+                    loss_sum, num_tokens = distill_loss(run, args, teacher, scores, len(tokenizer), input_ids,
                                                         attention_mask, labels)
                 run.backward(loss_sum, num_tokens)
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
@@ -188,8 +288,10 @@ def main(argv: list[str] | None = None) -> None:
         run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             run.save()
-        if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
-            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta))
+        with run.fail_together():
+            if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
+                run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta,
+                                                teacher_server))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
             break
     run.finish()

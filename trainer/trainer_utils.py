@@ -253,6 +253,29 @@ class Run:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def fail_together(self):
+        """Around work that can fail on one rank (a server that died or answers wrong): one all-reduce afterwards
+        tells every rank whether all succeeded. If any failed, every rank saves the last completed step (when it is
+        not saved yet) and stops with the error: no rank trains on a partial batch, none waits forever in a
+        collective, and nothing done is lost."""
+        error = None
+        try:
+            yield
+        except RuntimeFailure as failure:
+            error = failure
+        failed = all_reduce_sum(torch.tensor([float(error is not None)], device=self.device), self.dist).item()
+        if not failed:
+            return
+        reason = str(error).rstrip(".") if error else "another rank failed (its message is above)"
+        if self.state.step == 0:
+            raise RuntimeFailure(f"{reason}; nothing was trained yet: run the same command again")
+        if self.saved_step != self.state.step:
+            self.save()
+        where = (f"checkpoint {self.resume_path} (step {self.state.step}); continue with the same command and "
+                 f"--from_resume 1")
+        raise RuntimeFailure(f"{reason}; {where}")
+
     def autocast(self):
         """Context for the forward passes only (backward under autocast is not recommended by PyTorch)."""
         return autocast_context(self.device, self.args.dtype)

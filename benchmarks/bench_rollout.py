@@ -1,0 +1,195 @@
+"""OPD with inference servers: the built-in engine against a vLLM server for rollouts, and the local teacher
+against a served one, same weights, same machine, one run.
+
+    python benchmarks/bench_rollout.py        # starts two vLLM CPU servers itself (serving/setup_vllm_cpu.sh first)
+    python benchmarks/bench_rollout.py --rollout_url http://127.0.0.1:8000/v1 --teacher_url http://127.0.0.1:8001/v1
+                                              # servers already running (serving/vllm_launch.py), e.g. on GPUs
+    python benchmarks/bench_rollout.py --device cuda --dtype bfloat16 --batch_size 64 --max_new_tokens 512
+
+Two measurements:
+  rollout   train_opd.sample_completions itself (the loop's rollout) on --batch_size demo prompts, sampled at
+            temperature 1 with the loop's per-row seeds, built-in engine and server alternating (built-in, server,
+            built-in, ...) so that a slower moment of a shared machine hits both: generated tokens (through each
+            row's first EOS) per second, the median of --repeats after one warm-up each. The server holds the
+            student's weights (pushed and verified first).
+  OPD step  trainer/train_opd.py for --steps optimizer steps in each layout (rollouts built-in or served; teacher
+            local or served: --loss sampled_kl, the only loss a served teacher allows, for the layouts that compare
+            teachers), same flags otherwise; the median over the steps after the first of ms/step and of its phases
+            from metrics.jsonl: gen (rollouts), sync (write the weights, the server loads them, prefix cache
+            reset), verify (the probe's log-probs), teacher (its forward, or its log-probs from the server), train
+            (student forward + backward); the optimizer step and logging are the rest of ms/step.
+Models: --config (default model/configs/qwen3-tiny.json: hidden 128, 4 layers, the real vocabulary) with random
+weights for the student and, with another seed, the teacher; the servers start from these folders.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from dataset.collators import IGNORE_INDEX, PromptCollator  # noqa: E402
+from dataset.make_demo_data import ensure_demo_data  # noqa: E402
+from dataset.sources import RowDataset  # noqa: E402
+from model import DTYPES, Qwen3Config, create_model, load_tokenizer, save_pretrained  # noqa: E402
+from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
+from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, vllm_python, wait_ready  # noqa: E402
+from serving.weight_sync import WeightSync  # noqa: E402
+from trainer.trainer_utils import autocast_context  # noqa: E402
+from trainer.train_opd import sample_completions  # noqa: E402
+
+CONFIGS = os.path.join(ROOT, "model", "configs")
+OPD = os.path.join(ROOT, "trainer", "train_opd.py")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=os.path.join(CONFIGS, "qwen3-tiny.json"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the trainer's precision and the server's --dtype")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5, help="rollouts per engine (after one warm-up each)")
+    p.add_argument("--steps", type=int, default=6, help="OPD steps per engine")
+    p.add_argument("--rollout_url", default=None, help="a running server of the student, served as `student` "
+                                                       "(default: start one)")
+    p.add_argument("--teacher_url", default=None, help="a running server of the teacher, served as `teacher` "
+                                                       "(default: start one)")
+    p.add_argument("--port", type=int, default=8731, help="of the first server this benchmark starts (+1: the second)")
+    p.add_argument("--workdir", default=None, help="where the models and runs go (default: a temporary folder)")
+    return p.parse_args(argv)
+
+
+def make_models(args, folder: str) -> tuple[str, str]:
+    config = Qwen3Config.from_json(args.config)
+    paths = []
+    for name, seed in (("student", 0), ("teacher", 1)):
+        torch.manual_seed(seed)
+        path = os.path.join(folder, name)
+        save_pretrained(create_model(config), path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
+    """Generated tokens per second of the loop's own rollout, per engine; engines alternate."""
+    from model import load_pretrained
+    tokenizer = load_tokenizer(None)
+    dtype = DTYPES[args.dtype]
+    student = load_pretrained(student_dir, dtype=torch.float32, device=args.device)
+    autocast = lambda: autocast_context(args.device, args.dtype)  # noqa: E731
+    sync = WeightSync(server, os.path.join(os.path.dirname(student_dir), "sync", "model.safetensors"),
+                      probe_token_ids(tokenizer), dtype)
+    sync.push(student, 0)
+    sync.verify(student, autocast)
+    rows = RowDataset(ensure_demo_data()["opd_prompts"])
+    batch = PromptCollator(tokenizer, 256, False)([rows[i] for i in range(args.batch_size)])
+    loop_args = SimpleNamespace(seed=0, max_new_tokens=args.max_new_tokens, gen_temperature=1.0, top_k=0, top_p=1.0)
+    rates = {"built-in": [], "server": []}
+    for repeat in range(args.repeats + 1):
+        for engine in rates:
+            start = time.perf_counter()
+            _, _, labels = sample_completions(student, loop_args, tokenizer, batch, repeat, args.device, autocast,
+                                              server if engine == "server" else None)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            if repeat:  # the first round warms both up
+                rates[engine].append(int((labels != IGNORE_INDEX).sum()) / seconds)
+    return {engine: statistics.median(values) for engine, values in rates.items()}
+
+
+LAYOUTS = (  # (name, rollouts on the server, teacher on the server, loss)
+    ("built-in rollouts, local teacher (jsd)", False, False, "jsd"),
+    ("served rollouts, local teacher (jsd)", True, False, "jsd"),
+    ("built-in rollouts, local teacher", False, False, "sampled_kl"),
+    ("built-in rollouts, served teacher", False, True, "sampled_kl"),
+    ("served rollouts, served teacher", True, True, "sampled_kl"),
+)
+PHASES = ("gen_s", "sync_s", "verify_s", "teacher_s", "train_s")
+
+
+def opd_steps(args, student_dir: str, teacher_dir: str, rollout_url: str | None, teacher_url: str | None, loss: str,
+              folder: str, name: str) -> dict:
+    """trainer/train_opd.py for --steps steps; medians over the steps after the first (ms)."""
+    command = [sys.executable, OPD, "--model_path", student_dir, "--save_dir", folder, "--save_weight", name,
+               "--device", args.device, "--dtype", args.dtype, "--batch_size", str(args.batch_size),
+               "--max_new_tokens", str(args.max_new_tokens), "--max_length", str(256 + args.max_new_tokens),
+               "--max_steps", str(args.steps), "--log_interval", "1", "--save_interval", str(10 ** 6),
+               "--start_over", "1", "--loss", loss]
+    command += ["--teacher_url", teacher_url] if teacher_url else ["--teacher_path", teacher_dir]
+    if rollout_url:
+        command += ["--rollout_url", rollout_url, "--rollout_model", "student"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"error: {' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    with open(os.path.join(folder, f"{name}_metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f][1:]
+    medians = {key: statistics.median(m.get(key, 0.0) for m in steps) * 1000.0 for key in PHASES}
+    medians["step_ms"] = statistics.median(m["step_ms"] for m in steps)
+    return medians
+
+
+def print_tables(args, rates: dict, layouts: list[tuple[str, dict]]) -> None:
+    print(f"\n{args.batch_size} prompts x {args.max_new_tokens} new tokens, {args.device} {args.dtype}, "
+          f"{os.path.basename(args.config)}, nproc {os.cpu_count()}\n")
+    print("| rollout (the loop's sample_completions) | built-in engine | vLLM server | server / built-in |")
+    print("|---|---|---|---|")
+    print(f"| generated tokens/s, median of {args.repeats} | {rates['built-in']:.0f} | {rates['server']:.0f} | "
+          f"{rates['server'] / rates['built-in']:.2f}x |\n")
+    print(f"| OPD layout | ms/step (median of steps 2-{args.steps}) | rollouts | weight sync | verification | "
+          f"teacher | student fwd+bwd | rest |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, m in layouts:
+        rest = m["step_ms"] - sum(m[key] for key in PHASES)
+        cells = " | ".join(f"{m[key]:.0f}" if m[key] else "-" for key in PHASES)
+        print(f"| {name} | {m['step_ms']:.0f} | {cells} | {rest:.0f} |")
+
+
+def start_server(args, python: str, model_dir: str, name: str, port: int, folder: str):
+    log = os.path.join(folder, f"{name}_server.log")
+    print(f"starting a vLLM server for the {name} on port {port} (log: {log})", flush=True)
+    return start_vllm(vllm_command(python, model_dir, name, port, args.dtype), log), log
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    folder = args.workdir or tempfile.mkdtemp(prefix="bench_rollout_")
+    student_dir, teacher_dir = make_models(args, folder)
+    started, urls = [], {"student": args.rollout_url, "teacher": args.teacher_url}
+    try:
+        for offset, (name, model_dir) in enumerate((("student", student_dir), ("teacher", teacher_dir))):
+            if urls[name] is None:
+                python = vllm_python()
+                if python is None:
+                    sys.exit("error: no vLLM environment: run serving/setup_vllm_cpu.sh, or pass the servers' URLs")
+                port = args.port + offset
+                started.append((start_server(args, python, model_dir, name, port, folder), port))
+                urls[name] = f"http://127.0.0.1:{port}/v1"
+        print("waiting for the servers (2-5 minutes on 2 CPU cores)", flush=True)
+        for (process, log), port in started:
+            wait_ready(process, port, log)
+        server = CompletionServer(urls["student"], "student", what="rollout server")
+        rates = rollout_rates(args, student_dir, server)
+        layouts = [(name, opd_steps(args, student_dir, teacher_dir, urls["student"] if served_rollouts else None,
+                                    urls["teacher"] if served_teacher else None, loss, folder, f"layout{i}"))
+                   for i, (name, served_rollouts, served_teacher, loss) in enumerate(LAYOUTS)]
+    finally:
+        for (process, _), _ in started:
+            stop_vllm(process)
+    print_tables(args, rates, layouts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Start a vLLM server that the trainer can sync weights into: the one command for users, tests and benchmarks.
+
+    python serving/vllm_launch.py --model checkpoints/kd --name student --port 8000          # CPU, fp32
+    python serving/vllm_launch.py --model /models/Qwen3-0.6B --name student --port 8000 --dtype bfloat16 \
+        --python /opt/vllm/bin/python -- --gpu-memory-utilization 0.3                          # extra vLLM flags
+
+It runs, in the vLLM environment's Python (serving/setup_vllm_cpu.sh makes one; --python or DISTILL_VLLM_VENV
+points at another):
+
+    VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this repository> python -m vllm.entrypoints.openai.api_server \
+        --model DIR --served-model-name NAME --dtype DTYPE --max-model-len N --host HOST --port PORT \
+        --worker-extension-cls serving.vllm_worker.WeightSync
+
+Dev mode serves /collective_rpc and /reset_prefix_cache (the weight sync uses both); the worker extension loads the
+pushed weights (serving/vllm_worker.py). On a CPU, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here.
+Dev mode also serves endpoints that change the server's state: bind it to 127.0.0.1 or a private network only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_VENV = os.environ.get("DISTILL_VLLM_VENV", os.path.expanduser("~/.cache/distill/vllm-venv"))
+EXTENSION = "serving.vllm_worker.WeightSync"
+
+
+def vllm_python(venv: str = DEFAULT_VENV) -> str | None:
+    """The vLLM environment's interpreter, or None when there is none."""
+    python = os.path.join(venv, "bin", "python")
+    return python if os.path.exists(python) else None
+
+
+def vllm_command(python: str, model: str, name: str, port: int, dtype: str = "float32", max_model_len: int = 1024,
+                 host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--host", host, "--port", str(port),
+            "--worker-extension-cls", EXTENSION, *(extra or [])]
+
+
+def vllm_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
+def start_vllm(command: list[str], log_path: str) -> subprocess.Popen:
+    """The server in the background, in its own process group (so that stopping it stops its workers)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_ready(process: subprocess.Popen, port: int, log_path: str, timeout: float = 900.0,
+               host: str = "127.0.0.1") -> None:
+    """Poll /health until it answers 200 (vLLM on 2 CPU cores: 2-5 minutes); RuntimeError with the log's tail
+    when the server exits or the time is up."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({process.returncode}):\n{log_tail(log_path)}")
+        try:
+            if httpx.get(f"http://{host}:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"the vLLM server was not ready in {timeout:.0f} s:\n{log_tail(log_path)}")
+
+
+def log_tail(path: str, lines: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def stop_vllm(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Start a vLLM server with the weight-sync extension")
+    parser.add_argument("--model", required=True, help="HF folder to serve (e.g. checkpoints/kd)")
+    parser.add_argument("--name", default="student", help="--served-model-name (the trainer's --rollout_model)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--dtype", default="float32", help="the trainer's precision: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument("--max_model_len", type=int, default=1024, help=">= the trainer's --max_length")
+    parser.add_argument("--python", default=None, help="the vLLM environment's python (default: DISTILL_VLLM_VENV "
+                                                       "or ~/.cache/distill/vllm-venv)")
+    args, extra = parser.parse_known_args(argv)
+    python = args.python or vllm_python()
+    if python is None:
+        sys.exit(f"error: no vLLM environment at {DEFAULT_VENV}: run serving/setup_vllm_cpu.sh, or pass --python")
+    command = vllm_command(python, args.model, args.name, args.port, args.dtype, args.max_model_len, args.host,
+                           [e for e in extra if e != "--"])
+    print("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=" + ROOT + " " + " ".join(command), flush=True)
+    os.execve(python, command, vllm_env())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+# python -m pytest tests/test_remote_teacher.py
+"""OPD with the teacher on a real vLLM CPU server (--teacher_url): its log-probabilities of the student's samples
+replace the local teacher's, exactly. The servers come from the session fixture `vllm_servers`
+(tests/vllm_servers.py); without a vLLM environment the server tests skip, saying how to make one."""
+import contextlib
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from dataset.collators import IGNORE_INDEX, build_sequences
+from loop_helpers import (assert_one_line_error, loop_args, max_weight_diff, metrics, script_exit, weights,
+                          without_timing)
+from model import generate, load_pretrained, load_tokenizer
+from serving.engine import CompletionServer
+from support import SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
+from trainer.train_opd import main as train_opd, teacher_scores
+from vllm_servers import TcpProxy, free_port
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("remote_teacher")
+    config = folder / "served_config.json"
+    config.write_text(json.dumps(SERVED_CONFIG))
+    return {"config": str(config), "data": write_chat_jsonl(folder / "chat.jsonl", 16), "folder": folder}
+
+
+def opd_args(files, save_dir, **flags) -> list[str]:
+    return loop_args(files["config"], files["data"], save_dir, batch=4, **{"max_length": 80, "max_new_tokens": 32,
+                                                                          "max_steps": 3, "loss": "sampled_kl",
+                                                                          **flags})
+
+
+
+# ------------------------------------------------------------------------------------------------ without a server
+
+@pytest.mark.parametrize("flags, names", [
+    ({"loss": "jsd"}, ("--teacher_url", "--loss sampled_kl", "whole distribution")),
+    ({"temperature": 2.0}, ("--teacher_url", "temperature 1")),
+])
+def test_what_a_served_teacher_cannot_do_is_refused(files, tmp_path, capsys, flags, names):
+    code, stderr = script_exit(train_opd, opd_args(files, tmp_path, teacher_url="http://127.0.0.1:1/v1",
+                                                   **{"gen_temperature": flags.get("temperature", 1.0), **flags}),
+                               capsys)
+    assert_one_line_error(code, stderr, 2, *names)
+
+
+def test_a_teacher_server_that_is_down_is_refused_in_seconds(files, tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    start = time.perf_counter()
+    code, stderr = script_exit(train_opd, opd_args(files, tmp_path, teacher_url=url), capsys)
+    assert time.perf_counter() - start < 10
+    assert_one_line_error(code, stderr, 1, "teacher server", url.removesuffix("/v1"), "is the server up")
+
+
+# ---------------------------------------------------------------------------------------------- with real servers
+
+@pytest.mark.slow
+def test_served_log_probs_of_the_students_samples_equal_the_local_teachers(vllm_servers, files):
+    tokenizer = load_tokenizer(None)
+    teacher = load_pretrained(vllm_servers.teacher_dir)
+    torch.manual_seed(0)
+    student = load_pretrained(vllm_servers.student_dir)
+    rows = [tokenizer.encode(f"<|im_start|>user\nCount to {i}.<|im_end|>\n<|im_start|>assistant\n") for i in range(6)]
+    width = max(map(len, rows))
+    prompt_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])
+    prompt_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = generate(student, prompt_ids, prompt_mask, 40, do_sample=True, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer),
+                   generator=[torch.Generator().manual_seed(i) for i in range(6)])
+    input_ids, attention_mask, labels = build_sequences(prompt_ids, prompt_mask, out.completion_ids,
+                                                        out.completion_mask)
+    server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
+    served = teacher_scores(None, server, input_ids, attention_mask, labels, contextlib.nullcontext)
+    hidden = teacher_scores(teacher, None, input_ids, attention_mask, labels, contextlib.nullcontext)
+    local = (hidden @ teacher.lm_head.weight[:len(tokenizer)].T).log_softmax(-1)
+    local = local.gather(1, labels[labels != IGNORE_INDEX][:, None]).squeeze(1)
+    assert served.shape == local.shape == (int((labels != IGNORE_INDEX).sum()),)
+    assert (served - local).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_opd_with_a_served_teacher_trains_as_with_the_local_one(vllm_servers, files, tmp_path):
+    """Three steps, built-in rollouts: the same losses and weights (1e-5) with the teacher local or served; and the
+    same again with the rollouts on one server and the teacher on another."""
+    train_opd(opd_args(files, tmp_path / "local", teacher_path=vllm_servers.teacher_dir, eval_interval=3,
+                       eval_rows=4, eval_max_new_tokens=16))
+    train_opd(opd_args(files, tmp_path / "served", teacher_url=vllm_servers.teacher.url, eval_interval=3,
+                       eval_rows=4, eval_max_new_tokens=16))
+    local, served = metrics(tmp_path / "local"), metrics(tmp_path / "served")
+    steps = [m for m in local if "loss" in m], [m for m in served if "loss" in m]
+    assert [m["loss"] for m in steps[0]] == pytest.approx([m["loss"] for m in steps[1]], abs=1e-5)
+    assert [m["reverse_kl_estimate"] for m in steps[0]] == \
+        pytest.approx([m["reverse_kl_estimate"] for m in steps[1]], abs=1e-5)
+    assert max_weight_diff(weights(tmp_path / "local"), weights(tmp_path / "served")) < 1e-5
+    # held-out: the full reverse KL with the local teacher, the sampled-token estimate with the served one
+    evals = [m for m in served if "eval/reverse_kl_estimate" in m]
+    assert [m["step"] for m in evals] == [0, 3] and all(m["eval/reverse_kl_estimate"] > 0 for m in evals)
+    assert all("eval/reverse_kl" in m for m in local if "eval/accuracy" in m)
+
+    both = tmp_path / "both_served"
+    train_opd(opd_args(files, both, teacher_url=vllm_servers.teacher.url, rollout_url=vllm_servers.rollout.url))
+    reference = tmp_path / "rollouts_served"
+    train_opd(opd_args(files, reference, teacher_path=vllm_servers.teacher_dir, rollout_url=vllm_servers.rollout.url))
+    a, b = metrics(reference), metrics(both)
+    assert [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], abs=1e-5)
+    assert max_weight_diff(weights(reference), weights(both)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_teacher_server_with_another_tokenizer_is_refused(vllm_servers, files, tmp_path, capsys):
+    tokenizer_dir = tmp_path / "tokenizer"
+    shutil.copytree(vllm_servers.teacher_dir, tokenizer_dir)
+    give_another_tokenizer(tokenizer_dir)
+    code, stderr = script_exit(train_opd, opd_args(files, tmp_path / "out", teacher_url=vllm_servers.teacher.url,
+                                                   tokenizer_path=str(tokenizer_dir)), capsys)
+    assert_one_line_error(code, stderr, 2, "teacher server", "differently", "tokenizer")
+    assert not os.path.exists(tmp_path / "out" / "run_resume.pt")
+
+
+@pytest.mark.slow
+def test_a_teacher_server_that_dies_mid_run_stops_it_and_the_resumed_run_is_exact(vllm_servers, files, tmp_path,
+                                                                                 capsys, monkeypatch):
+    train_opd(opd_args(files, tmp_path / "reference", teacher_url=vllm_servers.teacher.url))
+    proxy = TcpProxy(vllm_servers.teacher.port)
+    scores_on_server = CompletionServer.completion_logprobs
+    calls = []
+
+    def dies_before_the_third_scoring(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            proxy.down()
+        return scores_on_server(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionServer, "completion_logprobs", dies_before_the_third_scoring)
+    killed = tmp_path / "killed"
+    code, stderr = script_exit(train_opd, opd_args(files, killed, teacher_url=proxy.url), capsys)
+    assert_one_line_error(code, stderr, 1, "teacher server", "failed", "step 2", "--from_resume 1")
+    monkeypatch.setattr(CompletionServer, "completion_logprobs", scores_on_server)
+    proxy.up()
+    train_opd(opd_args(files, killed, teacher_url=proxy.url, from_resume=1))
+    proxy.down()
+    assert max_weight_diff(weights(tmp_path / "reference"), weights(killed)) == 0.0
+    assert without_timing(metrics(tmp_path / "reference")) == without_timing(metrics(killed))
