@@ -115,27 +115,31 @@ def _generation_config(config: Qwen3Config, pad_token_id: int | None) -> dict:
             "pad_token_id": pad_token_id if pad_token_id is not None else config.bos_token_id}
 
 
-def hf_state_dict(model: Qwen3ForCausalLM, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The weights under their HF names, on the CPU, in `dtype` (default: the model's), without the tied head."""
+def hf_state_dict(model: Qwen3ForCausalLM, dtype: torch.dtype | None = None,
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The weights under their HF names, on the CPU, in `dtype` (default: the model's), without the tied head.
+    `state` gives them when the model's own are sharded (its gathered state dict)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     model = getattr(model, "module", model)     # DDP wrapper
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict() if state is None else state
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")  # safetensors refuses shared storage; HF re-ties on load
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF re-ties on load
     return state
 
 
 def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | None = None,
-                    dtype: torch.dtype | None = None) -> None:
+                    dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write an HF folder that `AutoModelForCausalLM.from_pretrained(out_dir)` loads with identical logits.
 
-    Weights keep the model's dtype unless `dtype` is given. The tokenizer files are copied from `tokenizer_dir`
-    (default: the real Qwen3 tokenizer). Atomic: written beside `out_dir`, then renamed into place.
+    Weights keep the model's dtype unless `dtype` is given. `state` gives them when the model's own are sharded
+    (the gathered state dict). The tokenizer files are copied from `tokenizer_dir` (default: the real Qwen3
+    tokenizer). Atomic: written beside `out_dir`, then renamed into place.
     """
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     model = getattr(model, "module", model)     # DDP wrapper
     config = model.config
-    state = hf_state_dict(model, dtype)
+    state = hf_state_dict(model, dtype, state)
     hf_config = config.to_hf_dict()
     hf_config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     tokenizer = load_tokenizer(tokenizer_dir)

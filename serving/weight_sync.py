@@ -54,15 +54,16 @@ class WeightSync:
         since the last push."""
         return self.synced_step is None or step - self.synced_step >= interval
 
-    def push(self, model: torch.nn.Module, step: int) -> None:
-        """Write the weights, have the server load them, reset its prefix cache."""
+    def push(self, model: torch.nn.Module, step: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the weights, have the server load them, reset its prefix cache. `state`: the gathered weights
+        when the model's own are sharded."""
         self.synced_step = step
         if not self.active:
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         try:
             with atomic_write(self.path) as f:
-                f.write(save(hf_state_dict(model, self.dtype)))
+                f.write(save(hf_state_dict(model, self.dtype, state)))
         except OSError as error:
             raise_disk_error(error, f"the weights for the rollout server to {self.path}")
         try:
@@ -100,8 +101,9 @@ class WeightSync:
 
     def verify(self, model: torch.nn.Module, autocast: Callable) -> float:
         """The server's log-probs of the probe against ours; returns the largest difference (0.0 where not
-        active) or raises."""
+        active) or raises. Every rank runs the probe's forward (a sharded model needs them all)."""
         if not self.active:
+            own_logprobs(model, self.probe_ids, autocast)
             return 0.0
         return check_served_weights(self.server, model, self.probe_ids, self.dtype, autocast,
                                     f"after the sync of step {self.synced_step}",

@@ -37,6 +37,12 @@ def chat_jsonl(tmp_path):
     return write_chat_jsonl(tmp_path / "chat.jsonl", 20)
 
 
+@pytest.fixture
+def long_chat_jsonl(tmp_path):
+    """24 rows: with a global batch of 8, three optimizer steps."""
+    return write_chat_jsonl(tmp_path / "long.jsonl", 24, seed=1)
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory):
     """Two real vLLM CPU servers (tests/vllm_servers.py), started once per session when a test first asks."""

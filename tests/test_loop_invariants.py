@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from support import ROOT, write_chat_jsonl
+from support import ROOT
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, torchrun_command, weights, without_timing)
 from model import Qwen3Config, create_model, save_pretrained
@@ -76,11 +76,6 @@ def test_ddp_two_ranks_equal_one_process(loop, chat_jsonl, tmp_path):
     main(args(chat_jsonl, tmp_path / "one", batch=2, accumulation=4))
     assert max_weight_diff(weights(tmp_path / "ddp"), weights(tmp_path / "one")) <= 1e-5
     assert [m["tokens"] for m in metrics(tmp_path / "ddp")] == [m["tokens"] for m in metrics(tmp_path / "one")]
-
-
-@pytest.fixture
-def long_chat_jsonl(tmp_path):
-    return write_chat_jsonl(tmp_path / "long.jsonl", 24, seed=1)
 
 
 def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):

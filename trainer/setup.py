@@ -25,6 +25,7 @@ from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer
 from model.tokenizer import QwenTokenizer
+from trainer.sharding import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
@@ -72,6 +73,9 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
                    help="autocast dtype on CUDA (fp16 adds a GradScaler); CPU always trains in fp32")
     g.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
     g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1])
+    g.add_argument("--fsdp", type=int, default=0, choices=[0, 1],
+                   help="1: shard parameters, gradients and optimizer state over the ranks (FSDP2) and write "
+                        "sharded checkpoints that any world size resumes (docs/architecture.md)")
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
     g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
@@ -114,6 +118,12 @@ def validate_common_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path and not os.path.exists(path):
             refuse(f"--{flag} {path} does not exist")
+    if args.fsdp and args.eval_interval:
+        refuse("--eval_interval evaluates on rank 0 alone, which a sharded model (--fsdp 1) cannot do: evaluate the "
+               "exported checkpoint with eval/eval_math.py instead")
+    if args.fsdp and args.device.startswith("cuda") and args.dtype == "float16":
+        refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
+               "--dtype bfloat16")
     if args.from_resume and args.start_over:
         refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
     check_writable(args.save_dir, "--save_dir")
@@ -206,6 +216,9 @@ def add_teacher_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("teacher")
     g.add_argument("--teacher_path", default=None,
                    help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's output")
+    g.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
+                   help="with --fsdp 1: 1 keeps a whole teacher on every rank (faster when it fits) instead of "
+                        "sharding it")
     g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the distillation loss")
 
 
@@ -240,6 +253,8 @@ def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, 
             refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
                    f"{len(tokenizer)} tokens")
     teacher.eval().requires_grad_(False)
+    if args.fsdp and not args.replicate_teacher and dist.is_initialized():
+        shard(teacher, device, args.dtype)  # frozen: its shards are gathered layer by layer for the forward
     return teacher
 
 

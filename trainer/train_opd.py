@@ -114,6 +114,9 @@ def validate_opd_args(args: argparse.Namespace) -> None:
     if args.teacher_url and args.temperature != 1.0:
         refuse(f"--teacher_url: a server's log-probabilities are at temperature 1, so --temperature "
                f"{args.temperature} cannot be applied to the teacher; use --temperature 1 or a local --teacher_path")
+    if args.fsdp and not args.rollout_url and args.lmbda > 0:
+        refuse("--fsdp 1: the built-in engine would decode with a sharded student, every rank in step with the "
+               "others; sample on a rollout server instead (--rollout_url, docs/serving.md)")
     if args.sync_interval < 1 or args.rollout_concurrency < 1 or args.rollout_timeout <= 0:
         refuse(f"--sync_interval ({args.sync_interval}) and --rollout_concurrency ({args.rollout_concurrency}) must "
                f"be >= 1 and --rollout_timeout ({args.rollout_timeout}) > 0")
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         clock = PhaseClock(run.device)
         if weight_sync and weight_sync.due(run.step, args.sync_interval):  # the server samples from these weights
             with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
-                weight_sync.push(run.raw_model, run.step)
+                weight_sync.push(run.raw_model, run.step, run.gathered_weights())
             with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
                 run.metrics.total("sync_logprob_diff", weight_sync.verify(run.raw_model, run.autocast))
         for i, batch in enumerate(window):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import glob
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from common.seeds import derived_seed, seed_everything
 from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
 from trainer.setup import DistInfo, print0
+from trainer.sharding import full_weights, is_sharded, load_shards, remove_other_shards, save_shards, shard
 from trainer.tracking import init_tracker, trained_dtype
 
 CHECKPOINT_FORMAT = 1
@@ -160,8 +162,13 @@ class Run:
         self.dataset, self.collate_fn = dataset, collate_fn
         self.raw_model = model
         self.raw_model.gradient_checkpointing = bool(args.gradient_checkpointing)
+        # --fsdp 1: sharded over the ranks (trainer/sharding.py); checkpoints are written shard by shard either way,
+        # so that a sharded run can resume on one process and the other way round
+        self.sharded = bool(args.fsdp)
+        if self.sharded and info.enabled:
+            shard(self.raw_model, self.device, args.dtype)
         self.model = torch.compile(self.raw_model) if args.use_compile else self.raw_model
-        if info.enabled:
+        if info.enabled and not self.sharded:
             self.model = DistributedDataParallel(self.model, device_ids=[info.local_rank]
                                                  if self.device.startswith("cuda") else None)
         self.optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.learning_rate,
@@ -248,8 +255,11 @@ class Run:
                 yield epoch, window
 
     def micro_step(self, index: int, window_size: int):
-        """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last."""
-        if self.dist.enabled and index < window_size - 1:
+        """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last, and
+        FSDP reduce-scatters them only then."""
+        if is_sharded(self.raw_model):
+            self.raw_model.set_requires_gradient_sync(index == window_size - 1)
+        elif self.dist.enabled and index < window_size - 1:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -300,10 +310,11 @@ class Run:
         self.scaler.unscale_(self.optimizer)
         # DDP averaged the gradients over ranks; the micro-steps divided by loss_divisor: undo both, divide by tokens.
         scale = self.loss_divisor * self.dist.world_size / max(global_tokens, 1.0)
-        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, scale)
+        for grad in (p.grad for p in self.raw_model.parameters() if p.grad is not None):
+            grad.mul_(scale)  # sharded gradients are scaled shard by shard: the same arithmetic
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: the global norm
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             raise RuntimeFailure(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); stopping "
                                  f"before it reaches the weights. Lower --learning_rate or check the data.")
@@ -357,6 +368,11 @@ class Run:
         """Every --save_interval steps, at the last step, and after a stop signal."""
         return self.state.step % self.args.save_interval == 0 or self.done or bool(self.stop_signal)
 
+    def gathered_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every rank calls this: with --fsdp 1 the whole weights, gathered to rank 0 (None elsewhere); without,
+        None (the model holds them whole)."""
+        return full_weights(self.raw_model) if is_sharded(self.raw_model) else None
+
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
     def save(self) -> None:
@@ -365,23 +381,33 @@ class Run:
         The resume file is the commit point: it is written last, so whenever it says step N the export of step N is
         complete, and a run killed during an export resumes from the previous checkpoint and exports again."""
         rng = collect_rng_states(self.dist)
+        # every rank checks (one filesystem): a refusal on rank 0 alone would leave the others in a collective
+        check_free_space(self.args.save_dir, self.expected_save_bytes(), f"the checkpoint of step {self.state.step}")
+        weights = self.gathered_weights()  # with --fsdp 1 a collective, as is writing the shards
+        shards = None
+        if self.sharded:
+            shards = save_shards(self.out_prefix + "_resume", self.state.step, self.raw_model, self.optimizer,
+                                 self.dist.is_main)
         if self.dist.is_main:
             checkpoint = {
                 "format": CHECKPOINT_FORMAT,
-                "model": {k: v.detach().float().cpu() for k, v in self.raw_model.state_dict().items()},
+                "model": None if shards else {k: v.detach().float().cpu()
+                                              for k, v in self.raw_model.state_dict().items()},
+                "optimizer": None if shards else self.optimizer.state_dict(),
+                "shards": os.path.basename(shards) if shards else None,  # model + optimizer, in that folder
                 "model_config": self.raw_model.config.to_hf_dict(),
-                "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "epoch": self.state.epoch, "step": self.state.step,
                 "samples_in_epoch": self.state.samples_in_epoch, "global_batch": self.global_batch,
                 "world_size": self.dist.world_size, "swanlab_run_id": self.state.swanlab_run_id,
                 "args": vars(self.args), "rng": rng,
             }
-            check_free_space(self.args.save_dir, self.expected_save_bytes(), f"the checkpoint of step {self.state.step}")
             try:
-                save_pretrained(self.raw_model, self.out_prefix, tokenizer_dir=self.tokenizer_dir)
+                save_pretrained(self.raw_model, self.out_prefix, tokenizer_dir=self.tokenizer_dir, state=weights)
                 with atomic_write(self.resume_path) as f:
                     torch.save(checkpoint, f)
+                if shards:
+                    remove_other_shards(self.out_prefix + "_resume", keep=shards)
             except (OSError, RuntimeError) as error:
                 # torch.save reports a failed write as RuntimeError("unexpected pos ...") raised while handling it
                 cause = error if isinstance(error, OSError) else error.__context__
@@ -412,21 +438,40 @@ class Run:
                                 f"pass --start_over 1 to move its files aside and start anew (or another --save_weight)")
             aside = f"{self.out_prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             os.makedirs(aside)
-            for path in (self.out_prefix, self.resume_path, self.metrics_path):
+            for path in (self.out_prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
                 if os.path.exists(path):
                     os.replace(path, os.path.join(aside, os.path.basename(path)))
             print0(f"--start_over 1: the previous run's files are in {aside}/")
-        for path in (self.out_prefix, self.resume_path, self.metrics_path):
+        for path in (self.out_prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
             for stale in remove_stale_temporaries(path):
                 print0(f"removed {stale}, left half-written by a run that was killed")
+        if self.shard_folders():
+            for stale in remove_other_shards(self.out_prefix + "_resume", keep=self.committed_shards()):
+                print0(f"removed {stale}, written by a run that was killed before it committed them")
+
+    def shard_folders(self) -> list[str]:
+        """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
+        return glob.glob(f"{glob.escape(self.out_prefix)}_resume.shards-*")
+
+    def committed_shards(self) -> str | None:
+        """The shard folder the resume file names (None without one, or when it cannot be read: then the resume
+        itself reports that)."""
+        try:
+            shards = torch.load(self.resume_path, map_location="cpu", weights_only=False).get("shards")
+        except Exception:
+            return None
+        return os.path.join(self.args.save_dir, shards) if shards else None
 
     def resume(self) -> None:
         if not os.path.exists(self.resume_path):
             print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
             return
         checkpoint = load_checkpoint(self.resume_path, self.args, self.global_batch, self.raw_model)
-        self.raw_model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
+            load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), self.raw_model, self.optimizer)
+        else:
+            self.raw_model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
                               checkpoint["swanlab_run_id"])
@@ -483,7 +528,7 @@ def open_metrics(path: str, resumed_step: int):
 RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
                      "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
                      "gradient_checkpointing", "max_steps", "eval_interval", "eval_rows", "eval_data_path",
-                     "eval_max_new_tokens", "save_dir", "start_over"}
+                     "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher"}
 
 
 def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:

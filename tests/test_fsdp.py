@@ -1,0 +1,157 @@
+# python -m pytest tests/test_fsdp.py
+"""--fsdp 1 (FSDP2 + sharded DCP checkpoints) on CPU with gloo: 2 sharded ranks train as one process does, a killed
+sharded run resumes bit-identically, a sharded checkpoint resumes at another world size, the HF export is the
+whole model, two "nodes" (two torchrun launches on 127.0.0.1) train as one process, and OPD with a sharded
+student samples on a real vLLM server."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread, kill_after_first_checkpoint,
+                          loop_args, max_weight_diff, metrics, run_command, script_exit, torchrun_command, weights)
+from model import Qwen3Config, create_model, load_pretrained, save_pretrained
+from support import ROOT, SERVED_CONFIG, write_chat_jsonl
+from trainer.sharding import load_shards
+from trainer.train_distillation import main as train_distillation
+from trainer.train_opd import main as train_opd
+from trainer.train_sft import main as train_sft
+from vllm_servers import free_port
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SFT = os.path.join(ROOT, "trainer", "train_sft.py")
+KD = os.path.join(ROOT, "trainer", "train_distillation.py")
+OPD = os.path.join(ROOT, "trainer", "train_opd.py")
+
+
+@pytest.fixture
+def teacher_dir(tiny_config_path, tmp_path):
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=123), str(tmp_path / "teacher"))
+    return str(tmp_path / "teacher")
+
+
+def sharded_args(config, data, save_dir, **flags) -> list[str]:
+    return loop_args(config, data, save_dir, fsdp=1, **flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["sft", "kd"])
+def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
+    script, main = {"sft": (SFT, train_sft), "kd": (KD, train_distillation)}[loop]
+    extra = {"teacher_path": teacher_dir, "alpha": 0.3, "temperature": 2.0} if loop == "kd" else {}
+    main(loop_args(tiny_config_path, chat_jsonl, tmp_path / "one", batch=2, accumulation=2, max_steps=3, **extra))
+    run_command(torchrun_command(script, sharded_args(tiny_config_path, chat_jsonl, tmp_path / "two", batch=2,
+                                                      max_steps=3, **extra)))
+    assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-5)
+    assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
+    # the resume file names the shard folder; nothing else is left beside it
+    assert sorted(os.listdir(tmp_path / "two"))[:3] == ["run", "run_metrics.jsonl", "run_resume.pt"]
+    assert len([f for f in os.listdir(tmp_path / "two") if ".shards-" in f]) == 1
+
+
+@pytest.mark.slow
+def test_a_killed_sharded_run_resumes_bit_identically(tiny_config_path, long_chat_jsonl, tmp_path):
+    flags = dict(batch=2, accumulation=2, save_interval=1)
+    run_command(torchrun_command(SFT, sharded_args(tiny_config_path, long_chat_jsonl, tmp_path / "full", **flags)))
+    killed = sharded_args(tiny_config_path, long_chat_jsonl, tmp_path / "killed", **flags)
+    kill_after_first_checkpoint(torchrun_command(SFT, killed), str(tmp_path / "killed" / "run_resume.pt"))
+    assert checkpoint_step(tmp_path / "killed" / "run_resume.pt") < 3, "the run finished before it could be killed"
+    run_command(torchrun_command(SFT, [*killed, "--from_resume", "1"]))
+    full, resumed = weights(tmp_path / "full"), weights(tmp_path / "killed")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_a_sharded_checkpoint_resumes_at_another_world_size(first, then, tiny_config_path, long_chat_jsonl,
+                                                           tmp_path):
+    """24 rows, global batch 8: 3 steps. Killed after its first checkpoint at `first` ranks, resumed at `then`."""
+    def command(ranks: int, save_dir, **flags) -> list[str]:
+        args = sharded_args(tiny_config_path, long_chat_jsonl, save_dir, batch=2, accumulation=4 // ranks,
+                            save_interval=1, **flags)
+        return torchrun_command(SFT, args, nproc=ranks) if ranks > 1 else [sys.executable, SFT, *args]
+
+    run_command(command(1, tmp_path / "reference"))
+    kill_after_first_checkpoint(command(first, tmp_path / "ws"), str(tmp_path / "ws" / "run_resume.pt"))
+    assert checkpoint_step(tmp_path / "ws" / "run_resume.pt") < 3, "the run finished before it could be killed"
+    run_command(command(then, tmp_path / "ws", from_resume=1))
+    assert max_weight_diff(weights(tmp_path / "reference"), weights(tmp_path / "ws")) <= 1e-5
+
+
+@pytest.mark.slow
+def test_the_export_of_a_sharded_run_is_the_whole_model(tiny_config_path, chat_jsonl, tmp_path):
+    run_command(torchrun_command(SFT, sharded_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=2)))
+    exported = load_file(tmp_path / "run" / "model.safetensors")
+    # the shards the resume file names, read whole by one process: the export holds exactly those weights
+    model = create_model(Qwen3Config.from_json(tiny_config_path))
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoint = torch.load(tmp_path / "run_resume.pt", weights_only=False)
+    load_shards(str(tmp_path / checkpoint["shards"]), model, optimizer)
+    whole = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert exported.keys() == whole.keys() and all(torch.equal(exported[k], whole[k]) for k in whole)
+    # and transformers reads it with our logits
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run"), torch_dtype=torch.float32)
+    ids = torch.tensor([[151644, 872, 198, 9707, 11, 1879]])
+    ours = load_pretrained(str(tmp_path / "run"))
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours(ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_process(tiny_config_path, chat_jsonl, tmp_path):
+    """Two torchrun launches, --nnodes 2 with a c10d rendezvous on 127.0.0.1: what the README shows for two
+    machines (with the first machine's address), each "node" one rank."""
+    main_args = loop_args(tiny_config_path, chat_jsonl, tmp_path / "one", batch=2, accumulation=2, max_steps=3)
+    train_sft(main_args)
+    args = sharded_args(tiny_config_path, chat_jsonl, tmp_path / "nodes", batch=2, max_steps=3)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+                               "--rdzv_id", "fsdp-test", SFT, *args],
+                              env=env_one_thread(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "nodes")) <= 1e-5
+
+
+def test_what_a_sharded_student_cannot_do_yet_is_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path, capsys):
+    code, stderr = script_exit(train_sft, loop_args(tiny_config_path, chat_jsonl, tmp_path, fsdp=1, eval_interval=5),
+                               capsys)
+    assert_one_line_error(code, stderr, 2, "--eval_interval", "--fsdp 1", "eval_math.py")
+    code, stderr = script_exit(train_opd, loop_args(tiny_config_path, chat_jsonl, tmp_path, fsdp=1,
+                                                    teacher_path=teacher_dir), capsys)
+    assert_one_line_error(code, stderr, 2, "--fsdp 1", "--rollout_url")
+
+
+@pytest.mark.slow
+def test_opd_with_a_sharded_student_samples_on_the_rollout_server(vllm_servers, tmp_path):
+    """A sharded student cannot decode on its own (every rank holds a part of every layer): it samples on the
+    rollout server, rank 0 pushing the weights gathered from the shards; the sharded teacher scores on all ranks."""
+    config = tmp_path / "served_config.json"
+    config.write_text(json.dumps(SERVED_CONFIG))
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+
+    def args(save_dir, **flags):
+        return loop_args(str(config), data, save_dir, teacher_path=vllm_servers.teacher_dir, max_length=80,
+                         max_new_tokens=16, max_steps=3, rollout_url=vllm_servers.rollout.url, **flags)
+    train_opd(args(tmp_path / "one", batch=2, accumulation=2))
+    run_command(torchrun_command(OPD, args(tmp_path / "two", batch=2, fsdp=1)))
+    assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
+    assert all(m["sync_logprob_diff"] < 1e-4 for m in metrics(tmp_path / "two"))
+
+
+@pytest.mark.slow
+def test_the_benchmark_shows_each_sharded_rank_holding_at_most_055_of_ddps_bytes(tiny_config_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp.py"), "--config",
+                             tiny_config_path], capture_output=True, text=True, timeout=400, env=env_one_thread())
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    assert len(rows) == 2 and all(float(row[-2]) <= 0.55 for row in rows), result.stdout
