@@ -43,11 +43,20 @@ def sharded_args(config, data, save_dir, **flags) -> list[str]:
 def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
     script, main = {"sft": (SFT, train_sft), "kd": (KD, train_distillation)}[loop]
     extra = {"teacher_path": teacher_dir, "alpha": 0.3, "temperature": 2.0} if loop == "kd" else {}
+    # with the held-out evaluation: every sharded rank evaluates in step, rank 0 logs the numbers of one process
+    extra.update(eval_interval=3, eval_rows=4, eval_max_new_tokens=8)
     main(loop_args(tiny_config_path, chat_jsonl, tmp_path / "one", batch=2, accumulation=2, max_steps=3, **extra))
     run_command(torchrun_command(script, sharded_args(tiny_config_path, chat_jsonl, tmp_path / "two", batch=2,
                                                       max_steps=3, **extra)))
     assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    evals = [[m for m in run if "eval/accuracy" in m] for run in (one, two)]
+    assert [m["step"] for m in evals[1]] == [0, 3]
+    assert [m["eval/completion_len"] for m in evals[0]] == [m["eval/completion_len"] for m in evals[1]]
+    if loop == "kd":
+        assert [m["eval/reverse_kl"] for m in evals[0]] == pytest.approx([m["eval/reverse_kl"] for m in evals[1]],
+                                                                          abs=1e-5)
+    one, two = [m for m in one if "loss" in m], [m for m in two if "loss" in m]
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-5)
     assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
     # the resume file names the shard folder; nothing else is left beside it
@@ -122,10 +131,8 @@ def test_two_nodes_train_as_one_process(tiny_config_path, chat_jsonl, tmp_path):
     assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "nodes")) <= 1e-5
 
 
-def test_what_a_sharded_student_cannot_do_yet_is_refused(tiny_config_path, chat_jsonl, teacher_dir, tmp_path, capsys):
-    code, stderr = script_exit(train_sft, loop_args(tiny_config_path, chat_jsonl, tmp_path, fsdp=1, eval_interval=5),
-                               capsys)
-    assert_one_line_error(code, stderr, 2, "--eval_interval", "--fsdp 1", "eval_math.py")
+def test_opd_with_a_sharded_student_needs_a_rollout_server(tiny_config_path, chat_jsonl, teacher_dir, tmp_path,
+                                                           capsys):
     code, stderr = script_exit(train_opd, loop_args(tiny_config_path, chat_jsonl, tmp_path, fsdp=1,
                                                     teacher_path=teacher_dir), capsys)
     assert_one_line_error(code, stderr, 2, "--fsdp 1", "--rollout_url")
@@ -153,5 +160,5 @@ def test_the_benchmark_shows_each_sharded_rank_holding_at_most_055_of_ddps_bytes
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp.py"), "--config",
                              tiny_config_path], capture_output=True, text=True, timeout=400, env=env_one_thread())
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith(("| 0 ", "| 1 "))]
     assert len(rows) == 2 and all(float(row[-2]) <= 0.55 for row in rows), result.stdout

@@ -99,12 +99,16 @@ def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_si
 
 class HeldoutEvaluator:
     """`--eval_interval` for a training loop: a fixed prompt set (the first --eval_rows rows of --eval_data_path,
-    default the demo eval set), evaluated on rank 0 before training, every --eval_interval optimizer steps and at
-    the last step. Everything it needs comes in as arguments; it knows nothing of the run."""
+    default the demo eval set), evaluated on rank 0 (every rank with --fsdp 1) before training, every
+    --eval_interval optimizer steps and at the last step. Everything it needs comes in as arguments; it knows
+    nothing of the run."""
 
     def __init__(self, args, tokenizer, device: str, is_main: bool, start_step: int):
         self.args, self.tokenizer, self.device = args, tokenizer, device
-        self.batches = self.load_batches() if args.eval_interval and is_main else []
+        # a sharded model (--fsdp 1) needs every rank in each forward: then all ranks evaluate the same prompts in
+        # step (greedy: the same completions, the same number of decoding steps) and rank 0 logs
+        evaluates = is_main or bool(getattr(args, "fsdp", 0))
+        self.batches = self.load_batches() if args.eval_interval and evaluates else []
         # a resumed run's checkpoint step was already evaluated (if due) by the run that wrote it
         self.evaluated_step = start_step if start_step > 0 else -1
 

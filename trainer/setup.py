@@ -118,9 +118,6 @@ def validate_common_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path and not os.path.exists(path):
             refuse(f"--{flag} {path} does not exist")
-    if args.fsdp and args.eval_interval:
-        refuse("--eval_interval evaluates on rank 0 alone, which a sharded model (--fsdp 1) cannot do: evaluate the "
-               "exported checkpoint with eval/eval_math.py instead")
     if args.fsdp and args.device.startswith("cuda") and args.dtype == "float16":
         refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
                "--dtype bfloat16")

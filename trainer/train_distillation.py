@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
+    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 (--fsdp 1: all)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
         run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher))

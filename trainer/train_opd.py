@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
+    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 (--fsdp 1: all)
     weight_sync = None if server is None else WeightSync(
         server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
         active=info.is_main)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     model = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, info, model, dataset, collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 evaluates
+    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 (--fsdp 1: all)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
         run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast))

@@ -355,7 +355,9 @@ class Run:
         self.progress.write(" | ".join(parts + ([" ".join(extras)] if extras else [])))
 
     def log_eval(self, metrics: dict) -> None:
-        """An evaluation's numbers, at the current step (rank 0 calls this; the others never evaluate)."""
+        """An evaluation's numbers, at the current step, logged by rank 0 (with --fsdp 1 every rank evaluates)."""
+        if not self.dist.is_main:
+            return
         record = {"step": self.state.step, **metrics}
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
