@@ -13,6 +13,17 @@ import pytest  # noqa: E402
 from support import TINY_CONFIG, write_chat_jsonl  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip on a machine without a CUDA device, saying where they run."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: on a GPU machine, python -m pytest -m cuda")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower

@@ -6,12 +6,17 @@
         --device cuda --batch_size 8 --accumulation_steps 4 --max_new_tokens 1024 --max_length 1536
     torchrun --nproc_per_node 4 trainer/train_opd.py --model_path Qwen3-0.6B --teacher_path Qwen3-4B ...
     ... --from_resume 1
+    ... --rollout_url http://127.0.0.1:8000/v1     # sample on a vLLM server (docs/serving.md)
+    ... --loss sampled_kl --teacher_url http://127.0.0.1:8001/v1   # the teacher's log-probs from a server
 
 Per micro-batch, the paper's eq. 2:
   1. with probability lmbda the batch is on-policy: the student samples y ~ pi_student(.|x) (KV cache, eval mode,
-     no grad); otherwise the dataset's own completions are used (lmbda=0 is plain KD on the data)
+     no grad; or on the rollout server, which holds the student's weights: pushed and verified before the step's
+     first rollout every --sync_interval steps); otherwise the dataset's own completions are used (lmbda=0 is
+     plain KD on the data)
   2. the sequence x + y gets labels on y only, through the first EOS
-  3. the teacher scores every position without gradients, the student with gradients
+  3. the teacher scores every position without gradients (a teacher on a server: the sampled tokens only), the
+     student with gradients
   4. loss per token = generalized JSD over the full vocabulary (beta=1: reverse KL(student || teacher)), computed
      chunk by chunk from hidden states; or --loss sampled_kl, the policy-gradient form that needs only the
      teacher's log-probability of the sampled tokens
