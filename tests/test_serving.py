@@ -136,9 +136,9 @@ def test_opd_on_the_server_verifies_every_sync_and_repeats_exactly(vllm_servers,
 def test_a_skipped_sync_is_detected_and_stops_the_run(vllm_servers, files, tmp_path, capsys, monkeypatch):
     push = WeightSync.push
 
-    def push_only_once(self, model, step):
+    def push_only_once(self, model, step, state=None):
         if step == 0:
-            return push(self, model, step)
+            return push(self, model, step, state)
         self.synced_step = step  # the schedule moves on, the server keeps the weights of step 0
 
     monkeypatch.setattr(WeightSync, "push", push_only_once)
