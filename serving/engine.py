@@ -103,12 +103,13 @@ class CompletionServer:
         and the mask through the first EOS; R is the longest completion. One request per row, seeded by `seeds`."""
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        padding_rows = {str(i): -100.0 for i in range(vocab_size, model_vocab_size)}
         payloads = [{
             "model": self.model, "prompt": row, "max_tokens": max_new_tokens, "n": 1, "seed": int(seed),
             "temperature": temperature if do_sample else 0.0, "top_p": top_p if do_sample else 1.0,
             "top_k": top_k if do_sample else 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "ignore_eos": True, "stop_token_ids": eos_ids,
-            "logit_bias": {str(i): -100.0 for i in range(vocab_size, model_vocab_size)},
+            "logit_bias": padding_rows,
             "return_token_ids": True, "skip_special_tokens": False,
         } for row, seed in zip(rows, seeds)]
         completions = self._post_all(payloads, _completion_token_ids)

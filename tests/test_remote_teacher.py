@@ -18,7 +18,7 @@ from model import generate, load_pretrained, load_tokenizer
 from serving.engine import CompletionServer
 from support import SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
 from trainer.train_opd import main as train_opd, teacher_scores
-from vllm_servers import TcpProxy, free_port
+from vllm_servers import TcpProxy, dies_before_call, free_port
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,20 +129,11 @@ def test_a_teacher_server_that_dies_mid_run_stops_it_and_the_resumed_run_is_exac
                                                                                  capsys, monkeypatch):
     train_opd(opd_args(files, tmp_path / "reference", teacher_url=vllm_servers.teacher.url))
     proxy = TcpProxy(vllm_servers.teacher.port)
-    scores_on_server = CompletionServer.completion_logprobs
-    calls = []
-
-    def dies_before_the_third_scoring(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            proxy.down()
-        return scores_on_server(self, *args, **kwargs)
-
-    monkeypatch.setattr(CompletionServer, "completion_logprobs", dies_before_the_third_scoring)
+    dies_before_call(monkeypatch, "completion_logprobs", proxy, 3)  # the third step's scoring
     killed = tmp_path / "killed"
     code, stderr = script_exit(train_opd, opd_args(files, killed, teacher_url=proxy.url), capsys)
     assert_one_line_error(code, stderr, 1, "teacher server", "failed", "step 2", "--from_resume 1")
-    monkeypatch.setattr(CompletionServer, "completion_logprobs", scores_on_server)
+    monkeypatch.undo()
     proxy.up()
     train_opd(opd_args(files, killed, teacher_url=proxy.url, from_resume=1))
     proxy.down()

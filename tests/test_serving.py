@@ -17,7 +17,7 @@ from serving.engine import CompletionServer
 from serving.weight_sync import WeightSync
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 from trainer.train_opd import main as train_opd
-from vllm_servers import TcpProxy, free_port, save_tiny
+from vllm_servers import TcpProxy, dies_before_call, free_port, save_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPD = os.path.join(ROOT, "trainer", "train_opd.py")
@@ -170,21 +170,12 @@ def test_a_server_that_dies_mid_run_stops_it_and_the_resumed_run_is_exact(vllm_s
                                                                          monkeypatch):
     train_opd(opd_args(files, vllm_servers, tmp_path / "reference"))
     proxy = TcpProxy(vllm_servers.rollout.port)
-    generate_on_server = CompletionServer.generate
-    calls = []
-
-    def dies_before_the_third_rollout(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            proxy.down()
-        return generate_on_server(self, *args, **kwargs)
-
-    monkeypatch.setattr(CompletionServer, "generate", dies_before_the_third_rollout)
+    dies_before_call(monkeypatch, "generate", proxy, 3)  # the third step's rollout
     killed = tmp_path / "killed"
     code, stderr = script_exit(train_opd, opd_args(files, vllm_servers, killed, url=proxy.url), capsys)
     assert_one_line_error(code, stderr, 1, "rollout server", "failed", "step 2", "--from_resume 1")
     assert torch.load(killed / "run_resume.pt", weights_only=False)["step"] == 2  # saved when it failed
-    monkeypatch.setattr(CompletionServer, "generate", generate_on_server)
+    monkeypatch.undo()
     proxy.up()
     train_opd(opd_args(files, vllm_servers, killed, url=proxy.url, from_resume=1))
     proxy.down()

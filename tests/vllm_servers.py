@@ -154,3 +154,19 @@ class TcpProxy:
                     (b if source is a else a).sendall(data)
         except (OSError, ValueError):
             return
+
+
+def dies_before_call(monkeypatch, method: str, proxy: TcpProxy, call: int) -> None:
+    """CompletionServer.<method> closes `proxy` just before its `call`-th call: the server seems to die there.
+    `monkeypatch.undo()` puts the method back."""
+    from serving.engine import CompletionServer
+    original = getattr(CompletionServer, method)
+    calls = []
+
+    def dying(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            proxy.down()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionServer, method, dying)

@@ -25,6 +25,7 @@ from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer
 from model.tokenizer import QwenTokenizer
+from serving.engine import CompletionServer
 from trainer.sharding import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,3 +256,76 @@ def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, 
     return teacher
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# OPD's inference servers (docs/serving.md)
+
+SERVERS = {  # role -> (what messages call it, default --ROLE_model, what --ROLE_url does)
+    "rollout": ("rollout server", "student",
+                "sample on this OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8000/v1, started with the "
+                "weight-sync extension; rank 0 loads the student's weights into it and verifies them"),
+    "teacher": ("teacher server", "teacher",
+                "the teacher on this OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8001/v1, instead of "
+                "--teacher_path: its log-probabilities of the sampled tokens (--loss sampled_kl)"),
+}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """--rollout_url / --teacher_url with their model name and API-key variable; the rollout server's sync and
+    request settings."""
+    groups = {}
+    for role, (what, name, url_help) in SERVERS.items():
+        g = groups[role] = parser.add_argument_group(f"{what} (docs/serving.md)")
+        g.add_argument(f"--{role}_url", default=None, help=url_help)
+        g.add_argument(f"--{role}_model", default=name, help=f"the {what}'s --served-model-name")
+        g.add_argument(f"--{role}_api_key_env", default=None,
+                       help=f"environment variable holding the {what}'s API key (default: no key)")
+    g = groups["rollout"]
+    g.add_argument("--sync_interval", type=int, default=1,
+                   help="optimizer steps between weight syncs (1: strictly on-policy; k: samples from weights up "
+                        "to k-1 steps old, k times fewer syncs)")
+    g.add_argument("--sync_dir", default=None,
+                   help="folder the server can read where the weights are written for it "
+                        "(default SAVE_DIR/SAVE_WEIGHT_rollout_weights; /dev/shm/... on GPU machines)")
+    g.add_argument("--rollout_concurrency", type=int, default=64, help="requests in flight per rank and server")
+    g.add_argument("--rollout_timeout", type=float, default=600.0, help="seconds to wait for one request")
+
+
+def validate_server_args(args: argparse.Namespace) -> None:
+    if args.teacher_url and args.loss != "sampled_kl":
+        refuse("--teacher_url gives the teacher's log-probabilities of the sampled tokens only, which --loss jsd "
+               "cannot use (the full-vocabulary divergence needs the teacher's whole distribution at every "
+               "position): use --loss sampled_kl, or a local --teacher_path")
+    if args.teacher_url and args.temperature != 1.0:
+        refuse(f"--teacher_url: a server's log-probabilities are at temperature 1, so --temperature "
+               f"{args.temperature} cannot be applied to the teacher; use --temperature 1 or a local --teacher_path")
+    if args.fsdp and not args.rollout_url and args.lmbda > 0:
+        refuse("--fsdp 1: the built-in engine would decode with a sharded student, every rank in step with the "
+               "others; sample on a rollout server instead (--rollout_url, docs/serving.md)")
+    if args.sync_interval < 1 or args.rollout_concurrency < 1 or args.rollout_timeout <= 0:
+        refuse(f"--sync_interval ({args.sync_interval}) and --rollout_concurrency ({args.rollout_concurrency}) must "
+               f"be >= 1 and --rollout_timeout ({args.rollout_timeout}) > 0")
+    if args.loss == "sampled_kl" and args.rollout_url and args.sync_interval > 1:
+        refuse(f"--loss sampled_kl is a policy gradient on the current student's own samples: with --sync_interval "
+               f"{args.sync_interval} the server samples from older weights (a biased estimate without importance "
+               f"weights); use --sync_interval 1 or --loss jsd")
+
+
+def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> CompletionServer | None:
+    """The --ROLE_url server (None without one), checked at once: up, serving --ROLE_model with a context of at
+    least --max_length, and, given the student's tokenizer, the same tokenizer."""
+    url = getattr(args, f"{role}_url")
+    if not url:
+        return None
+    server = CompletionServer(url, getattr(args, f"{role}_model"), what=SERVERS[role][0],
+                              api_key_env=getattr(args, f"{role}_api_key_env"), concurrency=args.rollout_concurrency,
+                              timeout=args.rollout_timeout)
+    server.check(args.max_length)
+    if tokenizer is not None:
+        server.check_tokenizer(tokenizer)
+    return server
+
+
+def rollout_weights_path(args: argparse.Namespace) -> str:
+    """Where rank 0 writes the weights for the rollout server."""
+    folder = args.sync_dir or os.path.join(args.save_dir, f"{args.save_weight}_rollout_weights")
+    return os.path.join(folder, "model.safetensors")

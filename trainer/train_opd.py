@@ -45,8 +45,9 @@ from serving.weight_sync import WeightSync
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs, sampled_token_kl_loss)
-from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
-                           load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.setup import (add_common_args, add_server_args, add_teacher_args, build_model, check_rows,
+                           connect_server, init_distributed_mode, load_teacher, resolve_teacher_path,
+                           rollout_weights_path, validate_common_args, validate_server_args)
 from trainer.tracking import trained_dtype
 from trainer.trainer_utils import PhaseClock, Run
 
@@ -66,28 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
     g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
-    g = parser.add_argument_group("rollout server (default: the built-in engine; docs/serving.md)")
-    g.add_argument("--rollout_url", default=None,
-                   help="sample on this OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8000/v1, started with "
-                        "the weight-sync extension; rank 0 loads the student's weights into it and verifies them")
-    g.add_argument("--rollout_model", default="student", help="the rollout server's --served-model-name")
-    g.add_argument("--rollout_api_key_env", default=None,
-                   help="environment variable holding the rollout server's API key (default: no key)")
-    g.add_argument("--sync_interval", type=int, default=1,
-                   help="optimizer steps between weight syncs (1: strictly on-policy; k: samples from weights up "
-                        "to k-1 steps old, k times fewer syncs)")
-    g.add_argument("--sync_dir", default=None,
-                   help="folder the server can read where the weights are written for it "
-                        "(default SAVE_DIR/SAVE_WEIGHT_rollout_weights; /dev/shm/... on GPU machines)")
-    g.add_argument("--rollout_concurrency", type=int, default=64, help="rollout requests in flight per rank")
-    g.add_argument("--rollout_timeout", type=float, default=600.0, help="seconds to wait for one rollout request")
-    g = parser.add_argument_group("teacher on a server (instead of --teacher_path; docs/serving.md)")
-    g.add_argument("--teacher_url", default=None,
-                   help="an OpenAI-compatible server (vLLM) serving the teacher, e.g. http://127.0.0.1:8001/v1: it "
-                        "returns the teacher's log-probabilities of the sampled tokens (--loss sampled_kl)")
-    g.add_argument("--teacher_model", default="teacher", help="the teacher server's --served-model-name")
-    g.add_argument("--teacher_api_key_env", default=None,
-                   help="environment variable holding the teacher server's API key (default: no key)")
+    add_server_args(parser)
     args = parser.parse_args(argv)
     if not args.model_path and not args.model_config:
         args.model_path = os.path.join(args.save_dir, "kd")  # the KD quick-start's student
@@ -98,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.teacher_url:
         resolve_teacher_path(args)
     validate_opd_args(args)
+    validate_server_args(args)
     return args
 
 
@@ -112,23 +93,6 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"<= --max_length ({args.max_length}): raise --max_length or lower one of the budgets")
     if args.gen_temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
         refuse("--gen_temperature must be > 0, --top_p in (0, 1], --top_k >= 0")
-    if args.teacher_url and args.loss != "sampled_kl":
-        refuse("--teacher_url gives the teacher's log-probabilities of the sampled tokens only, which --loss jsd "
-               "cannot use (the full-vocabulary divergence needs the teacher's whole distribution at every "
-               "position): use --loss sampled_kl, or a local --teacher_path")
-    if args.teacher_url and args.temperature != 1.0:
-        refuse(f"--teacher_url: a server's log-probabilities are at temperature 1, so --temperature "
-               f"{args.temperature} cannot be applied to the teacher; use --temperature 1 or a local --teacher_path")
-    if args.fsdp and not args.rollout_url and args.lmbda > 0:
-        refuse("--fsdp 1: the built-in engine would decode with a sharded student, every rank in step with the "
-               "others; sample on a rollout server instead (--rollout_url, docs/serving.md)")
-    if args.sync_interval < 1 or args.rollout_concurrency < 1 or args.rollout_timeout <= 0:
-        refuse(f"--sync_interval ({args.sync_interval}) and --rollout_concurrency ({args.rollout_concurrency}) must "
-               f"be >= 1 and --rollout_timeout ({args.rollout_timeout}) > 0")
-    if args.loss == "sampled_kl" and args.rollout_url and args.sync_interval > 1:
-        refuse(f"--loss sampled_kl is a policy gradient on the current student's own samples: with --sync_interval "
-               f"{args.sync_interval} the server samples from older weights (a biased estimate without importance "
-               f"weights); use --sync_interval 1 or --loss jsd")
     if args.loss == "sampled_kl" and (args.gen_temperature != args.temperature or args.top_k or args.top_p < 1.0):
         # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
         # temperature-scaled, untruncated student distribution
@@ -171,29 +135,6 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
 
-def connect_rollout_server(args: argparse.Namespace) -> CompletionServer | None:
-    """The rollout server, checked before any model is loaded (a server that is down is refused in seconds)."""
-    if not args.rollout_url:
-        return None
-    server = CompletionServer(args.rollout_url, args.rollout_model, what="rollout server",
-                              api_key_env=args.rollout_api_key_env, concurrency=args.rollout_concurrency,
-                              timeout=args.rollout_timeout)
-    server.check(args.max_length)
-    return server
-
-
-def connect_teacher_server(args: argparse.Namespace, tokenizer) -> CompletionServer | None:
-    """The teacher's server, checked before any model is loaded: up, serving --teacher_model, our tokenizer."""
-    if not args.teacher_url:
-        return None
-    server = CompletionServer(args.teacher_url, args.teacher_model, what="teacher server",
-                              api_key_env=args.teacher_api_key_env, concurrency=args.rollout_concurrency,
-                              timeout=args.rollout_timeout)
-    server.check(args.max_length)
-    server.check_tokenizer(tokenizer)
-    return server
-
-
 def teacher_scores(teacher, teacher_server: CompletionServer | None, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor, labels: torch.Tensor, autocast) -> torch.Tensor:
     """Step 3, without gradients: a local teacher's hidden states at the completion positions (its lm_head is
@@ -227,11 +168,6 @@ def distill_loss(run: Run, args: argparse.Namespace, teacher, scores: torch.Tens
     return surrogate_sum, num_tokens
 
 
-def rollout_weights_path(args: argparse.Namespace) -> str:
-    folder = args.sync_dir or os.path.join(args.save_dir, f"{args.save_weight}_rollout_weights")
-    return os.path.join(folder, "model.safetensors")
-
-
 def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int,
                       on_policy: bool) -> None:
     """Completion length and EOS share per row, the on-policy share of micro-batches, generated tokens."""
@@ -254,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
     check_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0)
-    server = connect_rollout_server(args)
-    teacher_server = connect_teacher_server(args, tokenizer)
+    server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
+    teacher_server = connect_server(args, "teacher", tokenizer)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
@@ -264,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
         active=info.is_main)
 
-    with run.fail_together():  # rank 0 evaluates; a teacher server failing there stops every rank
+    with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
             run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server))
     for epoch, window in run.windows():
@@ -275,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
                 run.metrics.total("sync_logprob_diff", weight_sync.verify(run.raw_model, run.autocast))
         for i, batch in enumerate(window):
-            with clock("gen"), run.fail_together():  # steps 1-2: the student's samples, or the dataset's completions
+            with clock("gen"), run.fail_together(server is not None):  # steps 1-2: samples or the data's completions
                 on_policy = on_policy_draw(args, epoch, run.step, i)
                 if on_policy:
                     input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
@@ -283,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
                     input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
-            with clock("teacher"), run.fail_together():  # step 3: the teacher scores them, without gradients
+            with clock("teacher"), run.fail_together(teacher_server is not None):  # step 3: the teacher scores them
                 scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels, run.autocast)
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
@@ -296,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             run.save()
-        with run.fail_together():
+        with run.fail_together(teacher_server is not None):
             if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
                 run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta,
                                                 teacher_server))

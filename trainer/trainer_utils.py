@@ -264,11 +264,14 @@ class Run:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def fail_together(self):
+    def fail_together(self, can_fail: bool = True):
         """Around work that can fail on one rank (a server that died or answers wrong): one all-reduce afterwards
         tells every rank whether all succeeded. If any failed, every rank saves the last completed step (when it is
         not saved yet) and stops with the error: no rank trains on a partial batch, none waits forever in a
-        collective, and nothing done is lost."""
+        collective, and nothing done is lost. `can_fail=False` (no server involved): no all-reduce at all."""
+        if not can_fail:
+            yield
+            return
         error = None
         try:
             yield
@@ -447,21 +450,26 @@ class Run:
         for path in (self.out_prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
             for stale in remove_stale_temporaries(path):
                 print0(f"removed {stale}, left half-written by a run that was killed")
-        if self.shard_folders():
-            for stale in remove_other_shards(self.out_prefix + "_resume", keep=self.committed_shards()):
+        committed = self.committed_shards() if self.shard_folders() else False
+        if committed is not False:
+            for stale in remove_other_shards(self.out_prefix + "_resume", keep=committed):
                 print0(f"removed {stale}, written by a run that was killed before it committed them")
 
     def shard_folders(self) -> list[str]:
         """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
         return glob.glob(f"{glob.escape(self.out_prefix)}_resume.shards-*")
 
-    def committed_shards(self) -> str | None:
-        """The shard folder the resume file names (None without one, or when it cannot be read: then the resume
-        itself reports that)."""
-        try:
-            shards = torch.load(self.resume_path, map_location="cpu", weights_only=False).get("shards")
-        except Exception:
+    def committed_shards(self) -> str | None | bool:
+        """The shard folder the resume file names; None when there is no resume file (nothing is committed);
+        False when it cannot be read -- then no shard folder is touched, and resuming reports the damage."""
+        if not os.path.exists(self.resume_path):
             return None
+        try:
+            checkpoint = torch.load(self.resume_path, map_location="cpu", weights_only=False)
+        except Exception as error:  # torch raises several types for a damaged file: reported, not swallowed
+            print0(f"{self.resume_path} cannot be read ({type(error).__name__}); its shard folders are left alone")
+            return False
+        shards = checkpoint.get("shards") if isinstance(checkpoint, dict) else None
         return os.path.join(self.args.save_dir, shards) if shards else None
 
     def resume(self) -> None:
