@@ -19,9 +19,11 @@ fp32 gradients, AdamW's two fp32 moments) on every GPU with DDP, 16/W with FSDP 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=os.path.join(ROOT, "model", "configs", "qwen3-tiny.json"))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--sizing", action="store_true", help="print the sizing table only")
+    p.add_argument("--out", help=argparse.SUPPRESS)  # set by the launcher for its torchrun ranks
     return p.parse_args(argv)
 
 
@@ -65,23 +68,29 @@ def one_step_bytes(config_path: str, sharded: bool) -> dict[str, int]:
 
 
 def measure(args) -> None:
-    """Runs on every rank under torchrun: DDP, then FSDP, then rank 0 prints."""
+    """Runs on every rank under torchrun: DDP, then FSDP; each rank writes its bytes to --out/RANK.json.
+
+    No collective after the last training step: a gloo worker thread can still be releasing the tensors of an
+    object collective (all_gather_object) when the interpreter exits, which aborts the process."""
     dist.init_process_group("gloo")
     results = {name: one_step_bytes(args.config, name == "FSDP") for name in ("DDP", "FSDP")}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-        print(f"\n{os.path.basename(args.config)}, {dist.get_world_size()} ranks, one SFT step, fp32 + AdamW\n")
-        print("| rank | DDP params / grads / AdamW, MiB | DDP total | FSDP params / grads / AdamW, MiB | FSDP total "
-              "| FSDP / DDP |")
-        print("|---|---|---|---|---|---|")
-        for rank, r in enumerate(gathered):
-            ddp, fsdp = r["DDP"], r["FSDP"]
-            print(f"| {rank} | {' / '.join(mib(v) for v in ddp.values())} | {mib(sum(ddp.values()))} | "
-                  f"{' / '.join(mib(v) for v in fsdp.values())} | {mib(sum(fsdp.values()))} | "
-                  f"{sum(fsdp.values()) / sum(ddp.values()):.3f} |")
+    with open(os.path.join(args.out, f"{dist.get_rank()}.json"), "w") as f:
+        json.dump(results, f)
     dist.destroy_process_group()
+
+
+def print_per_rank_table(config_path: str, out_dir: str, nproc: int) -> None:
+    mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+    print(f"\n{os.path.basename(config_path)}, {nproc} ranks, one SFT step, fp32 + AdamW\n")
+    print("| rank | DDP params / grads / AdamW, MiB | DDP total | FSDP params / grads / AdamW, MiB | FSDP total "
+          "| FSDP / DDP |")
+    print("|---|---|---|---|---|---|")
+    for rank in range(nproc):
+        with open(os.path.join(out_dir, f"{rank}.json")) as f:
+            ddp, fsdp = json.load(f).values()
+        print(f"| {rank} | {' / '.join(mib(v) for v in ddp.values())} | {mib(sum(ddp.values()))} | "
+              f"{' / '.join(mib(v) for v in fsdp.values())} | {mib(sum(fsdp.values()))} | "
+              f"{sum(fsdp.values()) / sum(ddp.values()):.3f} |")
 
 
 def sizing_table() -> None:
@@ -106,9 +115,11 @@ def main(argv=None) -> None:
         measure(args)
         return
     if not args.sizing:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--standalone",
-                   os.path.abspath(__file__), "--config", args.config]
-        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        with tempfile.TemporaryDirectory() as out_dir:
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--standalone",
+                       os.path.abspath(__file__), "--config", args.config, "--out", out_dir]
+            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            print_per_rank_table(args.config, out_dir, args.nproc)
     sizing_table()
 
 
