@@ -156,6 +156,25 @@ def test_sigusr1_and_ctrl_c_save_the_current_step_and_the_resumed_run_is_bit_ide
     assert (reference / "run" / "model.safetensors").read_bytes() == (tmp_path / "run" / "model.safetensors").read_bytes()
 
 
+def test_a_notice_during_start_up_is_held_until_the_first_step_is_saved(config, data, tmp_path, monkeypatch):
+    """SIGTERM while the model is being built (before the loop's handler exists) neither kills the process nor is
+    lost: the run trains its first step, saves it and stops with 75; afterwards SIGTERM's handler is the one the
+    process had before."""
+    import trainer.train_sft as sft_script
+    before = signal.getsignal(signal.SIGTERM)
+
+    def build_model_under_a_notice(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build_model(*args, **kwargs)
+    build_model = sft_script.build_model
+    monkeypatch.setattr(sft_script, "build_model", build_model_under_a_notice)
+    with pytest.raises(Stopped) as stopped:
+        train_sft(sft_args(config, data, tmp_path, save_interval=100))
+    assert stopped.value.exit_code == EXIT_PREEMPTED and "stopped by SIGTERM after step 1" in str(stopped.value)
+    assert torch.load(tmp_path / "run_resume.pt", weights_only=False)["step"] == 1
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_two_process_run_on_the_same_step_and_it_resumes_bit_identically(config, data, tmp_path):
     args = lambda save_dir, **flags: sft_args(config, data, save_dir, batch=2, save_interval=100, **flags)

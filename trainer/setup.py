@@ -154,6 +154,7 @@ class DistInfo:
 
 def init_distributed_mode(device: str) -> DistInfo:
     """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU)."""
+    note_stop_signals()
     if "RANK" not in os.environ:
         return DistInfo(device=device)
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -163,6 +164,29 @@ def init_distributed_mode(device: str) -> DistInfo:
         device = f"cuda:{local_rank}"
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return DistInfo(rank, local_rank, world_size, device)
+
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_start_up = {"signal": 0, "previous_handlers": {}}
+
+
+def note_stop_signals() -> None:
+    """From the very start, a preemption notice (SIGTERM / SIGUSR1) is only noted: a rank still loading when it
+    arrives would otherwise die of it while another rank, already training, fails in its next collective with a
+    traceback. The loop's own handler (trainer_utils.StopRequest) takes the noted signal over, and the run then
+    stops after its first step, saved, like after any notice. Installed before the process group exists, so every
+    rank has it before any rank can begin training."""
+    def note(signum, frame) -> None:
+        _start_up["signal"] = _start_up["signal"] or signum
+    _start_up["signal"] = 0
+    _start_up["previous_handlers"] = {signum: signal.signal(signum, note) for signum in PREEMPTION_SIGNALS}
+
+
+def take_noted_stop_signal() -> tuple[int, dict]:
+    """For StopRequest: the signal noted during start-up (0: none) and the handlers the process had before."""
+    noted, previous = _start_up["signal"], _start_up["previous_handlers"]
+    _start_up["signal"], _start_up["previous_handlers"] = 0, {}
+    return noted, previous
 
 
 def die_with_launcher() -> None:

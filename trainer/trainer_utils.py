@@ -42,7 +42,7 @@ from common.files import (atomic_write, check_free_space, process_start_time, ra
 from common.seeds import derived_seed, seed_everything
 from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
-from trainer.setup import DistInfo, print0
+from trainer.setup import DistInfo, print0, take_noted_stop_signal
 from trainer.sharding import full_weights, is_sharded, load_shards, remove_other_shards, save_shards, shard
 from trainer.tracking import init_tracker, trained_dtype
 
@@ -657,6 +657,11 @@ class StopRequest:
     def __init__(self, run: "Run"):
         self.run, self.signal = run, 0
         self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
+        # a notice that arrived while the script was starting (trainer/setup.note_stop_signals) counts from here
+        noted, before_start_up = take_noted_stop_signal()
+        self.previous.update(before_start_up)
+        if noted:
+            self.handle(noted, None)
 
     def handle(self, signum: int, frame) -> None:
         if self.signal == signal.SIGINT and signum == signal.SIGINT:
