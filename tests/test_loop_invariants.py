@@ -27,8 +27,10 @@ LOOPS = {
     "opd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
-# (and with them its weights) do not depend on accumulation, world size or an interruption
-LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0}, "opd": {"max_new_tokens": 8, "beta": 0.5}}
+# (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
+# its steps are on-, off-, on-, on-, off-, off-policy: the per-step coin must not depend on those either
+LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
+              "opd": {"max_new_tokens": 8, "beta": 0.5, "lmbda": 0.5}}
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@
     ... --loss sampled_kl --teacher_url http://127.0.0.1:8001/v1   # the teacher's log-probs from a server
 
 Per micro-batch, the paper's eq. 2:
-  1. with probability lmbda the batch is on-policy: the student samples y ~ pi_student(.|x) (KV cache, eval mode,
+  1. with probability lmbda the step is on-policy (one draw per optimizer step, so the same whatever the split into
+     ranks and micro-batches): the student samples y ~ pi_student(.|x) (KV cache, eval mode,
      no grad; or on the rollout server, which holds the student's weights: pushed and verified before the step's
      first rollout every --sync_interval steps); otherwise the dataset's own completions are used (lmbda=0 is
      plain KD on the data)
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="jsd: generalized JSD over the full vocabulary (beta=1: reverse KL); sampled_kl: "
                         "policy-gradient reverse KL from the sampled tokens' log-probabilities only")
     g.add_argument("--beta", type=float, default=1.0, help="0: forward KL, 1: reverse KL, between: generalized JSD")
-    g.add_argument("--lmbda", type=float, default=1.0, help="probability that a micro-batch is on-policy")
+    g.add_argument("--lmbda", type=float, default=1.0, help="probability that an optimizer step is on-policy")
     g = parser.add_argument_group("the student's sampling")
     g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
     g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
@@ -102,10 +103,11 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"estimate); use --loss jsd to sample differently")
 
 
-def on_policy_draw(args: argparse.Namespace, epoch: int, step: int, micro: int) -> bool:
-    """Step 1's coin: with probability lmbda the micro-batch is on-policy. One draw per micro-batch, the same on
-    every rank (no rank in its seed)."""
-    generator = torch.Generator().manual_seed(derived_seed(args.seed, epoch, step, micro))
+def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
+    """Step 1's coin: with probability lmbda the optimizer step is on-policy. One draw per step, seeded by (seed,
+    epoch, step) alone: every rank and micro-batch of the step agrees, so the global batch's rows are trained the
+    same way at any world size x accumulation (a draw per micro-batch would change with the split)."""
+    generator = torch.Generator().manual_seed(derived_seed(args.seed, epoch, step))
     return torch.rand(1, generator=generator).item() < args.lmbda
 
 
@@ -210,9 +212,9 @@ def main(argv: list[str] | None = None) -> None:
                 weight_sync.push(run.raw_model, run.step, run.gathered_weights())
             with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
                 run.metrics.total("sync_logprob_diff", weight_sync.verify(run.raw_model, run.autocast))
+        on_policy = on_policy_draw(args, epoch, run.step)  # step 1's coin, for the whole optimizer step
         for i, batch in enumerate(window):
             with clock("gen"), run.fail_together(server is not None):  # steps 1-2: samples or the data's completions
-                on_policy = on_policy_draw(args, epoch, run.step, i)
                 if on_policy:
                     input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
                                                                            epoch, run.device, run.autocast, server)
