@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from common.errors import RuntimeFailure, UserError, run_script  # noqa: E402
+from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
 
 # The demo, in the order the table shows it; the README shows exactly these strings.
 COMMANDS = [
@@ -407,7 +407,7 @@ def report(results: Sequence[RowResult], total_seconds: float) -> str:
 # ----------------------------------------------------------------------------------------------------------- CLI
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
                         help="move earlier runs named random/sft/kd/opd into checkpoints/previous-TIME/ first")

@@ -3,7 +3,8 @@
 A user error -- a bad flag, a missing or damaged file, a bad row, an unwritable folder -- is a `UserError`: the
 script prints one line (`error: ...`, naming the file / row / column / flag and what to do) and exits with code 2.
 A failure of the environment -- a server that is down, a full disk -- is a `RuntimeFailure`: one line, exit code 1.
-No traceback in either case; set DISTILL_TRACEBACK=1 to see one while debugging.
+No traceback in either case; set DISTILL_TRACEBACK=1 to see one while debugging. argparse's own complaints go the
+same way (`ArgumentParser`), and a refused flag, the same on every rank, is said by rank 0 only.
 
 Exit codes (also in the README, "When things go wrong"):
     0    done
@@ -14,6 +15,7 @@ Exit codes (also in the README, "When things go wrong"):
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
@@ -22,6 +24,7 @@ from typing import NoReturn
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 75, 130
 TRACEBACK_ENV = "DISTILL_TRACEBACK"
+ARGUMENT_ERROR = "argument error:"
 
 
 class UserError(Exception):
@@ -44,7 +47,15 @@ class Stopped(Exception):
 
 def refuse(message: str) -> NoReturn:
     """The one way to reject a flag or a combination of flags: `error: argument error: ...`, exit code 2."""
-    raise UserError(f"argument error: {message}")
+    raise UserError(f"{ARGUMENT_ERROR} {message}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose own complaints (an unknown, missing or mistyped flag) are one `error: argument error: ...` line
+    with exit code 2, like every other refused flag, instead of the whole usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        refuse(f"{message} (--help lists the flags)")
 
 
 def disk_error_message(error: OSError, what: str) -> str | None:
@@ -71,7 +82,10 @@ def run_script(main: Callable[[], object]) -> NoReturn:
     except (UserError, RuntimeFailure) as error:
         if show_traceback:
             raise
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # every rank parses the same command line, so a flag is refused on all of them: rank 0 says so once. Any
+        # other error is said by each rank that meets it (a file missing on one node, a server one rank can't reach)
+        if not (str(error).startswith(ARGUMENT_ERROR) and os.environ.get("RANK", "0") != "0"):
+            print(f"error: {error}", file=sys.stderr, flush=True)
         code = error.exit_code
     except KeyboardInterrupt:
         if show_traceback:

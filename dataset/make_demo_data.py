@@ -22,7 +22,6 @@ seed, so the files are the same on every machine. Solutions are short on purpose
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -34,7 +33,7 @@ if ROOT not in sys.path:
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from common.errors import run_script  # noqa: E402
+from common.errors import ArgumentParser, run_script  # noqa: E402
 from common.files import atomic_write, check_writable  # noqa: E402
 
 DEFAULT_OUT_DIR = os.path.join(ROOT, "dataset", "demo")
@@ -104,7 +103,7 @@ def ensure_demo_data(out_dir: str = DEFAULT_OUT_DIR, force: bool = False) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR, help="folder for the three parquet files")
     parser.add_argument("--force", action="store_true", help="rewrite the files even if they exist")
     args = parser.parse_args()

@@ -38,7 +38,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -46,23 +46,16 @@ if ROOT not in sys.path:
 
 from tqdm import tqdm  # noqa: E402
 
-from common.errors import (EXIT_INTERRUPTED, RuntimeFailure, Stopped, UserError, disk_error_message,  # noqa: E402
-                           refuse, run_script)
+from common.errors import (EXIT_INTERRUPTED, ArgumentParser, RuntimeFailure, Stopped, UserError,  # noqa: E402
+                           disk_error_message, refuse, run_script)
 from common.files import atomic_write, check_writable, remove_stale_temporaries  # noqa: E402
 from common.http import RequestError, ServerUnreachable, one_line  # noqa: E402
 from dataset.teacher import (AnswerCache, RequestPlan, SamplingParams, TeacherAnswer, TeacherClient,  # noqa: E402
                              plan_requests)
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse's own complaints (a missing or mistyped flag) as one `error: argument error: ...` line, exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        refuse(message)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # data
     p.add_argument("--data_path", required=True, help="prompts: .parquet or .jsonl (DAPO's `prompt` chat list, ...)")
     p.add_argument("--out", required=True, help="output .parquet or .jsonl in DAPO's schema")

@@ -43,7 +43,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from common.errors import refuse, run_script  # noqa: E402
+from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
 from eval.eval_math import add_model_args, load_for_inference, stop_token_ids, validate_model_args  # noqa: E402
 from model import KVCache, Qwen3ForCausalLM  # noqa: E402
 from model.generate import sample_next_token  # noqa: E402
@@ -261,7 +261,7 @@ class Terminal:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Chat with a Qwen3 checkpoint (streamed replies)")
+    parser = ArgumentParser(description="Chat with a Qwen3 checkpoint (streamed replies)")
     add_model_args(parser)
     # conversation
     parser.add_argument("--prompt", default=None, help="one user message, answered once (default: interactive)")

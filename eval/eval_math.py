@@ -46,7 +46,7 @@ from safetensors import SafetensorError  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common.checks import check_device, check_model_dir  # noqa: E402
-from common.errors import UserError, refuse, run_script  # noqa: E402
+from common.errors import ArgumentParser, UserError, refuse, run_script  # noqa: E402
 from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
@@ -268,7 +268,7 @@ def make_record(index: int, sample: int, n_samples: int, prompt: str, completion
 # ----------------------------------------------------------------------------------------------------------- CLI
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Math accuracy of a Qwen3 checkpoint (graded with math-verify)")
+    parser = ArgumentParser(description="Math accuracy of a Qwen3 checkpoint (graded with math-verify)")
     add_model_args(parser)
     # data
     parser.add_argument("--data_path", default=None, help=".parquet/.jsonl in DAPO schema (default: demo eval set)")

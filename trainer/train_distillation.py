@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from common.errors import refuse, run_script
+from common.errors import ArgumentParser, refuse, run_script
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import chunked_loss, completion_hidden, distillation_loss, sft_loss
 from trainer.setup import (ROOT, add_common_args, add_teacher_args, build_model, init_distributed_mode,
@@ -34,7 +34,7 @@ DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-stud
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="White-box KD of a Qwen3 student from a same-tokenizer teacher")
+    parser = ArgumentParser(description="White-box KD of a Qwen3 student from a same-tokenizer teacher")
     add_common_args(parser, save_weight="kd")
     add_teacher_args(parser)
     parser.add_argument("--alpha", type=float, default=0.5, help="weight of the cross entropy (1 - alpha: KD)")

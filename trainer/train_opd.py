@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from common.errors import refuse, run_script
+from common.errors import ArgumentParser, refuse, run_script
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
@@ -54,7 +54,7 @@ from trainer.trainer_utils import PhaseClock, Run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="On-policy distillation of a Qwen3 student from a Qwen3 teacher")
+    parser = ArgumentParser(description="On-policy distillation of a Qwen3 student from a Qwen3 teacher")
     add_common_args(parser, save_weight="opd")
     add_teacher_args(parser)
     g = parser.add_argument_group("on-policy distillation")

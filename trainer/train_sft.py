@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.errors import run_script
+from common.errors import ArgumentParser, run_script
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import chunked_sft_loss, completion_hidden
 from trainer.setup import add_common_args, build_model, init_distributed_mode, load_sft_data, validate_common_args
@@ -27,7 +27,7 @@ from trainer.trainer_utils import Run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="SFT of a Qwen3 model on chat data (masked cross entropy)")
+    parser = ArgumentParser(description="SFT of a Qwen3 model on chat data (masked cross entropy)")
     add_common_args(parser, save_weight="sft")
     args = parser.parse_args(argv)
     validate_common_args(args)

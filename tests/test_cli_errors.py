@@ -1,0 +1,51 @@
+# python -m pytest tests/test_cli_errors.py
+"""A flag argparse itself rejects (unknown, missing, mistyped) is one `error: argument error: ...` line with exit
+code 2 in every script, as any other refused flag is -- not the whole usage text; and under torchrun a refused flag
+is said once, not once per rank."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT
+from loop_helpers import assert_one_line_error, env_one_thread, script_exit, torchrun_command
+from benchmarks.demo import main as demo
+from dataset.teacher_generate import main as teacher_generate
+from eval.chat import main as chat
+from eval.eval_math import main as eval_math
+from trainer.train_distillation import main as train_distillation
+from trainer.train_opd import main as train_opd
+from trainer.train_sft import main as train_sft
+
+# each script's main and the flags it requires (argparse names missing ones before unknown ones)
+SCRIPTS = {"train_sft": (train_sft, []), "train_distillation": (train_distillation, []), "train_opd": (train_opd, []),
+           "eval_math": (eval_math, ["--model_path", "m"]), "chat": (chat, ["--model_path", "m"]),
+           "teacher_generate": (teacher_generate, ["--data_path", "d", "--out", "o", "--base_url", "u", "--model", "m"]),
+           "demo": (demo, [])}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_unknown_flag_is_one_line(script, capsys):
+    main, required = SCRIPTS[script]
+    code, stderr = script_exit(main, [*required, "--no_such_flag", "1"], capsys)
+    assert_one_line_error(code, stderr, 2, "--no_such_flag", "--help")
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--batch_size", "two"], ["--batch_size", "'two'"]),
+    (["--dtype", "float8"], ["--dtype", "'float8'", "float32"]),
+])
+def test_a_mistyped_value_is_one_line(argv, names, capsys):
+    code, stderr = script_exit(train_sft, argv, capsys)
+    assert_one_line_error(code, stderr, 2, *names)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
+    command = torchrun_command(os.path.join(ROOT, "trainer", "train_sft.py"), ["--max_steps", "-3"])
+    result = subprocess.run(command, env=env_one_thread(), capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--max_steps" in errors[0], result.stderr[-3000:]
+    assert "train_sft.py\", line" not in result.stderr, result.stderr[-3000:]  # no worker traceback
