@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped, UserError
 from support import ROOT, write_chat_jsonl
 from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, metrics, script_exit, torchrun_command,
                           without_timing)
@@ -162,6 +162,10 @@ def test_a_notice_during_start_up_is_held_until_the_first_step_is_saved(config, 
     process had before."""
     import trainer.train_sft as sft_script
     before = signal.getsignal(signal.SIGTERM)
+    damaged = tmp_path / "damaged.jsonl"  # first a run refused after its start (a bad row), before any handler
+    damaged.write_text("{not json\n")
+    with pytest.raises(UserError):
+        train_sft(sft_args(config, str(damaged), tmp_path / "refused"))
 
     def build_model_under_a_notice(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)

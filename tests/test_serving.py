@@ -133,6 +133,17 @@ def test_opd_on_the_server_verifies_every_sync_and_repeats_exactly(vllm_servers,
 
 
 @pytest.mark.slow
+def test_an_off_policy_step_pushes_no_weights(vllm_servers, files, tmp_path):
+    """With lmbda 0.5 (seed 7) the steps are on-, off-, on-policy: the off-policy step samples nothing, so it neither
+    pushes nor verifies, and the next on-policy step does both."""
+    train_opd(opd_args(files, vllm_servers, tmp_path, lmbda=0.5))
+    rows = metrics(tmp_path)
+    assert [m["on_policy_share"] for m in rows] == [1.0, 0.0, 1.0]
+    assert ["sync_logprob_diff" in m for m in rows] == [True, False, True]
+    assert all(m["sync_logprob_diff"] < 1e-4 for m in rows if "sync_logprob_diff" in m)
+
+
+@pytest.mark.slow
 def test_a_skipped_sync_is_detected_and_stops_the_run(vllm_servers, files, tmp_path, capsys, monkeypatch):
     push = WeightSync.push
 

@@ -179,7 +179,10 @@ def note_stop_signals() -> None:
     def note(signum, frame) -> None:
         _start_up["signal"] = _start_up["signal"] or signum
     _start_up["signal"] = 0
-    _start_up["previous_handlers"] = {signum: signal.signal(signum, note) for signum in PREEMPTION_SIGNALS}
+    installed = {signum: signal.signal(signum, note) for signum in PREEMPTION_SIGNALS}
+    # a run (in-process, e.g. a test) that failed before its StopRequest took over left `note` installed: the
+    # handlers to give back at the end are still the ones from before that run
+    _start_up["previous_handlers"] = _start_up["previous_handlers"] or installed
 
 
 def take_noted_stop_signal() -> tuple[int, dict]:

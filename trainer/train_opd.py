@@ -207,12 +207,13 @@ def main(argv: list[str] | None = None) -> None:
             run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server))
     for epoch, window in run.windows():
         clock = PhaseClock(run.device)
-        if weight_sync and weight_sync.due(run.step, args.sync_interval):  # the server samples from these weights
+        on_policy = on_policy_draw(args, epoch, run.step)  # step 1's coin, for the whole optimizer step
+        # the server samples from these weights (an off-policy step samples nothing: no sync until the next one)
+        if on_policy and weight_sync and weight_sync.due(run.step, args.sync_interval):
             with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
                 weight_sync.push(run.raw_model, run.step, run.gathered_weights())
             with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
                 run.metrics.total("sync_logprob_diff", weight_sync.verify(run.raw_model, run.autocast))
-        on_policy = on_policy_draw(args, epoch, run.step)  # step 1's coin, for the whole optimizer step
         for i, batch in enumerate(window):
             with clock("gen"), run.fail_together(server is not None):  # steps 1-2: samples or the data's completions
                 if on_policy:
