@@ -1,58 +1,82 @@
-"""First contact with a GPU: every CUDA path of the loops run once, and the numbers users care about, one command.
+"""First contact with a GPU: every CUDA path of the loops run once, and the numbers users care about, one command
+that plans its work, keeps to a wall-clock budget and leaves what it measured when it is cut short.
 
-    python benchmarks/bench_gpu.py                        # one CUDA GPU, at most ~8 minutes on an H100/H200
-    python benchmarks/bench_gpu.py --device cpu --tiny    # the same code paths on tiny shapes (< 3 min; a test runs it)
-    python benchmarks/bench_gpu.py --out gpu.json         # where the JSON goes (default: bench_gpu.json here)
+    python benchmarks/bench_gpu.py --plan                 # the plan for one H200 (no GPU needed), then exit 0
+    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 6 minutes (--budget_s 360)
+    python benchmarks/bench_gpu.py --device cpu --tiny    # the same code paths on tiny shapes (a test runs it)
+    python benchmarks/bench_gpu.py --out gpu.json         # the JSON (default bench_gpu.json); gpu.md, gpu.log beside
 
-Without a CUDA device (and without --device cpu) it says so and exits 0. What it does, in order:
-  1. models   random-weight HF folders shaped like Qwen3-0.6B (the student: hidden 1024, 28 layers, 16 heads of
-              128, 8 KV heads, MLP 3072, tied) and Qwen3-1.7B (the teacher: hidden 2048, MLP 6144, otherwise the
-              same), with the real 151,936-row vocabulary (--tiny: 2-layer models of hidden 64 / 128)
-  2. smoke    the three training loops' main() for 2 steps each on the demo data, in bf16, in fp16 (a
-              GradScaler), with --use_compile 1, with --gradient_checkpointing 1, and one resume (SFT: 2 more steps
-              with --from_resume 1); each must finish with finite losses (their output: WORKDIR/smoke.log). Then bf16 against fp32: the first SFT
-              loss of the same batch and weights must agree within 2% (bf16 keeps 8 bits of mantissa; a cross
-              entropy of ~12 nats moves by ~0.1 between the two on random weights)
-  3. SFT / KD throughput  batch 8 x 2,048 tokens (labels on the last 1,024), bf16 autocast, fp32 master weights
-              and AdamW, the loops' chunked losses: tokens/s (all 16,384 tokens of a step), model FLOPs
-              utilisation and peak memory. MFU = tokens/s x FLOPs per token / the GPU's peak dense bf16 FLOPs,
-              with FLOPs per token = 6 x N (N: parameters except the input embedding, whose lookup is not a
-              matmul) + 12 x layers x heads x head_dim x sequence length (attention scores and values, forward
-              and backward); a KD step adds the teacher's forward, 2 x N_teacher + 4 x layers x ... x sequence.
-              The peak is known for H100/H200 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown
-              (--peak_tflops to give it)
-  4. OPD      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
-              forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout); and,
-              when transformers is installed, its generate on the same weights and prompts, greedy, same length
-  5. report   a table on stdout, the same numbers in --out (JSON)
+Without a CUDA device (and without --device cpu) it says so and exits 0. Otherwise it prints its plan (the phases in
+order with their estimated seconds, the smoke runs, the peak disk), then runs the phases in that order, which is
+their priority: a phase whose estimate does not fit in what is left of --budget_s is skipped with a note. After
+every phase the JSON (--out) and the table (--out as .md) are rewritten and a progress line goes to stderr, so a
+kill leaves what was measured. On CUDA every phase runs with SDPA restricted to the fused kernels (flash,
+memory-efficient, cuDNN): an attention only the math kernel can take is an error in that phase's row, not a low
+MFU. Its working folder (--workdir, a new folder, or a temporary one) is removed at the end, also after a SIGTERM.
+The phases:
+  smoke models   HF folders of random weights with the real width and the real 151,936-row vocabulary of
+                 Qwen3-0.6B (the student: hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072, tied) and Qwen3-1.7B
+                 (the teacher: hidden 2048, MLP 6144), 2 layers each (--tiny: hidden 64 / 128)
+  smoke ...      the three loops' main() for 2 steps each: in bf16 (and one SFT resume, 2 more steps with
+                 --from_resume 1), in fp16 (a GradScaler), with --gradient_checkpointing 1, with --use_compile 1;
+                 each must finish with finite losses (the loops' output: --out as .log). The loops always save a
+                 run's last step; each run saves into a folder of its own, removed when it ends (the bf16 SFT run's
+                 when its resume has read it), so at most one run's save is on disk at a time (two while the
+                 resume writes its own)
+  full models    the 28-layer Qwen3-0.6B and Qwen3-1.7B shapes, built on the device (not written to disk)
+  SFT / KD step  batch 8 x 2,048 tokens (labels on the last 1,024), bf16 autocast, fp32 master weights and AdamW,
+                 the loops' chunked losses: tokens/s (all 16,384 tokens of a step), model FLOPs utilisation and
+                 peak memory. MFU = tokens/s x FLOPs per token / the GPU's peak dense bf16 FLOPs, with FLOPs per
+                 token = 6 x N (N: parameters except the input embedding, whose lookup is not a matmul) + 12 x
+                 layers x heads x head_dim x sequence length (attention scores and values, forward and backward);
+                 a KD step adds the teacher's forward, 2 x N_teacher + 4 x layers x ... x sequence. The peak is
+                 known for H100/H200 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
+  bf16 vs fp32   the first SFT loss of the same row and weights in bf16 autocast and in fp32 agree within 2% (bf16
+                 keeps 8 bits of mantissa; a cross entropy of ~12 nats moves by ~0.1 between the two)
+  OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
+                 forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
+  generate vs transformers   when transformers is installed: its generate and ours on the same bf16 weights and
+                 prompts, greedy, same length
+  weight sync    the bf16 weight-sync verification needs a vLLM server on the GPU machine, which this kit does not
+                 start: skipped with a note (benchmarks/bench_sync.py measures the criterion on a CPU server)
+The "full" estimates are guesses until a GPU has run the kit: the JSON's seconds per phase are what to put in COST_S.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
+import shutil
+import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.bench_opd import opd_step  # noqa: E402
+from common.errors import Stopped  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
+from model import (Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir, generate,  # noqa: E402
+                   load_pretrained, load_tokenizer, save_pretrained)
 from trainer.losses import chunked_loss, chunked_sft_loss, completion_hidden, distillation_loss, sft_loss  # noqa: E402
 from trainer.trainer_utils import autocast_context  # noqa: E402
 
-SHAPES = {  # (student, teacher)
+SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep their width, with SMOKE_LAYERS
     "full": ({"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128},
              {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -62,101 +86,364 @@ SHAPES = {  # (student, teacher)
              {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32}),
 }
+SMOKE_LAYERS = 2  # every code path of a deeper model; a save is mostly the 151,936-row embedding anyway
+SMOKE_STEPS = 2   # per smoke run; the resume adds as many again
+RESUME_FLAGS = ["--from_resume", "1", "--resume_changes", "max_steps"]  # a longer run than the one saved: on purpose
+SMOKE_VARIANTS = {  # phase -> (variant, the loops' flags), in priority order
+    "smoke bf16": ("bf16", ["--dtype", "bfloat16"]),
+    "smoke fp16": ("fp16 + GradScaler", ["--dtype", "float16"]),
+    "smoke checkpointing": ("gradient checkpointing", ["--dtype", "bfloat16", "--gradient_checkpointing", "1"]),
+    "smoke compile": ("compile", ["--dtype", "bfloat16", "--use_compile", "1"]),
+}
 WORKLOAD = {  # sft/kd: (batch, sequence, completion); opd: (batch, new tokens); steps timed after warm-up
     "full": {"sft": (8, 2048, 1024), "opd": (32, 512), "steps": 3, "warmup": 1},
     "tiny": {"sft": (2, 128, 64), "opd": (4, 16), "steps": 2, "warmup": 1},
 }
+# Expected seconds. "full": guesses for one H200 (no GPU has run this kit yet); "tiny": this project's 2-core CPU
+# machine, one thread. A smoke run costs "smoke run" (+ "compile" with --use_compile 1) + its save at
+# DISK_BYTES_PER_S; the first compiled run pays "cold compile" once more (inductor's caches serve the later ones:
+# on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others).
+COST_S = {
+    "full": {"smoke models": 5.0, "smoke run": 8.0, "compile": 15.0, "cold compile": 60.0, "full models": 30.0,
+             "SFT step": 10.0, "KD step": 15.0, "bf16 vs fp32": 5.0, "OPD split": 35.0,
+             "generate vs transformers": 40.0, "weight sync": 0.0},
+    "tiny": {"smoke models": 4.0, "smoke run": 10.0, "compile": 5.0, "cold compile": 110.0, "full models": 2.0,
+             "SFT step": 4.0, "KD step": 8.0, "bf16 vs fp32": 1.0, "OPD split": 7.0,
+             "generate vs transformers": 10.0, "weight sync": 0.0},
+}
+DISK_BYTES_PER_S = {"full": 1e9, "tiny": 3e8}  # written and fsynced; the smoke models phase measures it
+RESUME_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments
+EXPORT_BYTES_PER_PARAM = 4   # the HF export of the fp32 master weights
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 BF16_TOLERANCE = 0.02
+VOCAB = 151669  # the tokenizer's tokens (the embedding has 151,936 rows)
+FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (what the test runs)")
-    p.add_argument("--out", default="bench_gpu.json")
+    p.add_argument("--plan", action="store_true", help="print the plan and exit (no device needed)")
+    p.add_argument("--budget_s", type=float, default=360.0, help="wall-clock seconds; phases that do not fit skip")
+    p.add_argument("--out", default="bench_gpu.json", help="the JSON; the table (.md) and the loops' log (.log) beside")
     p.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s, for MFU")
-    p.add_argument("--workdir", default=None, help="models and runs (default: a temporary folder)")
+    p.add_argument("--workdir", default=None, help="a new folder for models and runs, removed at the end "
+                                                   "(default: a temporary one)")
     return p.parse_args(argv)
 
 
-def write_models(shape: str, folder: str) -> tuple[str, str]:
+# ----------------------------------------------------------------------------------------------------------- plan
+
+@dataclass
+class SmokeRun:
+    name: str            # its --save_weight and its folder
+    loop: str
+    variant: str
+    flags: list[str]
+    max_steps: int
+    resumes: bool = False  # --from_resume 1: continues the run before it, from that run's save in the same folder
+
+
+@dataclass
+class Phase:
+    name: str
+    estimate_s: float
+    run: Callable[["Kit"], tuple[str, str]]  # -> (status "ok" / "failed" / "skipped", a note for the table)
+    needs: str | None = None                 # the phase whose models it uses
+    groups: list[list[SmokeRun]] = field(default_factory=list)  # smoke phases: runs sharing one folder each
+
+
+def model_config(sizes: dict, layers: int | None = None) -> Qwen3Config:
     base = Qwen3Config.from_json(os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")).to_hf_dict()
-    paths = []
-    for name, sizes, seed in (("student", SHAPES[shape][0], 0), ("teacher", SHAPES[shape][1], 1)):
-        config = Qwen3Config.from_dict({**base, **sizes, "tie_word_embeddings": True, "max_position_embeddings": 4096})
-        save_pretrained(create_model(config, seed=seed), os.path.join(folder, name))
-        paths.append(os.path.join(folder, name))
-    return paths[0], paths[1]
+    sizes = {**sizes, "num_hidden_layers": layers or sizes["num_hidden_layers"]}
+    return Qwen3Config.from_dict({**base, **sizes, "tie_word_embeddings": True, "max_position_embeddings": 4096})
+
+
+def parameter_count(config: Qwen3Config) -> int:
+    with torch.device("meta"):  # shapes only: no memory, no GPU
+        return Qwen3ForCausalLM(config).num_parameters()
+
+
+def tokenizer_bytes() -> int:
+    """At most what an export copies of the tokenizer (its whole folder)."""
+    folder = default_tokenizer_dir()
+    return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)
+               if os.path.isfile(os.path.join(folder, name)))
+
+
+def smoke_groups(phase: str) -> list[list[SmokeRun]]:
+    variant, flags = SMOKE_VARIANTS[phase]
+    groups = []
+    for loop in ("sft", "kd", "opd"):
+        name = f"{loop}_{variant.split()[0]}"
+        group = [SmokeRun(name, loop, variant, flags, SMOKE_STEPS)]
+        if loop == "sft" and phase == "smoke bf16":  # the resume: 2 more steps from the save of step 2
+            group.append(SmokeRun(name, loop, "bf16, resumed for 2 more steps", flags, 2 * SMOKE_STEPS, True))
+        groups.append(group)
+    return groups
+
+
+def disk_sizes(shape: str) -> dict[str, int]:
+    """Bytes on disk, from the shapes: what each part of the kit writes."""
+    student, teacher = (model_config(sizes, SMOKE_LAYERS) for sizes in SHAPES[shape])
+    smoke_student, smoke_teacher = parameter_count(student), parameter_count(teacher)
+    tokenizer = tokenizer_bytes()
+    return {"smoke models": 4 * (smoke_student + smoke_teacher) + 2 * tokenizer,
+            "run save": (RESUME_BYTES_PER_PARAM + EXPORT_BYTES_PER_PARAM) * smoke_student + tokenizer,
+            "generate folder": 2 * parameter_count(model_config(SHAPES[shape][0])) + tokenizer}  # bf16
+
+
+def group_bytes(group: list[SmokeRun], save: int) -> int:
+    """A resumed run writes its save beside the one it resumed from before that one is replaced: two at once."""
+    return min(len(group), 2) * save
+
+
+def run_estimate(run: SmokeRun, shape: str, save: int) -> float:
+    costs = COST_S[shape]
+    return costs["smoke run"] + (costs["compile"] if "--use_compile" in run.flags else 0.0) \
+        + save / DISK_BYTES_PER_S[shape]
+
+
+def build_phases(shape: str) -> list[Phase]:
+    """Every phase in priority order (smoke, the step measurements, the rest) with its estimated seconds."""
+    costs, sizes, rate = COST_S[shape], disk_sizes(shape), DISK_BYTES_PER_S[shape]
+    phases = [Phase("smoke models", costs["smoke models"] + sizes["smoke models"] / rate, write_smoke_models)]
+    for name in SMOKE_VARIANTS:
+        groups = smoke_groups(name)
+        estimate = sum(run_estimate(run, shape, sizes["run save"]) for group in groups for run in group) \
+            + (costs["cold compile"] if "--use_compile" in SMOKE_VARIANTS[name][1] else 0.0)
+        phases.append(Phase(name, estimate, lambda kit, g=groups: smoke(kit, g), "smoke models", groups))
+    phases += [Phase("full models", costs["full models"], build_full_models),
+               Phase("SFT step", costs["SFT step"], lambda kit: step_throughput(kit, "sft"), "full models"),
+               Phase("KD step", costs["KD step"], lambda kit: step_throughput(kit, "kd"), "full models"),
+               Phase("bf16 vs fp32", costs["bf16 vs fp32"], bf16_agrees_with_fp32, "full models"),
+               Phase("OPD split", costs["OPD split"], opd_split, "full models"),
+               Phase("generate vs transformers", costs["generate vs transformers"] + sizes["generate folder"] / rate,
+                     generate_against_transformers, "full models"),
+               Phase("weight sync", costs["weight sync"], weight_sync)]
+    return phases
+
+
+def make_plan(shape: str, budget_s: float) -> dict:
+    """What the kit will do, before it starts: phases with estimates and expected start, smoke runs with their
+    saves, and the peak disk (the smoke models, kept to the end, plus the largest run folder or the generate
+    folder, whichever is larger: one of them exists at a time)."""
+    phases, sizes = build_phases(shape), disk_sizes(shape)
+    rows, clock, fitting = [], 0.0, set()
+    for phase in phases:
+        fits = clock + phase.estimate_s <= budget_s and (phase.needs is None or phase.needs in fitting)
+        rows.append({"name": phase.name, "estimate_s": round(phase.estimate_s, 1), "expected_start_s": round(clock, 1),
+                     "fits": fits})
+        if fits:
+            clock, fitting = clock + phase.estimate_s, fitting | {phase.name}
+    runs = [run for phase in phases for group in phase.groups for run in plan_group(phase.name, group, shape)]
+    largest_folder = max(run["folder_bytes"] for run in runs)
+    return {"shape": shape, "budget_s": budget_s, "phases": rows, "expected_s": round(clock, 1), "runs": runs,
+            "disk_bytes": {**sizes, "largest run folder": largest_folder,
+                           "peak": sizes["smoke models"] + max(largest_folder, sizes["generate folder"])}}
+
+
+def plan_group(phase: str, group: list[SmokeRun], shape: str) -> list[dict]:
+    """The runs of one folder: each saves its last step; a save is kept only for the run that resumes from it."""
+    save = disk_sizes(shape)["run save"]
+    return [{"phase": phase, "name": run.name, "loop": run.loop, "variant": run.variant, "max_steps": run.max_steps,
+             "resumes": run.resumes, "saves_at_step": run.max_steps, "save_bytes": save,
+             "save_kept_for": group[index + 1].variant if index + 1 < len(group) else None,
+             "folder_removed_after": group[-1].variant, "folder_bytes": group_bytes(group, save),
+             "estimate_s": round(run_estimate(run, shape, save), 1)} for index, run in enumerate(group)]
+
+
+def print_plan(plan: dict) -> None:
+    gib = 2 ** 30
+    disk = plan["disk_bytes"]
+    print(f"plan ({plan['shape']} shapes, budget {plan['budget_s']:.0f} s): phases in priority order, estimated "
+          f"seconds; one that does not fit in what is left of the budget is skipped")
+    for row in plan["phases"]:
+        print(f"  {row['expected_start_s']:6.0f} s  {row['name']:<26} ~{row['estimate_s']:5.0f} s"
+              + ("" if row["fits"] else "  (would be skipped if the estimates hold)"))
+    print(f"  {plan['expected_s']:6.0f} s  end")
+    print(f"smoke runs ({len(plan['runs'])}), each saving its last step into a folder of its own (the loops always "
+          f"save it), {disk['run save'] / gib:.2f} GiB a save (resume {RESUME_BYTES_PER_PARAM} B/param + export "
+          f"{EXPORT_BYTES_PER_PARAM} B/param + tokenizer):")
+    for run in plan["runs"]:
+        kept = f"save kept for: {run['save_kept_for']}" if run["save_kept_for"] else "folder removed after it"
+        print(f"  {run['phase']:<20} {run['loop'] + ' ' + run['variant']:<38} {run['max_steps']} steps  ~"
+              f"{run['estimate_s']:3.0f} s  folder {run['folder_bytes'] / gib:.2f} GiB  {kept}")
+    print(f"disk: smoke models {disk['smoke models'] / gib:.2f} GiB (to the end) + the largest run folder "
+          f"{disk['largest run folder'] / gib:.2f} GiB or the generate folder {disk['generate folder'] / gib:.2f} "
+          f"GiB (one at a time): peak {disk['peak'] / gib:.2f} GiB")
+
+
+# -------------------------------------------------------------------------------------------------------- running
+
+@dataclass
+class Kit:
+    args: argparse.Namespace
+    folder: str      # the working folder, removed at the end
+    report: dict
+    started: float
+    smoke_models: tuple[str, str] | None = None
+    full_models: tuple[torch.nn.Module, torch.nn.Module] | None = None
+
+    def progress(self, message: str) -> None:
+        print(f"[bench_gpu {time.perf_counter() - self.started:4.0f} s of {self.args.budget_s:.0f}] {message}",
+              file=sys.stderr, flush=True)
+
+    def path(self, suffix: str) -> str:
+        """Beside --out: the table (.md), the loops' log (.log)."""
+        return os.path.splitext(self.args.out)[0] + suffix
+
+
+def fused_attention(device: str):
+    """On CUDA, SDPA restricted to the fused kernels: an attention only the math kernel takes raises ("No available
+    kernel"), so the phase's row says it, instead of a quietly low MFU."""
+    return sdpa_kernel(FUSED_ATTENTION) if device.startswith("cuda") else contextlib.nullcontext()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a time limit running out) stops the kit like Ctrl-C: the phase is noted as interrupted and the
+    working folder removed. While a loop runs, the loop's own handler takes it and stops after the step (Stopped);
+    each loop's main gives this handler back when it ends (trainer/guard.py)."""
+    def stop(signum, frame):
+        raise Stopped("stopped by SIGTERM", 128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def run_phases(kit: Kit, phases: list[Phase]) -> None:
+    done = set()
+    for phase in phases:
+        elapsed = time.perf_counter() - kit.started
+        row = {"name": phase.name, "estimate_s": round(phase.estimate_s, 1), "status": "running"}
+        kit.report["phases"].append(row)  # a kill during the phase leaves it "running" in what was written
+        if phase.needs and phase.needs not in done:
+            row.update(status="skipped", note=f"needs {phase.needs}, which did not finish ok")
+        elif elapsed + phase.estimate_s > kit.args.budget_s:
+            row.update(status="skipped", note=f"budget: {elapsed:.0f} s elapsed + {phase.estimate_s:.0f} s "
+                                              f"estimated > {kit.args.budget_s:.0f} s")
+        else:
+            kit.progress(f"{phase.name} (estimate {phase.estimate_s:.0f} s)")
+            start = time.perf_counter()
+            try:
+                with fused_attention(kit.args.device):
+                    status, note = phase.run(kit)
+            except (Stopped, KeyboardInterrupt):
+                row.update(status="interrupted", seconds=round(time.perf_counter() - start, 1))
+                raise
+            except Exception as error:  # a phase that fails is a row of the report, not the end of the kit
+                status, note = "error", one_line(error)
+            row.update(status=status, seconds=round(time.perf_counter() - start, 1), note=note)
+            done |= {phase.name} if status == "ok" else set()
+        kit.progress(f"{phase.name}: {row['status']}" + (f" in {row['seconds']:.0f} s" if "seconds" in row else "")
+                     + (f" ({row['note']})" if row.get("note") else ""))
+        write_outputs(kit)
+
+
+def one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+
+
+def write_outputs(kit: Kit) -> None:
+    """The JSON and the table, each replaced whole: a kill at any time leaves the last complete ones."""
+    kit.report["seconds"] = round(time.perf_counter() - kit.started, 1)
+    for path, text in ((kit.args.out, json.dumps(kit.report, indent=2)), (kit.path(".md"), report_table(kit.report))):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------------------------------------------------- smoke
 
-def smoke_runs(args, student: str, teacher: str, folder: str) -> list[dict]:
-    """Each loop's main() in this process (imports and CUDA set-up once) for 2 steps per precision / mode, then
-    one resume; -> one record per run. Their console output goes to FOLDER/smoke.log."""
+def write_smoke_models(kit: Kit) -> tuple[str, str]:
+    """The smoke runs' student and teacher folders; the note says how fast this disk took them (fsync included:
+    what every smoke run's save will cost, DISK_BYTES_PER_S in the estimates)."""
+    paths, writing = [], 0.0
+    for name, sizes, seed in (("student", SHAPES[kit.args.shape][0], 0), ("teacher", SHAPES[kit.args.shape][1], 1)):
+        model = create_model(model_config(sizes, SMOKE_LAYERS), seed=seed)
+        paths.append(os.path.join(kit.folder, name))
+        start = time.perf_counter()
+        save_pretrained(model, paths[-1])
+        writing += time.perf_counter() - start
+    written = sum(os.path.getsize(os.path.join(path, name)) for path in paths for name in os.listdir(path))
+    kit.smoke_models = (paths[0], paths[1])
+    kit.report["disk_write_bytes_per_s"] = written / writing
+    return "ok", f"{written / 2**30:.2f} GiB written at {written / writing / 1e9:.2f} GB/s"
+
+
+def smoke(kit: Kit, groups: list[list[SmokeRun]]) -> tuple[str, str]:
+    """Each loop's main() in this process (imports and CUDA set-up once); each group of runs in a folder of its
+    own, removed when the group ends. The loops' console output goes to the log beside --out."""
     from trainer.train_distillation import main as train_distillation
     from trainer.train_opd import main as train_opd
     from trainer.train_sft import main as train_sft
-    variants = [("bf16", ["--dtype", "bfloat16"]), ("fp16 + GradScaler", ["--dtype", "float16"]),
-                ("compile", ["--dtype", "bfloat16", "--use_compile", "1"]),
-                ("gradient checkpointing", ["--dtype", "bfloat16", "--gradient_checkpointing", "1"])]
+    student, teacher = kit.smoke_models
     loops = {"sft": (train_sft, ["--model_path", student]),
              "kd": (train_distillation, ["--model_path", student, "--teacher_path", teacher]),
              "opd": (train_opd, ["--model_path", student, "--teacher_path", teacher, "--max_new_tokens", "16"])}
     records = []
-    with open(os.path.join(folder, "smoke.log"), "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        for loop, (main, models) in loops.items():
-            for variant, flags in variants:
-                name = f"{loop}_{variant.split()[0]}"
-                argv = [*models, *flags, "--device", args.device, "--save_dir", folder, "--save_weight", name,
-                        "--batch_size", "2", "--max_length", "384", "--max_prompt_length", "128", "--log_interval", "1",
-                        "--save_interval", "1"]
-                records.append(run_loop(main, [*argv, "--max_steps", "2"], folder, name, loop, variant))
-                if loop == "sft" and variant == "bf16":  # the resume: two more steps from the checkpoint of step 2
-                    records.append(run_loop(main, [*argv, "--max_steps", "4", "--from_resume", "1"], folder, name,
-                                            loop, "bf16, resumed for 2 more steps"))
-    return records
+    for group in groups:
+        folder = os.path.join(kit.folder, group[0].name)
+        try:
+            for run in group:
+                main, models = loops[run.loop]
+                # --save_interval past the last step: only the last step saves (the loops always save it)
+                argv = [*models, *run.flags, "--device", kit.args.device, "--save_dir", folder, "--save_weight",
+                        run.name, "--batch_size", "2", "--max_length", "384", "--max_prompt_length", "128",
+                        "--log_interval", "1", "--save_interval", str(run.max_steps + 1), "--max_steps",
+                        str(run.max_steps), *(RESUME_FLAGS if run.resumes else [])]
+                records.append(run_loop(kit, main, argv, folder, run))
+                kit.report["smoke"].append(records[-1])
+                write_outputs(kit)  # the compiled runs are long: what ran before one stays if it is killed
+                kit.progress(f"  {run.loop} {run.variant}: {'ok' if records[-1]['ok'] else 'FAILED'} "
+                             f"({records[-1]['seconds']:.0f} s)")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    failed = [r for r in records if not r["ok"]]
+    return ("failed", f"{len(failed)} of {len(records)} runs failed") if failed else ("ok", f"{len(records)} runs")
 
 
-def run_loop(main, argv: list[str], folder: str, name: str, loop: str, variant: str) -> dict:
+def run_loop(kit: Kit, main, argv: list[str], folder: str, run: SmokeRun) -> dict:
     start = time.perf_counter()
-    record = {"loop": loop, "variant": variant, "ok": False}
+    record = {"loop": run.loop, "variant": run.variant, "ok": False}
     try:
-        main(argv)
+        with open(kit.path(".log"), "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            print(f"\n=== {run.loop} {run.variant}: {' '.join(argv)}", flush=True)
+            main(argv)
+    except (Stopped, KeyboardInterrupt):
+        raise
     except BaseException as error:  # a failed run is a row of the report, not the end of the check
-        record.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}",
-                      seconds=time.perf_counter() - start)
+        record.update(error=one_line(error), seconds=time.perf_counter() - start)
         return record
-    with open(os.path.join(folder, f"{name}_metrics.jsonl")) as f:
+    with open(os.path.join(folder, f"{run.name}_metrics.jsonl")) as f:
         losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
     record.update(ok=all(math.isfinite(x) for x in losses), last_loss=losses[-1], steps=len(losses),
                   seconds=time.perf_counter() - start)
     return record
 
 
-def bf16_agrees_with_fp32(args, student: str) -> dict:
-    """The first SFT loss of one batch in bf16 autocast and in fp32, same weights."""
-    model = load_pretrained(student, device=args.device)
-    ids, labels = sft_batch(args, 1)
-    losses = {}
-    for dtype in ("bfloat16", "float32"):
-        with torch.no_grad(), autocast_context(args.device, dtype):
-            hidden, targets = completion_hidden(model, ids, torch.ones_like(ids), labels)
-            loss_sum, tokens = chunked_sft_loss(hidden, model.lm_head.weight, targets, vocab_size=151669)
-        losses[dtype] = float(loss_sum) / int(tokens)
-    relative = abs(losses["bfloat16"] - losses["float32"]) / abs(losses["float32"])
-    return {**losses, "relative_difference": relative, "tolerance": BF16_TOLERANCE, "ok": relative <= BF16_TOLERANCE}
+# ---------------------------------------------------------------------------------------------- the full shapes
+
+def build_full_models(kit: Kit) -> tuple[str, str]:
+    """Student (fp32 master weights) and teacher (bf16 on CUDA) of the full shapes, on the device, for every later
+    phase; nothing written to disk."""
+    device = kit.args.device
+    student_sizes, teacher_sizes = SHAPES[kit.args.shape]
+    student = create_model(model_config(student_sizes), seed=0, device=device).train()
+    teacher = create_model(model_config(teacher_sizes), seed=1, dtype=teacher_dtype(device),
+                           device=device).eval().requires_grad_(False)
+    kit.full_models = (student, teacher)
+    return "ok", f"{student.num_parameters() / 1e6:,.0f}M + {teacher.num_parameters() / 1e6:,.0f}M parameters"
 
 
-# ----------------------------------------------------------------------------------------------------- throughput
+def teacher_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
-def sft_batch(args, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+
+def sft_batch(shape: str, device: str, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Random real-vocabulary tokens, labels on the last `completion` positions of each row."""
-    batch, length, completion = WORKLOAD[args.shape]["sft"]
+    batch, length, completion = WORKLOAD[shape]["sft"]
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 151669, (rows or batch, length), generator=generator).to(args.device)
+    ids = torch.randint(0, VOCAB, (rows or batch, length), generator=generator).to(device)
     labels = ids.clone()
     labels[:, :length - completion] = -100
     return ids, labels
@@ -173,16 +460,16 @@ def attention_flops(config, length: int) -> float:
     return 4.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * length
 
 
-def timed_steps(args, step, steps: int | None = None) -> float:
+def timed_steps(shape: str, device: str, step, steps: int | None = None) -> float:
     """Seconds per call of `step`, after the warm-up."""
-    steps = steps or WORKLOAD[args.shape]["steps"]
-    for _ in range(WORKLOAD[args.shape]["warmup"]):
+    steps = steps or WORKLOAD[shape]["steps"]
+    for _ in range(WORKLOAD[shape]["warmup"]):
         step()
-    synchronize(args.device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    synchronize(args.device)
+    synchronize(device)
     return (time.perf_counter() - start) / steps
 
 
@@ -201,83 +488,105 @@ def peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
 
-def throughput(args, student_dir: str, teacher_dir: str, peak_tflops: float | None) -> dict:
-    """SFT and KD steps at the workload's shape: tokens/s, MFU, peak memory."""
-    student = load_pretrained(student_dir, device=args.device).train()
-    teacher = load_pretrained(teacher_dir, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
-                              device=args.device).eval().requires_grad_(False)
+def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
+    """An SFT or KD step at the workload's shape: tokens/s, MFU, peak memory (its AdamW state included)."""
+    device, shape = kit.args.device, kit.args.shape
+    student, teacher = kit.full_models
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
-    ids, labels = sft_batch(args)
+    ids, labels = sft_batch(shape, device)
     mask = torch.ones_like(ids)
-    length = ids.shape[1]
 
-    def sft_step():
-        with autocast_context(args.device, "bfloat16"):
+    def step():
+        if loss == "kd":
+            with torch.no_grad(), autocast_context(device, "bfloat16"):
+                teacher_hidden, _ = completion_hidden(teacher, ids, mask, labels)
+        with autocast_context(device, "bfloat16"):
             hidden, targets = completion_hidden(student, ids, mask, labels)
-            loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=151669)
+            if loss == "kd":
+                loss_sum, tokens = chunked_loss(
+                    lambda s, t, y: (distillation_loss(s, t, y, 1.0, reduction="sum"), sft_loss(s, y)[1]), hidden,
+                    student.lm_head.weight, targets, teacher_hidden, teacher.lm_head.weight, vocab_size=VOCAB)
+            else:
+                loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
         (loss_sum / tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def kd_step():
-        with torch.no_grad(), autocast_context(args.device, "bfloat16"):
-            teacher_hidden, _ = completion_hidden(teacher, ids, mask, labels)
-        with autocast_context(args.device, "bfloat16"):
-            hidden, targets = completion_hidden(student, ids, mask, labels)
-            kd_sum, tokens = chunked_loss(
-                lambda s, t, y: (distillation_loss(s, t, y, 1.0, reduction="sum"), sft_loss(s, y)[1]), hidden,
-                student.lm_head.weight, targets, teacher_hidden, teacher.lm_head.weight, vocab_size=151669)
-        (kd_sum / tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    student_flops = 6.0 * matmul_parameters(student) + 3.0 * attention_flops(student.config, length)
-    teacher_flops = 2.0 * matmul_parameters(teacher) + attention_flops(teacher.config, length)
-    results = {}
-    for name, step, per_token in (("sft", sft_step, student_flops), ("kd", kd_step, student_flops + teacher_flops)):
-        reset_peak(args.device)
-        seconds = timed_steps(args, step)
-        tokens_per_s = ids.numel() / seconds
-        results[name] = {"tokens_per_s": tokens_per_s, "step_s": seconds, "flops_per_token": per_token,
-                         "mfu": tokens_per_s * per_token / (peak_tflops * 1e12) if peak_tflops else None,
-                         "peak_memory_gib": peak_gib(args.device)}
-    return results
+    length = ids.shape[1]
+    per_token = 6.0 * matmul_parameters(student) + 3.0 * attention_flops(student.config, length)
+    if loss == "kd":
+        per_token += 2.0 * matmul_parameters(teacher) + attention_flops(teacher.config, length)
+    reset_peak(device)
+    seconds = timed_steps(shape, device, step)
+    tokens_per_s = ids.numel() / seconds
+    peak_tflops = gpu_peak_tflops(kit.args)
+    kit.report["throughput"][loss] = {
+        "tokens_per_s": tokens_per_s, "step_s": seconds, "flops_per_token": per_token,
+        "mfu": tokens_per_s * per_token / (peak_tflops * 1e12) if peak_tflops else None,
+        "peak_memory_gib": peak_gib(device)}
+    return "ok", f"{tokens_per_s:,.0f} tokens/s"
 
 
-def opd_split(args, student_dir: str, teacher_dir: str) -> dict:
-    """One OPD step by phase (bench_opd.opd_step), and generate against transformers' on the same weights."""
-    batch_size, new_tokens = WORKLOAD[args.shape]["opd"]
-    opts = SimpleNamespace(device=args.device, dtype="bfloat16", seed=0, max_new_tokens=new_tokens,
-                           gen_temperature=1.0, top_k=0, top_p=1.0, beta=1.0, temperature=1.0, loss_chunk_size=512,
-                           batch_size=batch_size)
-    tokenizer = load_tokenizer(None)
-    student = load_pretrained(student_dir, device=args.device).train()
-    teacher = load_pretrained(teacher_dir, dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
-                              device=args.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
+def bf16_agrees_with_fp32(kit: Kit) -> tuple[str, str]:
+    """The first SFT loss of one row in bf16 autocast and in fp32, same weights."""
+    student = kit.full_models[0]
+    ids, labels = sft_batch(kit.args.shape, kit.args.device, 1)
+    losses = {}
+    for dtype in ("bfloat16", "float32"):
+        with torch.no_grad(), autocast_context(kit.args.device, dtype):
+            hidden, targets = completion_hidden(student, ids, torch.ones_like(ids), labels)
+            loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
+        losses[dtype] = float(loss_sum) / int(tokens)
+    relative = abs(losses["bfloat16"] - losses["float32"]) / abs(losses["float32"])
+    ok = relative <= BF16_TOLERANCE
+    kit.report["bf16_vs_fp32"] = {**losses, "relative_difference": relative, "tolerance": BF16_TOLERANCE, "ok": ok}
+    return ("ok" if ok else "failed"), f"relative difference {relative:.2e}"
+
+
+def opd_prompts(tokenizer, batch_size: int, device: str) -> dict:
     rows = RowDataset(ensure_demo_data()["opd_prompts"])
     batch = PromptCollator(tokenizer, 256, False)([rows[i % len(rows)] for i in range(batch_size)])
-    batch = {**batch, "prompt_ids": batch["prompt_ids"].to(args.device),
-             "prompt_attention_mask": batch["prompt_attention_mask"].to(args.device)}
+    return {**batch, "prompt_ids": batch["prompt_ids"].to(device),
+            "prompt_attention_mask": batch["prompt_attention_mask"].to(device)}
+
+
+def opd_split(kit: Kit) -> tuple[str, str]:
+    """One OPD step by phase (bench_opd.opd_step), after one of warm-up."""
+    device = kit.args.device
+    batch_size, new_tokens = WORKLOAD[kit.args.shape]["opd"]
+    opts = SimpleNamespace(device=device, dtype="bfloat16", seed=0, max_new_tokens=new_tokens, gen_temperature=1.0,
+                           top_k=0, top_p=1.0, beta=1.0, temperature=1.0, loss_chunk_size=512, batch_size=batch_size)
+    student, teacher = kit.full_models
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
+    tokenizer = load_tokenizer(None)
+    batch = opd_prompts(tokenizer, batch_size, device)
     opd_step(opts, student, teacher, optimizer, tokenizer, batch, 0)  # warm-up
-    reset_peak(args.device)
+    reset_peak(device)
     phases, stats = opd_step(opts, student, teacher, optimizer, tokenizer, batch, 1)
-    result = {"phases_ms": phases, "generated_tokens": stats["generated_tokens"],
-              "generation_tokens_per_s": stats["generated_tokens"] / (phases["generation"] / 1000.0),
-              "peak_memory_gib": peak_gib(args.device)}
-    result["generate_vs_transformers"] = generate_against_transformers(args, student_dir, batch, new_tokens)
-    return result
+    rate = stats["generated_tokens"] / (phases["generation"] / 1000.0)
+    kit.report["opd"] = {"phases_ms": phases, "generated_tokens": stats["generated_tokens"],
+                         "generation_tokens_per_s": rate, "peak_memory_gib": peak_gib(device)}
+    return "ok", f"generation {rate:,.0f} tokens/s"
 
 
-def generate_against_transformers(args, student_dir: str, batch: dict, new_tokens: int) -> dict | None:
-    """Greedy, every row exactly `new_tokens` long (no EOS), bf16 on CUDA: seconds of ours and of transformers'."""
+def generate_against_transformers(kit: Kit) -> tuple[str, str]:
+    """Greedy, every row exactly `new_tokens` long (no EOS), bf16 on CUDA, the student's current weights: seconds
+    of ours and of transformers', each after one call of warm-up. The folder both load from is removed after."""
     try:
         import transformers  # benchmarks only; the project never imports it
     except ImportError:
-        return None
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    ours = load_pretrained(student_dir, dtype=dtype, device=args.device).eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype).to(args.device).eval()
+        return "skipped", "transformers is not installed"
+    device = kit.args.device
+    batch_size, new_tokens = WORKLOAD[kit.args.shape]["opd"]
+    dtype = teacher_dtype(device)
+    folder = os.path.join(kit.folder, "generate")
+    try:
+        save_pretrained(kit.full_models[0], folder, dtype=dtype)
+        ours = load_pretrained(folder, dtype=dtype, device=device).eval()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    batch = opd_prompts(load_tokenizer(None), batch_size, device)
     ids, mask = batch["prompt_ids"], batch["prompt_attention_mask"]
 
     def run_ours():
@@ -287,9 +596,26 @@ def generate_against_transformers(args, student_dir: str, batch: dict, new_token
         with torch.no_grad():
             theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=False, pad_token_id=0)
-    seconds = {"ours": timed_steps(args, run_ours, 1), "transformers": timed_steps(args, run_theirs, 1)}
-    return {**seconds, "transformers_over_ours": seconds["transformers"] / seconds["ours"],
-            "transformers_version": transformers.__version__}
+    seconds = {"ours": timed_steps(kit.args.shape, device, run_ours, 1),
+               "transformers": timed_steps(kit.args.shape, device, run_theirs, 1)}
+    ratio = seconds["transformers"] / seconds["ours"]
+    kit.report["generate_vs_transformers"] = {**seconds, "transformers_over_ours": ratio,
+                                              "transformers_version": transformers.__version__}
+    return "ok", f"transformers / ours {ratio:.2f}x"
+
+
+def weight_sync(kit: Kit) -> tuple[str, str]:
+    """The bf16 weight-sync verification numbers need a vLLM server beside the trainer; starting one (minutes) is
+    not this kit's: skipped, saying what is missing. find_spec: whether vLLM is installed, without importing it."""
+    if not kit.args.device.startswith("cuda"):
+        note = "needs CUDA and a vLLM install (benchmarks/bench_sync.py measures the criterion on a CPU server)"
+    elif importlib.util.find_spec("vllm") is None:
+        note = "needs a vLLM install on the GPU machine"
+    else:
+        note = (f"vLLM {importlib.metadata.version('vllm')} is installed, but this kit starts no vLLM server: "
+                f"measure the sync separately")
+    kit.report["weight_sync"] = {"skipped": note}
+    return "skipped", note
 
 
 # --------------------------------------------------------------------------------------------------------- report
@@ -301,56 +627,81 @@ def gpu_peak_tflops(args) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def print_report(report: dict) -> None:
-    print(f"\n{report['device_name']} | torch {report['torch']} | shapes {report['shape']}\n")
-    print("| smoke run | ok | last loss | seconds |")
-    print("|---|---|---|---|")
-    for r in report["smoke"]:
-        print(f"| {r['loop']} {r['variant']} | {'yes' if r['ok'] else 'NO: ' + r.get('error', 'non-finite loss')} | "
-              f"{r.get('last_loss', float('nan')):.4f} | {r['seconds']:.0f} |")
-    b = report["bf16_vs_fp32"]
-    print(f"\nbf16 vs fp32 first SFT loss: {b['bfloat16']:.4f} vs {b['float32']:.4f}, relative difference "
-          f"{b['relative_difference']:.2e} (tolerance {b['tolerance']}): {'ok' if b['ok'] else 'NOT OK'}\n")
-    batch, length, _ = WORKLOAD[report["shape"]]["sft"]
-    print(f"| step ({batch} x {length} tokens, bf16 autocast) | tokens/s | MFU | peak memory GiB |")
-    print("|---|---|---|---|")
-    for name, t in report["throughput"].items():
-        mfu = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "-"
-        memory = f"{t['peak_memory_gib']:.1f}" if t["peak_memory_gib"] is not None else "-"
-        print(f"| {name.upper()} | {t['tokens_per_s']:,.0f} | {mfu} | {memory} |")
-    o = report["opd"]
-    batch, new_tokens = WORKLOAD[report["shape"]]["opd"]
-    print(f"\nOPD step ({batch} prompts x {new_tokens} new tokens): " + ", ".join(
-        f"{phase} {ms:.0f} ms" for phase, ms in o["phases_ms"].items())
-        + f"; generation {o['generation_tokens_per_s']:,.0f} tokens/s")
-    g = o["generate_vs_transformers"]
-    if g:
-        print(f"greedy generate, same weights: ours {g['ours']:.2f} s, transformers {g['transformers']:.2f} s "
-              f"({g['transformers_over_ours']:.2f}x)")
+def report_table(report: dict) -> str:
+    """The report as markdown: the phases, then what each measured (only what ran)."""
+    lines = [f"{report['device_name']} | torch {report['torch']} | shapes {report['shape']} | budget "
+             f"{report['budget_s']:.0f} s | {report['seconds']:.0f} s so far", "",
+             "| phase | status | estimate s | seconds | note |", "|---|---|---|---|---|"]
+    for p in report["phases"]:
+        seconds = f"{p['seconds']:.0f}" if "seconds" in p else "-"
+        lines.append(f"| {p['name']} | {p['status']} | {p['estimate_s']:.0f} | {seconds} | {p.get('note', '')} |")
+    if report["smoke"]:
+        lines += ["", "| smoke run | ok | last loss | seconds |", "|---|---|---|---|"]
+        for r in report["smoke"]:
+            ok = "yes" if r["ok"] else "NO: " + r.get("error", "non-finite loss")
+            lines.append(f"| {r['loop']} {r['variant']} | {ok} | {r.get('last_loss', float('nan')):.4f} | "
+                         f"{r['seconds']:.0f} |")
+    if report["throughput"]:
+        batch, length, _ = WORKLOAD[report["shape"]]["sft"]
+        lines += ["", f"| step ({batch} x {length} tokens, bf16 autocast) | tokens/s | MFU | peak memory GiB |",
+                  "|---|---|---|---|"]
+        for name, t in report["throughput"].items():
+            mfu = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "-"
+            memory = f"{t['peak_memory_gib']:.1f}" if t["peak_memory_gib"] is not None else "-"
+            lines.append(f"| {name.upper()} | {t['tokens_per_s']:,.0f} | {mfu} | {memory} |")
+    if "bf16_vs_fp32" in report:
+        b = report["bf16_vs_fp32"]
+        lines += ["", f"bf16 vs fp32 first SFT loss: {b['bfloat16']:.4f} vs {b['float32']:.4f}, relative difference "
+                      f"{b['relative_difference']:.2e} (tolerance {b['tolerance']}): {'ok' if b['ok'] else 'NOT OK'}"]
+    if "opd" in report:
+        o = report["opd"]
+        batch, new_tokens = WORKLOAD[report["shape"]]["opd"]
+        lines += ["", f"OPD step ({batch} prompts x {new_tokens} new tokens): " + ", ".join(
+            f"{phase} {ms:.0f} ms" for phase, ms in o["phases_ms"].items())
+            + f"; generation {o['generation_tokens_per_s']:,.0f} tokens/s"]
+    if "generate_vs_transformers" in report:
+        g = report["generate_vs_transformers"]
+        lines += ["", f"greedy generate, same weights: ours {g['ours']:.2f} s, transformers {g['transformers']:.2f} s "
+                      f"({g['transformers_over_ours']:.2f}x)"]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.shape = "tiny" if args.tiny else "full"
+    plan = make_plan(args.shape, args.budget_s)
+    if args.plan:
+        print_plan(plan)
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device here: nothing to measure (python benchmarks/bench_gpu.py --device cpu --tiny runs the "
-              "same code paths on tiny shapes)")
+              "same code paths on tiny shapes; --plan prints the plan)")
         return 0
-    folder = args.workdir or tempfile.mkdtemp(prefix="bench_gpu_")
+    if args.workdir and os.path.exists(args.workdir):  # the kit removes its folder: never one it did not create
+        print(f"error: --workdir {args.workdir} exists: give a new folder (it is removed at the end)", file=sys.stderr)
+        return 2
     started = time.perf_counter()
-    student, teacher = write_models(args.shape, folder)
-    report = {"device": args.device, "shape": args.shape, "torch": torch.__version__,
-              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "smoke": smoke_runs(args, student, teacher, folder), "bf16_vs_fp32": bf16_agrees_with_fp32(args, student),
-              "throughput": throughput(args, student, teacher, gpu_peak_tflops(args)),
-              "opd": opd_split(args, student, teacher)}
-    report["seconds"] = time.perf_counter() - started
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print_report(report)
-    print(f"\n{report['seconds']:.0f} s in all; wrote {args.out}")
-    failed = [r for r in report["smoke"] if not r["ok"]] + ([] if report["bf16_vs_fp32"]["ok"] else ["bf16"])
-    return 1 if failed else 0
+    print_plan(plan)
+    report = {"device": args.device, "shape": args.shape, "torch": torch.__version__, "budget_s": args.budget_s,
+              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "plan": plan,
+              "phases": [], "smoke": [], "throughput": {}}
+    folder = args.workdir or tempfile.mkdtemp(prefix="bench_gpu_")
+    os.makedirs(folder, exist_ok=True)
+    kit = Kit(args, folder, report, started)
+    with open(kit.path(".log"), "w") as log:  # the smoke runs append to it
+        log.write(f"the training loops' output, run by run ({args.shape} shapes on {args.device})\n")
+    stop_on_sigterm()
+    try:
+        run_phases(kit, build_phases(args.shape))
+    except (Stopped, KeyboardInterrupt) as error:
+        kit.progress(f"interrupted ({one_line(error)}): {args.out} holds what was measured")
+        return error.exit_code if isinstance(error, Stopped) else 130
+    finally:
+        shutil.rmtree(kit.folder, ignore_errors=True)
+        write_outputs(kit)
+    print("\n" + report_table(report))
+    print(f"{report['seconds']:.0f} s in all; wrote {args.out} and {kit.path('.md')}")
+    return 1 if any(p["status"] in ("failed", "error") for p in report["phases"]) else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,12 @@
     python benchmarks/bench_losses.py                      # 4096 positions x 151,936 vocab x hidden 1024, CPU
     python benchmarks/bench_losses.py --device cuda        # same on a GPU (torch.cuda.max_memory_allocated)
     python benchmarks/bench_losses.py --positions 512 --vocab 32000   # a quick look
+    python benchmarks/bench_losses.py --casts --hidden 256           # lm_head casts under bf16 autocast
+
+--casts: the chunked loss's forward + backward under CPU bf16 autocast (what CUDA training does), counting the
+full-size (V, H) casts of the lm_head weights (aten._to_copy, through a dispatch mode) and timing it, once with the
+weights cast once per loss (`trainer.losses.autocast_once`, today) and once with autocast casting them at every
+chunk's matmul (before: `autocast_once` replaced by the identity).
 
 Each variant runs in a fresh 'spawn' process. On CPU, torch's allocations are invisible to tracemalloc, so the
 number is the process's peak RSS (ru_maxrss) minus its RSS once the inputs exist; large CPU tensors are mmap'ed
@@ -18,8 +24,10 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import trainer.losses as losses  # noqa: E402
 from trainer.losses import chunked_generalized_jsd_loss, generalized_jsd_loss  # noqa: E402
 
 GIB = 1024 ** 3
@@ -82,6 +90,42 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
             "grad_w_norm": w.grad.norm().item()}
 
 
+class CountWeightCasts(TorchDispatchMode):
+    """Counts dtype conversions (aten._to_copy) whose output has `numel` elements: the (V, H) weight casts."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.numel() == self.numel:
+            self.count += 1
+        return out
+
+
+def count_casts(args: argparse.Namespace, cast_once: bool) -> tuple[int, float]:
+    """(full-size lm_head casts, seconds) of one chunked forward + backward under CPU bf16 autocast."""
+    torch.manual_seed(0)
+    n, v, hdim = args.positions, args.vocab, args.hidden
+    h = (torch.randn(n, hdim) * 0.5).requires_grad_()
+    w = (torch.randn(v, hdim) * 0.05).requires_grad_()
+    th, tw = torch.randn(n, hdim) * 0.5, torch.randn(v, hdim) * 0.05
+    labels = torch.randint(0, v, (n,))
+    original = losses.autocast_once
+    losses.autocast_once = original if cast_once else (lambda weight: weight)
+    try:
+        start = time.perf_counter()
+        with CountWeightCasts((v - 1) * hdim) as counter:  # vocab_size = v - 1: the sliced view, as in training
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = chunked_generalized_jsd_loss(h, w, th, tw, labels, beta=args.beta,
+                                                       chunk_size=args.chunk_size, vocab_size=v - 1)
+            loss.backward()
+        return counter.count, time.perf_counter() - start
+    finally:
+        losses.autocast_once = original
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # problem size (defaults: Qwen3-0.6B's hidden and padded vocabulary)
@@ -94,7 +138,19 @@ def main() -> None:
     # run
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--variants", default="unchunked,chunked", help="comma-separated subset to run")
+    parser.add_argument("--casts", action="store_true", help="count and time the lm_head casts under bf16 autocast")
     args = parser.parse_args()
+    if args.casts:
+        chunks = -(-args.positions // args.chunk_size)
+        print(f"chunked JSD under CPU bf16 autocast: {args.positions} positions in {chunks} chunks x {args.vocab} "
+              f"vocab, hidden {args.hidden}; student and teacher lm_head both fp32")
+        results = {}
+        for name, cast_once in (("per chunk (before)", False), ("once per loss", True)):
+            results[name] = count_casts(args, cast_once)
+            print(f"{name:>19}: {results[name][0]:3d} full-size weight casts, {results[name][1]:6.2f} s", flush=True)
+        before, after = results["per chunk (before)"], results["once per loss"]
+        print(f"casts {before[0]} -> {after[0]}; time ratio before / after {before[1] / after[1]:.2f}x")
+        return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda asked but CUDA is not available; use --device cpu")
 

@@ -407,7 +407,7 @@ def report(results: Sequence[RowResult], total_seconds: float) -> str:
 # ----------------------------------------------------------------------------------------------------------- CLI
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
                         help="move earlier runs named random/sft/kd/opd into checkpoints/previous-TIME/ first")

@@ -4,7 +4,7 @@ A user error -- a bad flag, a missing or damaged file, a bad row, an unwritable 
 script prints one line (`error: ...`, naming the file / row / column / flag and what to do) and exits with code 2.
 A failure of the environment -- a server that is down, a full disk -- is a `RuntimeFailure`: one line, exit code 1.
 No traceback in either case; set DISTILL_TRACEBACK=1 to see one while debugging. argparse's own complaints go the
-same way (`ArgumentParser`), and a refused flag, the same on every rank, is said by rank 0 only.
+same way (`ArgumentParser`), and a refused flag (`FlagError`), the same on every rank, is said by rank 0 only.
 
 Exit codes (also in the README, "When things go wrong"):
     0    done
@@ -24,7 +24,6 @@ from typing import NoReturn
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 75, 130
 TRACEBACK_ENV = "DISTILL_TRACEBACK"
-ARGUMENT_ERROR = "argument error:"
 
 
 class UserError(Exception):
@@ -45,14 +44,24 @@ class Stopped(Exception):
         self.exit_code = exit_code
 
 
+class FlagError(UserError):
+    """A refused flag or combination of flags: the same on every rank, so only rank 0 says it."""
+
+
 def refuse(message: str) -> NoReturn:
-    """The one way to reject a flag or a combination of flags: `error: argument error: ...`, exit code 2."""
-    raise UserError(f"{ARGUMENT_ERROR} {message}")
+    """The one way to reject a flag or a combination of flags: `error: ...` naming the flag, exit code 2."""
+    raise FlagError(message)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose own complaints (an unknown, missing or mistyped flag) are one `error: argument error: ...` line
-    with exit code 2, like every other refused flag, instead of the whole usage text."""
+    """argparse whose own complaints (an unknown, missing or mistyped flag) are one `error: argument ...` line with
+    exit code 2, like every other refused flag, instead of the whole usage text; --help shows each flag's default."""
+
+    class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """The description as written (scripts put their commands there) and every flag's default."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=self.HelpFormatter, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         refuse(f"{message} (--help lists the flags)")
@@ -84,7 +93,7 @@ def run_script(main: Callable[[], object]) -> NoReturn:
             raise
         # every rank parses the same command line, so a flag is refused on all of them: rank 0 says so once. Any
         # other error is said by each rank that meets it (a file missing on one node, a server one rank can't reach)
-        if not (str(error).startswith(ARGUMENT_ERROR) and os.environ.get("RANK", "0") != "0"):
+        if not (isinstance(error, FlagError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {error}", file=sys.stderr, flush=True)
         code = error.exit_code
     except KeyboardInterrupt:

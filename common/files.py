@@ -79,6 +79,7 @@ def _remove(path: str) -> None:
 def atomic_write(path: str) -> Iterator[BinaryIO]:
     """`with atomic_write(path) as f: f.write(...)`: binary file, replaced whole or not at all."""
     folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)  # a folder check_writable accepted is created by its first file
     tmp = temporary_name(path)
     try:
         with open(tmp, "xb") as f:
@@ -123,10 +124,17 @@ def atomic_directory(path: str) -> Iterator[str]:
 
 
 def check_writable(folder: str, what: str) -> None:
-    """Create `folder` if needed and prove a file can be written there; a UserError naming `what` otherwise."""
+    """Prove a file can be written in `folder` -- or, when it does not exist yet, in the nearest folder above it, so
+    that it can be created when the first file is written; a UserError naming `what` otherwise. Nothing is left
+    behind, not even the folder: a run refused at start-up leaves the disk as it found it."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{what} {folder} is not writable ({existing} is a file, not a folder): choose a folder you "
+                        f"can write to")
     try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".write-probe-{os.getpid()}-{secrets.token_hex(4)}")
+        probe = os.path.join(existing, f".write-probe-{os.getpid()}-{secrets.token_hex(4)}")
         with open(probe, "xb"):
             pass
         os.remove(probe)

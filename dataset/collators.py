@@ -1,4 +1,9 @@
-"""Collators: chat rows (from `dataset.sources.RowDataset`) -> left-padded token tensors.
+"""Collators: chat rows (from `dataset.sources.RowDataset`) -> padded token tensors.
+
+Training sequences (SFTCollator, build_sequences) are RIGHT padded: each row's tokens at positions 0..n-1, pads at
+the end, so a training forward is plain causal attention with no mask (the form CUDA's flash kernel takes; a real
+token never attends a pad that comes after it). Prompts to generate from (PromptCollator) are LEFT padded, so all
+rows' next tokens share one column.
 
 The chat template is applied here, per batch, so `enable_thinking` is decided in one place.
 
@@ -15,7 +20,7 @@ SFTCollator
     tokenising their concatenation: "\\n" + "\\n" is two tokens, "\\n\\n" is one.)
     Independent budgets: the prompt keeps its last `max_prompt_length` tokens (so the generation header
     `<|im_start|>assistant\\n` survives), the completion keeps its first `max_length - len(prompt)` tokens: a long
-    solution can never squeeze the question out. Rows are LEFT padded with `pad_token_id`.
+    solution can never squeeze the question out. Rows are RIGHT padded with `pad_token_id`.
     labels are unshifted (the loss shifts): labels[t] == input_ids[t] on completion tokens, -100 on prompt and padding.
     Qwen3's template with enable_thinking=False ends the prompt with an empty `<think>\\n\\n</think>\\n\\n`; with True
     the same empty block is rendered inside the completion (and so is trained on). The completion ends with
@@ -26,8 +31,8 @@ PromptCollator (OPD): the same prompt text, truncated the same way, left padded,
 
 A row the collator cannot use (the template refuses it, no prompt/completion boundary, a token across the boundary)
 is a `RowError`. `validate_rows` finds every such row at start-up, through the collators' own `problems` (the code
-that collates), so a bad row stops the run before the model is built instead of hours in. It takes about 3 s for
-17,000 DAPO-shaped SFT rows on 2 CPU cores (rendering both templates is half of it) and 0.5 s for prompt-only rows.
+that collates), so a bad row stops the run before the model is built instead of hours in
+(`benchmarks/bench_data.py` times it on DAPO-shaped rows).
 """
 from __future__ import annotations
 
@@ -74,12 +79,13 @@ def _apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool
         raise RowError(f"the chat template refuses the row: {e}") from None
 
 
-def _left_pad(rows: list[list[int]], pad_value: int) -> torch.Tensor:
+def _pad(rows: list[list[int]], pad_value: int, left: bool) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     # numpy converts a list of ints several times faster than torch.tensor does, and one conversion per row suffices.
     out = np.full((len(rows), width), pad_value, dtype=np.int64)
     for i, row in enumerate(rows):
-        out[i, width - len(row):] = row
+        start = width - len(row) if left else 0
+        out[i, start:start + len(row)] = row
     return torch.from_numpy(out)
 
 
@@ -88,12 +94,17 @@ def _last_positions(lengths: list[int], width: int) -> torch.Tensor:
     return torch.arange(width) >= width - torch.tensor(lengths, dtype=torch.long)[:, None]
 
 
+def _first_positions(lengths: list[int], width: int) -> torch.Tensor:
+    """(B, width) bool, True on the first lengths[i] positions of row i (the real tokens of a right-padded row)."""
+    return torch.arange(width) < torch.tensor(lengths, dtype=torch.long)[:, None]
+
+
 def _keep_end(ids: list[int], budget: int) -> list[int]:
     return ids[len(ids) - budget:] if len(ids) > budget else ids
 
 
 class SFTCollator:
-    """rows -> input_ids, attention_mask, labels (B, T), prompt_lengths (B,); see the module docstring."""
+    """rows -> input_ids, attention_mask, labels (B, T), right padded; see the module docstring."""
 
     def __init__(self, tokenizer, max_length: int, max_prompt_length: int, enable_thinking: bool = True):
         if not 0 < max_prompt_length < max_length:
@@ -157,7 +168,7 @@ class SFTCollator:
         return [result if isinstance(result, RowError) else None for result in self.encode(rows, tail_only=True)]
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        input_ids, prompt_lengths, completion_lengths = [], [], []
+        input_ids, prompt_lengths = [], []
         for result in self.encode(rows):
             if isinstance(result, RowError):
                 raise result
@@ -166,17 +177,12 @@ class SFTCollator:
             completion = full_ids[boundary:boundary + self.max_length - len(prompt)]
             input_ids.append(prompt + completion)
             prompt_lengths.append(len(prompt))
-            completion_lengths.append(len(completion))
-        ids = _left_pad(input_ids, self.tokenizer.pad_token_id)
+        ids = _pad(input_ids, self.tokenizer.pad_token_id, left=False)
         width = ids.shape[1]
-        return {
-            "input_ids": ids,
-            "attention_mask": _last_positions([len(r) for r in input_ids], width).long(),
-            # Rows are [padding, prompt, completion]: the completion is the last completion_lengths[i] positions.
-            "labels": ids.masked_fill(~_last_positions(completion_lengths, width), IGNORE_INDEX),
-            # Real prompt tokens per row (after truncation). Informational: the loss must trust `labels`.
-            "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.long),
-        }
+        real = _first_positions([len(r) for r in input_ids], width)
+        # Rows are [prompt, completion, padding]: the completion is what is real and not the prompt.
+        completion = real & ~_first_positions(prompt_lengths, width)
+        return {"input_ids": ids, "attention_mask": real.long(), "labels": ids.masked_fill(~completion, IGNORE_INDEX)}
 
 
 class PromptCollator:
@@ -207,7 +213,7 @@ class PromptCollator:
     def __call__(self, rows: list[dict]) -> dict:
         texts = [self.render(row["messages"]) for row in rows]
         prompts = [_keep_end(ids, self.max_prompt_length) for ids in self.tokenizer.encode_batch(texts)]
-        prompt_ids = _left_pad(prompts, self.tokenizer.pad_token_id)
+        prompt_ids = _pad(prompts, self.tokenizer.pad_token_id, left=True)
         return {
             "prompt_ids": prompt_ids,
             "prompt_attention_mask": _last_positions([len(p) for p in prompts], prompt_ids.shape[1]).long(),
@@ -255,13 +261,19 @@ def _chunk_problems(dataset: Sequence[dict], indices: range, collator: SFTCollat
 
 def build_sequences(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                     completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt (left padded) + completion -> input_ids, attention_mask, labels.
+    """Prompt (left padded, as generation takes it) + completion -> right-padded input_ids, attention_mask, labels,
+    the training forward's layout: each row's prompt and completion through its first EOS at positions 0..n-1,
+    padding after them, the width that of the longest row.
 
-    Labels are the completion tokens up to and including the first EOS; IGNORE_INDEX on the prompt, its padding and
-    everything after EOS (those positions are padding, masked in attention as well)."""
+    Labels are the completion tokens up to and including the first EOS; IGNORE_INDEX on the prompt and padding."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)
     labels = torch.cat([torch.full_like(prompt_ids, IGNORE_INDEX),
                         completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)],
                        dim=1)
-    return input_ids, attention_mask, labels
+    # A stable sort of "is padding" moves each row's real tokens to its front, in order: the left padding of the
+    # prompt and the padding after EOS both end up behind them. The tokens there are never attended by a real one.
+    order = torch.sort((attention_mask == 0).to(torch.uint8), dim=1, stable=True).indices
+    width = int(attention_mask.sum(dim=1).max()) if attention_mask.numel() else 0
+    order = order[:, :width]
+    return input_ids.gather(1, order), attention_mask.gather(1, order), labels.gather(1, order)

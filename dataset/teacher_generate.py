@@ -55,7 +55,7 @@ from dataset.teacher import (AnswerCache, RequestPlan, SamplingParams, TeacherAn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     # data
     p.add_argument("--data_path", required=True, help="prompts: .parquet or .jsonl (DAPO's `prompt` chat list, ...)")
     p.add_argument("--out", required=True, help="output .parquet or .jsonl in DAPO's schema")

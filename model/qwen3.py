@@ -2,8 +2,15 @@
 
 decoder layer:  x = x + attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
 attention:      q/k/v projections, per-head RMSNorm on q and k *before* RoPE, grouped-query attention
-                through F.scaled_dot_product_attention; rotate-half RoPE with positions taken from the mask,
-                so a left-padded row gives the same logits as the row alone.
+                through F.scaled_dot_product_attention; rotate-half RoPE (frequencies in fp32 whatever the
+                model's dtype) with positions taken from the mask, so a left-padded row gives the same logits as
+                the row alone.
+
+Two attention forms (docs/architecture.md, "Attention kernels"):
+  * no attention_mask: plain causal attention (`is_causal=True`, no mask tensor), the form CUDA's flash kernel
+    takes. Training forwards use it: their rows are right padded (each row's tokens at positions 0..n-1, pads at
+    the end), and under a causal mask a real token never attends a pad that comes after it.
+  * attention_mask (left-padded prompts of generation, and the KV-cache decode steps): a dense boolean mask.
 """
 from __future__ import annotations
 
@@ -64,6 +71,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) casts floating buffers too: bf16 frequencies are off by 0.59 rad at position 512. The
+        # buffer is a pure function of (head_dim, theta), so after any move or cast it is recomputed in fp32 on
+        # the device it landed on (meta included).
+        super()._apply(fn, recurse)
+        self.inv_freq = self.compute_inv_freq(device=self.inv_freq.device)
+        return self
 
     def compute_inv_freq(self, device=None) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
@@ -221,13 +236,24 @@ class Qwen3ForCausalLM(nn.Module):
             x = x[:, -logits_to_keep:]
         return CausalLMOutput(logits=self.lm_head(x))
 
+    def compile_layers(self, **options) -> None:
+        """torch.compile each decoder layer's forward, in place (torchtitan compiles per block too). The module
+        tree and its parameter names stay as they are, and whatever wraps a layer from outside -- FSDP2's
+        per-layer all-gather hooks, DDP's gradient hooks, activation checkpointing -- runs between compiled blocks:
+        DDP can reduce a layer's gradients while the backward of the layers below still computes, which it cannot
+        when the whole model is one compiled graph whose backward hands over every gradient at its end."""
+        for layer in self.model.layers:
+            layer.forward = torch.compile(layer.forward, **options)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
 
 
 def create_model(config: Qwen3Config, seed: int | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Qwen3ForCausalLM:
-    """A randomly initialised model; the same seed gives the same weights on every machine."""
-    model = Qwen3ForCausalLM(config)
+    """A randomly initialised model; the same seed gives the same weights on every machine (drawn in fp32 on the
+    CPU, copied to `device`, then the parameters cast to `dtype`; RoPE's buffer stays fp32)."""
+    with torch.device(device):  # built where it will live: no whole CPU copy on the way to a GPU
+        model = Qwen3ForCausalLM(config)
     model.init_weights(seed)
-    return model.to(device=device, dtype=dtype)
+    return model.to(dtype=dtype)

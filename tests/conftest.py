@@ -13,9 +13,27 @@ import pytest  # noqa: E402
 from support import TINY_CONFIG, write_chat_jsonl  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--order", default="", metavar="reverse|shuffle:SEED",
+                     help="run the collected tests in reverse or in a seeded random order: no test may depend on "
+                          "state another left in the process")
+
+
+def reorder(config, items) -> None:
+    order = config.getoption("--order")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("shuffle:"):
+        import random
+        random.Random(int(order.removeprefix("shuffle:"))).shuffle(items)
+    elif order:
+        raise pytest.UsageError(f"--order {order}: use reverse or shuffle:SEED")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` skip on a machine without a CUDA device, saying where they run."""
+    """--order first; then tests marked `cuda` skip on a machine without a CUDA device, saying where they run."""
     import torch
+    reorder(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: on a GPU machine, python -m pytest -m cuda")

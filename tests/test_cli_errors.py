@@ -1,5 +1,5 @@
 # python -m pytest tests/test_cli_errors.py
-"""A flag argparse itself rejects (unknown, missing, mistyped) is one `error: argument error: ...` line with exit
+"""A flag argparse itself rejects (unknown, missing, mistyped) is one `error: argument ...` line with exit
 code 2 in every script, as any other refused flag is -- not the whole usage text; and under torchrun a refused flag
 is said once, not once per rank."""
 import os
@@ -49,3 +49,27 @@ def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "--max_steps" in errors[0], result.stderr[-3000:]
     assert "train_sft.py\", line" not in result.stderr, result.stderr[-3000:]  # no worker traceback
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train_sft(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert stopped.value.code == 0
+    assert "rows per micro-batch per device (default: 16)" in out and "(default: 2e-3)" not in out
+    assert "(default: 0.002)" in out
+
+
+def test_a_refused_value_names_only_the_flag_that_is_wrong(capsys):
+    code, stderr = script_exit(train_sft, ["--grad_clip", "-1"], capsys)
+    assert_one_line_error(code, stderr, 2, "--grad_clip must be >= 0, got -1.0")
+    assert "--max_steps" not in stderr and "argument error" not in stderr
+
+
+def test_a_run_refused_at_start_up_leaves_no_save_dir_behind(tmp_path, capsys):
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"messages": [{"role": "user", "content": "no answer to train on"}]}\n')
+    save_dir = tmp_path / "new" / "checkpoints"
+    code, stderr = script_exit(train_sft, ["--data_path", str(bad_rows), "--save_dir", str(save_dir)], capsys)
+    assert_one_line_error(code, stderr, 2, str(bad_rows), "row 0")
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # neither the folder nor its parent was created

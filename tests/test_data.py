@@ -54,23 +54,23 @@ def prompt_ids(batch: dict, i: int) -> list[int]:
 # ---------------------------------------------------------------- SFT collator
 
 
-def test_labels_mask_prompt_and_padding_and_left_padding(tok):
+def test_labels_mask_prompt_and_padding_and_right_padding(tok):
     rows = [chat("What is 2 + 3?", "5"), chat("Explain addition of two-digit numbers in detail, please.",
                                              "Add the tens, then the ones, then carry. " * 3)]
     batch = SFTCollator(tok, max_length=256, max_prompt_length=128)(rows)
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     assert ids.shape == mask.shape == labels.shape and ids.dtype == labels.dtype == torch.long
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
     for i, row in enumerate(rows):
-        n_pad = int((mask[i] == 0).sum())
-        assert mask[i, :n_pad].eq(0).all() and mask[i, n_pad:].eq(1).all(), "padding must be on the left"
-        assert ids[i, :n_pad].eq(tok.pad_token_id).all()
+        n_real = int(mask[i].sum())
+        assert mask[i, :n_real].eq(1).all() and mask[i, n_real:].eq(0).all(), "padding must be on the right"
+        assert ids[i, n_real:].eq(tok.pad_token_id).all()
         prompt_text = tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True)
         n_prompt = len(tok.encode(prompt_text))
-        assert batch["prompt_lengths"][i] == n_prompt
-        # -100 exactly on padding + prompt, labels == input_ids on every other position.
-        assert labels[i, :n_pad + n_prompt].eq(IGNORE_INDEX).all()
-        assert torch.equal(labels[i, n_pad + n_prompt:], ids[i, n_pad + n_prompt:])
-        assert labels[i, n_pad + n_prompt:].ne(IGNORE_INDEX).all()
+        # -100 exactly on prompt + padding, labels == input_ids on every completion position.
+        assert labels[i, :n_prompt].eq(IGNORE_INDEX).all() and labels[i, n_real:].eq(IGNORE_INDEX).all()
+        assert torch.equal(labels[i, n_prompt:n_real], ids[i, n_prompt:n_real])
+        assert labels[i, n_prompt:n_real].ne(IGNORE_INDEX).all()
     assert int((mask[0] == 0).sum()) > 0, "the short row should be padded"
 
 

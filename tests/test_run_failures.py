@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped, UserError
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stopped, UserError, run_script
 from support import ROOT, write_chat_jsonl
 from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, metrics, script_exit, torchrun_command,
                           without_timing)
@@ -114,15 +114,17 @@ def wait_for(path, process: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_exits_75_and_the_resumed_run_is_bit_identical(config, data, reference,
                                                                                       tmp_path):
-    process = start([sys.executable, SFT, *sft_args(config, data, tmp_path, save_interval=100)])
+    process = start([sys.executable, SFT, *sft_args(config, data, tmp_path, save_interval=100, log_interval=100)])
     wait_for(tmp_path / "run_metrics.jsonl", process)  # training has begun
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=300)
+    stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert "Traceback" not in stderr
     step = torch.load(tmp_path / "run_resume.pt", weights_only=False)["step"]
     assert 1 <= step < 5, "the run finished before the signal could stop it"
     assert f"stopped by SIGTERM after step {step}" in stderr and "--from_resume 1" in stderr
+    # the step the signal ends on is logged, in metrics.jsonl and on the console, off --log_interval's beat
+    assert [m["step"] for m in metrics(tmp_path)][-1] == step and f"step {step}/" in stdout
     train_sft(sft_args(config, data, tmp_path, save_interval=100, from_resume=1))
     assert (reference / "run" / "model.safetensors").read_bytes() == (tmp_path / "run" / "model.safetensors").read_bytes()
 
@@ -166,6 +168,7 @@ def test_a_notice_during_start_up_is_held_until_the_first_step_is_saved(config, 
     damaged.write_text("{not json\n")
     with pytest.raises(UserError):
         train_sft(sft_args(config, str(damaged), tmp_path / "refused"))
+    assert signal.getsignal(signal.SIGTERM) is before  # a refused run gives the process its handler back
 
     def build_model_under_a_notice(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -225,7 +228,7 @@ def test_full_disk_is_refused_before_the_save_and_the_previous_checkpoint_stays(
     train_sft(sft_args(config, data, small_disk, max_steps=1))
     before = (small_disk / "run_resume.pt").read_bytes()
     fill(small_disk, 40 * 2**20)
-    code, stderr = script_exit(train_sft, sft_args(config, data, small_disk, max_steps=2, from_resume=1), capsys)
+    code, stderr = script_exit(train_sft, sft_args(config, data, small_disk, max_steps=2, from_resume=1, resume_changes="max_steps"), capsys)
     assert_one_line_error(code, stderr, 1, "not enough free space", str(small_disk), "intact")
     assert (small_disk / "run_resume.pt").read_bytes() == before
     assert not [name for name in listing(small_disk) if ".tmp-" in name]
@@ -237,7 +240,7 @@ def test_disk_filling_up_during_the_write_keeps_the_previous_checkpoint(config, 
     before = (small_disk / "run_resume.pt").read_bytes()
     fill(small_disk, 60 * 2**20)  # the export (~40 MiB) fits, the resume file (~120 MiB) does not
     monkeypatch.setattr("trainer.trainer_utils.check_free_space", lambda *args: None)  # another writer filled it
-    code, stderr = script_exit(train_sft, sft_args(config, data, small_disk, max_steps=2, from_resume=1), capsys)
+    code, stderr = script_exit(train_sft, sft_args(config, data, small_disk, max_steps=2, from_resume=1, resume_changes="max_steps"), capsys)
     assert_one_line_error(code, stderr, 1, "no space left", "intact")
     assert (small_disk / "run_resume.pt").read_bytes() == before
     assert not [name for name in listing(small_disk) if ".tmp-" in name]
@@ -261,7 +264,7 @@ def test_a_second_run_with_the_same_name_is_refused_and_a_dead_ones_lock_is_take
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert (tmp_path / "run.lock").exists(), "a killed run leaves its lock"
-    train_sft(sft_args(config, data, tmp_path, from_resume=1, max_steps=1))
+    train_sft(sft_args(config, data, tmp_path, from_resume=1, max_steps=1, resume_changes="max_steps"))
     assert "taking over" in capsys.readouterr().out
     assert not (tmp_path / "run.lock").exists()
 
@@ -270,8 +273,13 @@ def test_a_second_run_with_the_same_name_is_refused_and_a_dead_ones_lock_is_take
 def test_an_existing_run_is_never_restarted_by_accident(config, data, tmp_path, capsys):
     train_sft(sft_args(config, data, tmp_path, max_steps=2))
     before = {name: (tmp_path / name).read_bytes() for name in ("run_resume.pt", "run_metrics.jsonl")}
-    code, stderr = script_exit(train_sft, sft_args(config, data, tmp_path, max_steps=2), capsys)
-    assert_one_line_error(code, stderr, 2, str(tmp_path / "run_resume.pt"), "--from_resume 1", "--start_over 1")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        run_script(lambda: train_sft(sft_args(config, data, tmp_path, max_steps=2)))
+    out, stderr = capsys.readouterr()
+    assert_one_line_error(refused.value.code, stderr, 2, str(tmp_path / "run_resume.pt"), "--from_resume 1",
+                          "--start_over 1")
+    assert "checking" not in out and "random weights" not in out  # refused before the rows and the model
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
     train_sft(sft_args(config, data, tmp_path, max_steps=1, start_over=1))
     aside = [name for name in listing(tmp_path) if name.startswith("run.replaced-")]
@@ -350,4 +358,4 @@ def test_rows_the_loop_cannot_train_on_are_refused_at_start_up(config, tmp_path,
     main, extra = (train_sft, {}) if loop == "sft" else (train_distillation, {"teacher_path": teacher})
     code, stderr = script_exit(main, sft_args(config, str(data), tmp_path / "out", **extra), capsys)
     assert_one_line_error(code, stderr, 2, str(data), *names)
-    assert listing(tmp_path / "out") == []
+    assert not (tmp_path / "out").exists()  # not even an empty --save_dir is left behind

@@ -84,3 +84,30 @@ def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, show
     progress = Progress(10, 0, enabled=True)
     assert (progress.bar is not None) == shown
     progress.close()
+
+
+def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
+    from trainer.trainer_utils import console_line
+    metrics = {"step": 100, "epoch": 1, "loss": 11.2345, "lr": 2.0e-3, "grad_norm": 12.34, "tokens_per_s": 12345.0,
+               "step_ms": 12345.0, "ce": 11.8512, "kd": 10.6021}
+    line = console_line(metrics, epochs=1, total_steps=100, eta="10:03:24", show=("ce", "kd"))
+    assert len(line) <= 120 and line.endswith("| ce 11.85 kd 10.6"), line
+
+
+def test_every_step_reaches_the_tracker_and_metrics_and_the_bar_shows_the_lines_eta(tiny_config_path, chat_jsonl,
+                                                                                  tmp_path, monkeypatch, one_thread):
+    import trainer.trainer_utils as trainer_utils
+    etas = []
+    monkeypatch.setattr(trainer_utils.Progress, "update", lambda self, step, metrics, eta: etas.append(eta))
+    logged = []
+    real_init_tracker = trainer_utils.init_tracker
+
+    def recording_tracker(*args, **kwargs):
+        tracker = real_init_tracker(*args, **kwargs)
+        log = tracker.log
+        tracker.log = lambda values, step: (logged.append(step), log(values, step=step))
+        return tracker
+    monkeypatch.setattr(trainer_utils, "init_tracker", recording_tracker)
+    train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=4, log_interval=10))
+    assert logged == [1, 2, 3, 4] and [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
+    assert len(etas) == 4 and etas[0] == "?"  # one ETA: the bar gets the log line's

@@ -7,6 +7,7 @@ the settings the run really used (fp32 on CPU, device, world size) and no None p
 A broken install (swanboard under peewee 4: "cannot commit - no transaction is active") leaves the charts without
 data and fails here."""
 import argparse
+import os
 
 import pytest
 from fastapi.testclient import TestClient
@@ -59,6 +60,7 @@ def test_local_dashboard_shows_every_logged_series_and_the_effective_config(tiny
     assert config["dtype"] == "float32" and config["requested_dtype"] == "bfloat16"
     assert config["device"] == "cpu" and config["world_size"] == 1
     assert config["model_path"] == "none"  # a None flag, which swanlab would show as {}
+    assert config["data_path"] == os.path.abspath(chat_jsonl)  # what was read, as the run resolved it
     assert not [key for key, value in config.items() if value in ({}, None)], config
 
 
@@ -73,3 +75,12 @@ def test_config_records_the_dtype_the_run_trained_in(device, requested, expected
     assert config["device"] == device and config["world_size"] == 2 and config["model_path"] == "none"
     assert tracker_config(args, {"device": device, "world_size": 8})["world_size"] == 8
     assert tracker_config(args)["device"] == "cuda"  # without `effective`: the flag and the torchrun environment
+
+
+def test_the_logged_config_names_the_defaulted_model_config_and_data(tmp_path, monkeypatch):
+    from trainer.train_sft import parse_args
+    args = parse_args(["--save_dir", str(tmp_path)])
+    assert args.model_config.endswith(os.path.join("model", "configs", "qwen3-tiny.json"))
+    config = tracker_config(args, {"device": "cpu", "world_size": 1, "dtype": "float32",
+                                   "data_path": "/data/demo/sft_train.parquet"})
+    assert config["model_config"] == args.model_config and config["data_path"] == "/data/demo/sft_train.parquet"

@@ -29,9 +29,11 @@ def test_labels_cover_the_sampled_tokens_through_the_first_eos_only():
     completion_ids = torch.tensor([[5, 6, EOS, PAD, PAD], [7, EOS, PAD, PAD, PAD]])
     completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
     input_ids, attention_mask, labels = build_sequences(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    assert input_ids.tolist() == [[PAD, PAD, 11, 12, 5, 6, EOS, PAD, PAD], [21, 22, 23, 24, 7, EOS, PAD, PAD, PAD]]
-    assert labels.tolist() == [[-100] * 4 + [5, 6, EOS, -100, -100], [-100] * 4 + [7, EOS, -100, -100, -100]]
-    assert attention_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0]]
+    # right padded for the training forward: each row's prompt and completion from position 0, the width of the
+    # longest row
+    assert input_ids.tolist() == [[11, 12, 5, 6, EOS, PAD], [21, 22, 23, 24, 7, EOS]]
+    assert labels.tolist() == [[-100, -100, 5, 6, EOS, -100], [-100] * 4 + [7, EOS]]
+    assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
 
 
 def test_generated_eos_ends_the_labels(tiny_config_path):
@@ -44,7 +46,8 @@ def test_generated_eos_ends_the_labels(tiny_config_path):
     _, _, labels = build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
     row = out.completion_ids[0].tolist()
     first_eos = row.index(eos)
-    assert labels[0, 3:].tolist() == row[:first_eos + 1] + [-100] * (len(row) - first_eos - 1)
+    assert labels[0, :2].tolist() == [-100, -100]  # the two real prompt tokens come first (right padded)
+    assert labels[0, 2:].tolist() == row[:first_eos + 1] + [-100] * (labels.shape[1] - 3 - first_eos)
     assert all(token == PAD for token in row[first_eos + 1:])
 
 

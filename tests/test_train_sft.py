@@ -84,7 +84,7 @@ def test_swanlab_offline_run_is_resumed_under_the_same_id(tiny_config_path, chat
     args = sft_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, save_interval=1, use_swanlab=1,
                     swanlab_mode="offline")
     train_sft(args + ["--max_steps", "2"])
-    train_sft(args + ["--max_steps", "4", "--from_resume", "1"])
+    train_sft(args + ["--max_steps", "4", "--from_resume", "1", "--resume_changes", "max_steps"])
     runs = sorted(os.listdir(tmp_path / "swanlog"))
     run_dirs = [d for d in runs if d.startswith("run-")]
     assert len(run_dirs) == 2

@@ -1,12 +1,17 @@
 """Held-out evaluation during training: greedy completions of a fixed prompt set, their math accuracy, and (for
 distillation) the student's per-token reverse KL to the teacher on those completions. The same numbers at every
-evaluation step, on the same prompts, so runs can be compared."""
+evaluation step, on the same prompts, so runs can be compared. Under torchrun every rank evaluates its share of
+the prompts and the sums are all-reduced: the numbers of one process, and no rank waits in a collective for the
+length of a whole evaluation (--dist_timeout)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+from common.errors import RuntimeFailure
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
@@ -15,17 +20,20 @@ from eval.grader import grade_batch
 from model import generate
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs)
+from trainer.setup import DistInfo
+
+# what an evaluation adds up over its prompts: one process's total, or the ranks' shares all-reduced
+SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
 
 
 @torch.no_grad()
-def evaluate_heldout(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
-                     autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
-                     teacher_server=None, seed: int = 0) -> dict[str, float]:
-    """`batches`: PromptCollator outputs (on the right device). Returns accuracy, mean completion length, EOS share
-    and, with a teacher, the token-weighted mean generalized JSD at `beta` over the greedy completions: beta=1 is
-    the reverse KL(student || teacher), logged as eval/reverse_kl; another beta as eval/jsd_beta<beta>. With a
-    teacher on a server (which returns log-probabilities of given tokens only), eval/reverse_kl_estimate instead:
-    the sampled-token estimate on the student's own samples of the prompts."""
+def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
+                 autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
+                 teacher_server=None, seed: int = 0) -> dict[str, float]:
+    """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
+    generated tokens, rows that ended with EOS and, with a teacher, the generalized JSD at `beta` summed over the
+    greedy completions' tokens and their number (with a teacher on a server, the sampled-token estimate on the
+    student's own samples of the prompts)."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -55,12 +63,22 @@ def evaluate_heldout(student, tokenizer, batches: list[dict], max_new_tokens: in
                                         chunk_size, seed)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
-    metrics = {"eval/accuracy": correct / max(rows, 1), "eval/completion_len": generated / max(rows, 1),
-               "eval/eos_share": ended / max(rows, 1)}
-    if teacher is not None:
-        metrics["eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"] = kl_sum / max(kl_tokens, 1)
-    if teacher_server is not None:
-        metrics["eval/reverse_kl_estimate"] = kl_sum / max(kl_tokens, 1)
+    return {"correct": correct, "rows": rows, "generated": generated, "ended": ended, "kl_sum": kl_sum,
+            "kl_tokens": kl_tokens}
+
+
+def heldout_metrics(sums: dict[str, float], teacher: bool, beta: float, teacher_server: bool) -> dict[str, float]:
+    """The SUMS of all prompts -> accuracy, mean completion length, EOS share (per row) and, with a teacher, the
+    token-weighted mean divergence: beta=1 is the reverse KL(student || teacher), logged as eval/reverse_kl;
+    another beta as eval/jsd_beta<beta>; with a teacher on a server (log-probabilities of given tokens only),
+    eval/reverse_kl_estimate."""
+    rows, kl_tokens = max(sums["rows"], 1), max(sums["kl_tokens"], 1)
+    metrics = {"eval/accuracy": sums["correct"] / rows, "eval/completion_len": sums["generated"] / rows,
+               "eval/eos_share": sums["ended"] / rows}
+    if teacher:
+        metrics["eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"] = sums["kl_sum"] / kl_tokens
+    if teacher_server:
+        metrics["eval/reverse_kl_estimate"] = sums["kl_sum"] / kl_tokens
     return metrics
 
 
@@ -99,34 +117,42 @@ def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_si
 
 class HeldoutEvaluator:
     """`--eval_interval` for a training loop: a fixed prompt set (the first --eval_rows rows of --eval_data_path,
-    default the demo eval set), evaluated on rank 0 (every rank with --fsdp 1) before training, every
-    --eval_interval optimizer steps and at the last step. Everything it needs comes in as arguments; it knows
-    nothing of the run."""
+    default the demo eval set), evaluated before training, every --eval_interval optimizer steps and at the last
+    step. Everything it needs comes in as arguments; it knows nothing of the run.
 
-    def __init__(self, args, tokenizer, device: str, is_main: bool, start_step: int):
-        self.args, self.tokenizer, self.device = args, tokenizer, device
-        # a sharded model (--fsdp 1) needs every rank in each forward: then all ranks evaluate the same prompts in
-        # step (greedy: the same completions, the same number of decoding steps) and rank 0 logs
-        evaluates = is_main or bool(getattr(args, "fsdp", 0))
-        self.batches = self.load_batches() if args.eval_interval and evaluates else []
+    The prompts are cut into the batches one process would use, and rank r evaluates batches r, r + W, ...: each
+    batch computes exactly what it computes in one process, the all-reduced sums are one process's (up to float64
+    summation order), and the ranks' shares differ by at most one batch. With --fsdp 1 (a sharded model needs every
+    rank in each forward) every rank evaluates all the prompts in step instead, as one process (greedy: the same
+    completions, the same number of decoding steps), and nothing is reduced. Rank 0 logs."""
+
+    def __init__(self, args, tokenizer, info: DistInfo, start_step: int):
+        self.args, self.tokenizer, self.info = args, tokenizer, info
+        self.lockstep = bool(getattr(args, "fsdp", 0)) and info.enabled
+        self.batches = self.load_batches() if args.eval_interval else []
         # a resumed run's checkpoint step was already evaluated (if due) by the run that wrote it
         self.evaluated_step = start_step if start_step > 0 else -1
 
     def load_batches(self) -> list[dict]:
+        """This rank's share of the held-out batches (all of them in lockstep or in one process)."""
         args = self.args
         dataset = RowDataset(args.eval_data_path or ensure_demo_data()["eval"])
         rows = [dataset[i] for i in range(min(args.eval_rows, len(dataset)))]
         collator = PromptCollator(self.tokenizer, args.max_prompt_length, bool(args.enable_thinking))
+        starts = list(range(0, len(rows), args.batch_size))
+        if not self.lockstep:
+            starts = starts[self.info.rank::self.info.world_size]
         batches = []
-        for start in range(0, len(rows), args.batch_size):
+        for start in starts:
             batch = collator(rows[start:start + args.batch_size])
-            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.device),
-                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.device)})
+            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.info.device),
+                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.info.device)})
         return batches
 
     def due(self, step: int, last: bool) -> bool:
-        """On rank 0: before training (step 0), every --eval_interval steps and at the last step, once per step."""
-        if not self.batches or step == self.evaluated_step:
+        """On every rank (even one whose share is empty: it joins the reduction): before training (step 0), every
+        --eval_interval steps and at the last step, once per step."""
+        if not self.args.eval_interval or step == self.evaluated_step:
             return False
         return step % self.args.eval_interval == 0 or last
 
@@ -134,7 +160,30 @@ class HeldoutEvaluator:
                  teacher_server=None) -> dict[str, float]:
         """Greedy completions of the held-out prompts: accuracy, length, EOS share; with a teacher also the
         student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta);
-        with a teacher on a server, the sampled-token reverse-KL estimate."""
+        with a teacher on a server, the sampled-token reverse-KL estimate. Every rank returns the same numbers."""
         self.evaluated_step = step
-        return evaluate_heldout(student, self.tokenizer, self.batches, self.args.eval_max_new_tokens, teacher,
-                                autocast, self.args.loss_chunk_size, beta, teacher_server, self.args.seed)
+        args = self.args
+
+        def work() -> dict[str, float]:
+            return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, teacher, autocast,
+                                args.loss_chunk_size, beta, teacher_server, args.seed)
+        sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
+        return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None)
+
+    def all_ranks_sums(self, work: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """This rank's sums, all-reduced with the others'. A rank whose share fails (a teacher server that stopped
+        answering) still joins the all-reduce, with a failure flag, and then raises; so does every other rank:
+        none is left waiting, and the loop's fail_together sees the failure on every rank."""
+        failure = None
+        try:
+            sums = work()
+        except RuntimeFailure as error:
+            failure, sums = error, dict.fromkeys(SUMS, 0.0)
+        values = torch.tensor([float(sums[name]) for name in SUMS] + [float(failure is not None)],
+                              dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        if failure is not None:
+            raise failure
+        if values[-1].item():
+            raise RuntimeFailure("the held-out evaluation failed on another rank (its message is above)")
+        return dict(zip(SUMS, values.tolist()))

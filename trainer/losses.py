@@ -12,7 +12,9 @@ Two layers:
   exist in full. The wrappers return sums plus token counts: the training skeleton divides by the token count
   of the whole accumulation window and all ranks (docs/architecture.md, "Invariant 1: exact token normalisation").
 
-Every loss is accumulated in fp32 even for bf16/fp16 inputs, and the teacher is always a constant.
+Under autocast the chunk's logits matmul runs in the autocast dtype (the lm_head weight cast once per loss,
+`autocast_once`); from the logits on, every loss is computed and accumulated in fp32, and the teacher is always a
+constant.
 """
 from __future__ import annotations
 
@@ -181,6 +183,19 @@ def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight
     return loss_fn(hidden @ weight.T, teacher_logits, labels)
 
 
+def autocast_once(weight: torch.Tensor) -> torch.Tensor:
+    """The lm_head weight in the autocast dtype, cast once per loss instead of once per chunk matmul.
+
+    Autocast caches the casts of leaf tensors only; `weight[:vocab_size]` is a view, so every chunk's
+    `hidden @ weight.T` would cast the whole (V, H) weight again -- in the forward, in the checkpoint's recompute
+    and in the backward (benchmarks/bench_losses.py counts them). Cast here, the matmuls see a weight already in
+    their dtype, and the gradient flows back through this one cast. Without autocast (fp32, CPU): unchanged."""
+    device_type = weight.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return weight
+    return weight.to(torch.get_autocast_dtype(device_type))
+
+
 def _add(total: LossOutput | None, part: LossOutput) -> LossOutput:
     if total is None:
         return part
@@ -218,8 +233,8 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     for w in (student_weight, teacher_weight):
         if w is not None and w.shape[0] < vocab_size:
             raise ValueError(f"vocab_size {vocab_size} exceeds the lm_head's {w.shape[0]} rows")
-    weight = student_weight[:vocab_size]
-    t_weight = teacher_weight[:vocab_size].detach() if teacher_weight is not None else None
+    weight = autocast_once(student_weight[:vocab_size])
+    t_weight = autocast_once(teacher_weight[:vocab_size].detach()) if teacher_weight is not None else None
     t_hidden = teacher_hidden.detach() if teacher_hidden is not None else None
 
     # checkpoint only when a graph is being built; under no_grad (evaluation) it would only add overhead
@@ -275,14 +290,20 @@ def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention
                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states at the positions that predict a label, and those labels: (N, H) and (N,).
 
-    prompt_length is the batch minimum of the completions' start: with left padding one scalar slices the batch,
-    and position t predicts labels[t + 1], so hidden[:, p-1:-1] goes with labels[:, p:]. Labels are the authority:
-    within the slice only positions whose label is not IGNORE_INDEX are kept, so neither prompt nor padding ever reaches
-    the lm_head or the loss; the slice is only a speed-up that keeps most prompt positions out of the gather.
+    The rows must be right padded (SFTCollator, build_sequences): the forward is then plain causal attention without
+    a mask -- the fused form (docs/architecture.md, "Attention kernels") -- with the same numbers as a masked forward
+    of the same rows, since a real token never attends the pads after it. `attention_mask` is checked, not used.
+    `start` is the first column holding any label; position t predicts labels[t + 1], so hidden[:, start-1:-1] goes
+    with labels[:, start:]. Labels are the authority: within the slice only positions whose label is not
+    IGNORE_INDEX are kept, so neither prompt nor padding ever reaches the lm_head or the loss; the slice is only a
+    speed-up that keeps the shortest prompt's positions out of the gather.
     """
+    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError("completion_hidden needs right-padded rows (real tokens first, padding after them): "
+                         "collate with SFTCollator or build_sequences")
     has_label = (labels[:, 1:] != IGNORE_INDEX).any(dim=0)
     start = int(has_label.nonzero()[0]) + 1 if bool(has_label.any()) else labels.shape[1] - 1
-    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True).hidden_states
+    hidden = model(input_ids, return_hidden=True).hidden_states
     hidden, targets = hidden[:, start - 1:-1], labels[:, start:]
     keep = targets != IGNORE_INDEX
     return hidden[keep], targets[keep]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
+import math
 import os
 import signal
 import sys
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from common.checks import check_device, check_model_dir
 from common.errors import refuse
 from common.files import check_writable
+from common.http import ApiClient
 from dataset.collators import SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
@@ -30,6 +33,13 @@ from trainer.sharding import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
+# A rank waits in a collective while another works alone; past --dist_timeout the process group fails every rank
+# (NCCL's watchdog kills them, gloo raises), before the failure protocol can save or say anything. The default
+# covers the longest legitimate waits: a batch of server requests at the default --rollout_timeout with all their
+# retries (3340 s, server_wait_seconds) and rank 0 writing an 8B model's checkpoint (~131 GB: ~1310 s at the
+# speed below); both are checked at start-up against the value given.
+DEFAULT_DIST_TIMEOUT = 3600.0
+SAVE_WRITE_BYTES_PER_S = 100e6  # a conservative sustained write speed: a network file system's, a busy disk's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,12 +87,22 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--fsdp", type=int, default=0, choices=[0, 1],
                    help="1: shard parameters, gradients and optimizer state over the ranks (FSDP2) and write "
                         "sharded checkpoints that any world size resumes (docs/architecture.md)")
+    g.add_argument("--dist_timeout", type=float, default=DEFAULT_DIST_TIMEOUT,
+                   help=f"seconds a rank may wait in a collective for the others before the run fails (NCCL's "
+                        f"watchdog, gloo's timeout); the default {DEFAULT_DIST_TIMEOUT:.0f} covers the longest "
+                        f"legitimate wait: a batch of server requests at --rollout_timeout 600 with all retries "
+                        f"(3340 s) or rank 0 writing an 8B model's checkpoint at {SAVE_WRITE_BYTES_PER_S / 1e6:.0f} "
+                        f"MB/s (~1310 s); a longer possible wait is refused at start-up")
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
     g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
     g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
     g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
                    help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
+    g.add_argument("--resume_changes", default="",
+                   help="with --from_resume 1: comma-separated flags that may differ from the checkpoint's although "
+                        "they change what the run computes, e.g. max_steps to train on past the planned end (the "
+                        "cosine schedule is then recomputed over the new length); others are refused")
     g.add_argument("--start_over", type=int, default=0, choices=[0, 1],
                    help="1: move an existing run of this name aside (SAVE_DIR/NAME.replaced-TIME/) and start anew")
     g = parser.add_argument_group("logging")
@@ -97,6 +117,8 @@ def validate_common_args(args: argparse.Namespace) -> None:
     """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
     if args.model_path and args.model_config:
         refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
+    if not args.model_path and not args.model_config:  # resolved here, so the logged config names what was used
+        args.model_config = DEFAULT_MODEL_CONFIG
     for name in ("epochs", "batch_size", "accumulation_steps", "max_length", "max_prompt_length",
                  "log_interval", "save_interval", "loss_chunk_size"):
         if getattr(args, name) < 1:
@@ -110,8 +132,11 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.eval_interval < 0 or args.eval_rows < 1 or args.eval_max_new_tokens < 1:
         refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
-    if args.max_steps < 0 or args.grad_clip < 0:
-        refuse("--max_steps and --grad_clip must be >= 0")
+    for name in ("max_steps", "grad_clip"):
+        if getattr(args, name) < 0:
+            refuse(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if not args.dist_timeout > 0:
+        refuse(f"--dist_timeout must be > 0 seconds, got {args.dist_timeout}")
     check_device(args.device)
     if args.model_path:
         check_model_dir(args.model_path, "--model_path")
@@ -122,9 +147,27 @@ def validate_common_args(args: argparse.Namespace) -> None:
     if args.fsdp and args.device.startswith("cuda") and args.dtype == "float16":
         refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
                "--dtype bfloat16")
+    unknown = sorted(resume_change_names(args) - vars(args).keys())
+    if unknown:
+        refuse(f"--resume_changes names no flag of this script: {', '.join(unknown)}")
     if args.from_resume and args.start_over:
         refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
     check_writable(args.save_dir, "--save_dir")
+    check_run_name(args)
+
+
+def check_run_name(args: argparse.Namespace) -> None:
+    """A run of this name already exists and neither --from_resume 1 nor --start_over 1 says what to do with it:
+    refused now, before the data is checked and the models are built (and again under the run lock)."""
+    resume_path = os.path.join(args.save_dir, f"{args.save_weight}_resume.pt")
+    if os.path.exists(resume_path) and not args.from_resume and not args.start_over:
+        refuse(f"{resume_path} holds a run of this name: continue it with --from_resume 1, pass --start_over 1 to "
+               f"move its files aside and start anew, or choose another --save_weight")
+
+
+def resume_change_names(args: argparse.Namespace) -> set[str]:
+    """The flag names --resume_changes lists (comma-separated, with or without the leading --)."""
+    return {name.strip().removeprefix("--") for name in args.resume_changes.split(",") if name.strip()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,9 +195,9 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed_mode(device: str) -> DistInfo:
-    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU)."""
-    note_stop_signals()
+def init_distributed_mode(device: str, timeout: float = DEFAULT_DIST_TIMEOUT) -> DistInfo:
+    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU). `timeout`
+    (--dist_timeout, seconds): how long a collective may wait for the other ranks before the group fails."""
     if "RANK" not in os.environ:
         return DistInfo(device=device)
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -162,34 +205,9 @@ def init_distributed_mode(device: str) -> DistInfo:
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout))
     return DistInfo(rank, local_rank, world_size, device)
-
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_start_up = {"signal": 0, "previous_handlers": {}}
-
-
-def note_stop_signals() -> None:
-    """From the very start, a preemption notice (SIGTERM / SIGUSR1) is only noted: a rank still loading when it
-    arrives would otherwise die of it while another rank, already training, fails in its next collective with a
-    traceback. The loop's own handler (trainer_utils.StopRequest) takes the noted signal over, and the run then
-    stops after its first step, saved, like after any notice. Installed before the process group exists, so every
-    rank has it before any rank can begin training."""
-    def note(signum, frame) -> None:
-        _start_up["signal"] = _start_up["signal"] or signum
-    _start_up["signal"] = 0
-    installed = {signum: signal.signal(signum, note) for signum in PREEMPTION_SIGNALS}
-    # a run (in-process, e.g. a test) that failed before its StopRequest took over left `note` installed: the
-    # handlers to give back at the end are still the ones from before that run
-    _start_up["previous_handlers"] = _start_up["previous_handlers"] or installed
-
-
-def take_noted_stop_signal() -> tuple[int, dict]:
-    """For StopRequest: the signal noted during start-up (0: none) and the handlers the process had before."""
-    noted, previous = _start_up["signal"], _start_up["previous_handlers"]
-    _start_up["signal"], _start_up["previous_handlers"] = 0, {}
-    return noted, previous
 
 
 def die_with_launcher() -> None:
@@ -202,6 +220,17 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if parent == 1 or os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_save_time(rank0_bytes: int, dist_timeout: float) -> None:
+    """For Run, with more than one rank: rank 0 writes `rank0_bytes` of a checkpoint alone while the other ranks
+    wait at the save's barrier. Refused at start-up when that could take longer than --dist_timeout at a
+    conservative write speed (every rank computes the same, so every rank refuses)."""
+    seconds = rank0_bytes / SAVE_WRITE_BYTES_PER_S
+    if seconds > dist_timeout:
+        refuse(f"--dist_timeout {dist_timeout:g}: rank 0 writes {rank0_bytes / 1e9:.1f} GB of each checkpoint while "
+               f"the other ranks wait, up to {seconds:.0f} s at {SAVE_WRITE_BYTES_PER_S / 1e6:.0f} MB/s; raise "
+               f"--dist_timeout to {math.ceil(seconds)} or more")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -335,6 +364,32 @@ def validate_server_args(args: argparse.Namespace) -> None:
         refuse(f"--loss sampled_kl is a policy gradient on the current student's own samples: with --sync_interval "
                f"{args.sync_interval} the server samples from older weights (a biased estimate without importance "
                f"weights); use --sync_interval 1 or --loss jsd")
+    check_server_wait(args)
+
+
+def server_wait_seconds(args: argparse.Namespace) -> float:
+    """The longest a rank can wait for one batch of server requests (a batch's rollouts or teacher scores) before
+    they fail, while the other ranks wait in the next collective: every attempt of a request (retries + 1) up to
+    the client's connect timeout plus --rollout_timeout, between attempts up to the longest backoff or Retry-After
+    the client honours (common/http.py), and a batch's rows sent --rollout_concurrency at a time."""
+    client = ApiClient.__init__.__kwdefaults__  # what CompletionServer leaves to the client
+    attempts = CompletionServer.__init__.__kwdefaults__["max_retries"] + 1
+    request = (attempts * (client["connect_timeout"] + args.rollout_timeout)
+               + (attempts - 1) * max(client["backoff_max"], client["max_retry_after"]))
+    return math.ceil(args.batch_size / args.rollout_concurrency) * request
+
+
+def check_server_wait(args: argparse.Namespace) -> None:
+    """With more than one rank, a batch of server requests that could outlast --dist_timeout is refused at once:
+    the other ranks would be failed by the process group before the failure protocol (fail_together) saves."""
+    if not (args.rollout_url or args.teacher_url) or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    seconds = server_wait_seconds(args)
+    if seconds > args.dist_timeout:
+        refuse(f"--rollout_timeout {args.rollout_timeout:g}: a batch of server requests can take up to {seconds:.0f} s "
+               f"with its retries (--batch_size {args.batch_size}, --rollout_concurrency {args.rollout_concurrency}), "
+               f"longer than --dist_timeout {args.dist_timeout:g}; raise --dist_timeout to {math.ceil(seconds)} or "
+               f"lower --rollout_timeout")
 
 
 def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> CompletionServer | None:

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.errors import ArgumentParser, refuse, run_script
+from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import chunked_loss, completion_hidden, distillation_loss, sft_loss
 from trainer.setup import (ROOT, add_common_args, add_teacher_args, build_model, init_distributed_mode,
@@ -58,12 +59,17 @@ def ce_and_kd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    info = init_distributed_mode(args.device)  # first: each rank builds its models on its own device
+    with stop_signals_noted():  # SIGTERM / SIGUSR1 from here on: the step is finished and saved; at the end
+        train(args)            # (done, refused or failed) the process's own handlers are back
+
+
+def train(args: argparse.Namespace) -> None:
+    info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 (--fsdp 1: all)
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
         run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher))

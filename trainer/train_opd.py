@@ -43,11 +43,12 @@ from dataset.sources import RowDataset
 from model import DTYPES, generate, load_tokenizer
 from serving.engine import CompletionServer, probe_token_ids
 from serving.weight_sync import WeightSync
+from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs, sampled_token_kl_loss)
 from trainer.setup import (add_common_args, add_server_args, add_teacher_args, build_model, check_rows,
-                           connect_server, init_distributed_mode, load_teacher, resolve_teacher_path,
+                           connect_server, init_distributed_mode, load_teacher, print0, resolve_teacher_path,
                            rollout_weights_path, validate_common_args, validate_server_args)
 from trainer.tracking import trained_dtype
 from trainer.trainer_utils import PhaseClock, Run
@@ -101,6 +102,16 @@ def validate_opd_args(args: argparse.Namespace) -> None:
                f"its own samples, so it needs --gen_temperature {args.temperature} --top_k 0 --top_p 1 (got "
                f"--gen_temperature {args.gen_temperature} --top_k {args.top_k} --top_p {args.top_p}: a biased "
                f"estimate); use --loss jsd to sample differently")
+
+
+def say_servers(args: argparse.Namespace) -> None:
+    """One start-up line per server: what it does for the run."""
+    if args.rollout_url:
+        print0(f"rollouts on {args.rollout_url} ({args.rollout_model}): rank 0 pushes the student's weights every "
+               f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
+               f"against the server's log-probabilities of a probe before sampling")
+    if args.teacher_url:
+        print0(f"teacher on {args.teacher_url} ({args.teacher_model}): its log-probabilities of the sampled tokens")
 
 
 def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
@@ -183,7 +194,12 @@ def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eo
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    info = init_distributed_mode(args.device)  # first: each rank builds its models on its own device
+    with stop_signals_noted():  # SIGTERM / SIGUSR1 from here on: the step is finished and saved; at the end
+        train(args)            # (done, refused or failed) the process's own handlers are back
+
+
+def train(args: argparse.Namespace) -> None:
+    info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
     tokenizer_dir = args.tokenizer_path or args.model_path
     tokenizer = load_tokenizer(tokenizer_dir)
     data_path = args.data_path or ensure_demo_data()["opd_prompts"]
@@ -197,10 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 (--fsdp 1: all)
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
     weight_sync = None if server is None else WeightSync(
         server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
         active=info.is_main)
+    say_servers(args)
 
     with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against

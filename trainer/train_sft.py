@@ -20,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import ArgumentParser, run_script
+from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import chunked_sft_loss, completion_hidden
 from trainer.setup import add_common_args, build_model, init_distributed_mode, load_sft_data, validate_common_args
@@ -36,11 +37,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    info = init_distributed_mode(args.device)  # first: each rank builds its model on its own device
+    with stop_signals_noted():  # SIGTERM / SIGUSR1 from here on: the step is finished and saved; at the end
+        train(args)            # (done, refused or failed) the process's own handlers are back
+
+
+def train(args: argparse.Namespace) -> None:
+    info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its model on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     model = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     run = Run(args, info, model, dataset, collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info.device, info.is_main, run.step)  # rank 0 (--fsdp 1: all)
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
         run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast))

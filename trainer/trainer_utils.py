@@ -42,7 +42,8 @@ from common.files import (atomic_write, check_free_space, process_start_time, ra
 from common.seeds import derived_seed, seed_everything
 from model import DTYPES, save_pretrained
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
-from trainer.setup import DistInfo, print0, take_noted_stop_signal
+from trainer.guard import take_noted_stop_signal
+from trainer.setup import DistInfo, check_run_name, check_save_time, print0, resume_change_names
 from trainer.sharding import full_weights, is_sharded, load_shards, remove_other_shards, save_shards, shard
 from trainer.tracking import init_tracker, trained_dtype
 
@@ -167,7 +168,9 @@ class Run:
         self.sharded = bool(args.fsdp)
         if self.sharded and info.enabled:
             shard(self.raw_model, self.device, args.dtype)
-        self.model = torch.compile(self.raw_model) if args.use_compile else self.raw_model
+        if args.use_compile:
+            self.raw_model.compile_layers()  # per layer: DDP / FSDP communication overlaps the backward
+        self.model = self.raw_model
         if info.enabled and not self.sharded:
             self.model = DistributedDataParallel(self.model, device_ids=[info.local_rank]
                                                  if self.device.startswith("cuda") else None)
@@ -185,6 +188,8 @@ class Run:
         if args.max_steps:
             self.total_steps = min(self.total_steps, args.max_steps)
         self.warmup_steps = int(args.warmup_ratio * self.total_steps)
+        if info.enabled:  # refused before anything is written: rank 0 saves alone while the others wait
+            check_save_time(self.rank0_save_bytes(), args.dist_timeout)
 
         self.out_prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.out_prefix}_resume.pt"
@@ -201,10 +206,12 @@ class Run:
                 raise
         self.tracker = init_tracker(args, self.state, info.is_main,
                                     effective={"device": info.device, "world_size": info.world_size,
-                                               "dtype": trained_dtype(info.device, args.dtype)})
+                                               "dtype": trained_dtype(info.device, args.dtype),
+                                               "data_path": os.path.abspath(dataset.path)})
         self.metrics_file = open_metrics(self.metrics_path, self.state.step) if info.is_main else None
         self.metrics = WindowMetrics(self.device)
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
+        self.finished_before = self.saved_step is not None and self.done  # a finished run resumed as it was
         self.stop_request = StopRequest(self)
         self.stop_signal = 0
         self.timer = StepTimer()
@@ -313,8 +320,9 @@ class Run:
         self.scaler.unscale_(self.optimizer)
         # DDP averaged the gradients over ranks; the micro-steps divided by loss_divisor: undo both, divide by tokens.
         scale = self.loss_divisor * self.dist.world_size / max(global_tokens, 1.0)
-        for grad in (p.grad for p in self.raw_model.parameters() if p.grad is not None):
-            grad.mul_(scale)  # sharded gradients are scaled shard by shard: the same arithmetic
+        # one foreach call (a few fused kernels) instead of a kernel per parameter; sharded gradients are scaled
+        # shard by shard: the same arithmetic
+        torch._foreach_mul_([p.grad for p in self.raw_model.parameters() if p.grad is not None], scale)
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: the global norm
@@ -328,34 +336,28 @@ class Run:
         state.step += 1
         state.samples_in_epoch += self.global_batch  # nominal for a short tail window: the epoch ends there
         elapsed = self.timer.tick(global_tokens)
-        return {"step": state.step, "epoch": state.epoch, "loss": values.pop("loss"), "lr": lr,
+        # epochs counted from 1 wherever a person reads them: metrics.jsonl, the tracker, the console
+        return {"step": state.step, "epoch": state.epoch + 1, "loss": values.pop("loss"), "lr": lr,
                 "grad_norm": grad_norm, "tokens": int(values.pop("tokens")),
                 "tokens_per_s": self.timer.tokens_per_s(), "step_ms": elapsed * 1000.0, **values}
 
     # -- logging --------------------------------------------------------------------------------------------------
 
     def log(self, metrics: dict, show: tuple[str, ...] = ()) -> None:
-        """Rank 0: the progress bar every step; every --log_interval steps, the first and the last, one console line
-        of at most 120 characters (with the loop's own numbers named in `show`, as many as fit) and the full
-        metrics to metrics.jsonl and the tracker."""
+        """Rank 0: every step, the full metrics to metrics.jsonl and the tracker (its charts get every point) and
+        the progress bar; every --log_interval steps, the first, the last and the one a stop signal ends on, one
+        console line of at most 120 characters (with the loop's own numbers named in `show`, as many as fit)."""
         step = self.state.step
         if not self.dist.is_main:
-            return
-        self.progress.update(step, metrics)
-        if not (step % self.args.log_interval == 0 or step == 1 or self.done):
             return
         self.metrics_file.write(json.dumps(metrics) + "\n")
         self.metrics_file.flush()
         self.tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-        epoch = f"epoch {metrics['epoch'] + 1}/{self.args.epochs} " if self.args.epochs > 1 else ""
-        parts = [f"{epoch}step {step}/{self.total_steps} {100.0 * step / self.total_steps:.0f}%",
-                 f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.1e}", f"gnorm {metrics['grad_norm']:.3g}",
-                 f"{metrics['tokens_per_s']:.0f} loss tok/s", f"{metrics['step_ms']:.0f} ms/step",
-                 f"eta {self.timer.eta(step, self.total_steps)}"]
-        extras = [format_metric(name, metrics[name]) for name in show if name in metrics]
-        while extras and len(" | ".join(parts + [" ".join(extras)])) > 120:
-            extras.pop()  # what does not fit is in metrics.jsonl and the tracker
-        self.progress.write(" | ".join(parts + ([" ".join(extras)] if extras else [])))
+        eta = self.timer.eta(step, self.total_steps)
+        self.progress.update(step, metrics, eta)
+        if not (step % self.args.log_interval == 0 or step == 1 or self.done or self.stop_signal):
+            return
+        self.progress.write(console_line(metrics, self.args.epochs, self.total_steps, eta, show))
 
     def log_eval(self, metrics: dict) -> None:
         """An evaluation's numbers, at the current step, logged by rank 0 (with --fsdp 1 every rank evaluates)."""
@@ -430,17 +432,26 @@ class Run:
         export = sum(p.numel() * p.element_size() for p in self.raw_model.parameters())
         return 3 * 4 * weights + export
 
+    def rank0_save_bytes(self) -> int:
+        """What rank 0 writes alone while the other ranks wait at the save's barrier: the resume file and the HF
+        export; with --fsdp 1 the export only (every rank writes its own shards, the resume file holds no weights)."""
+        if not self.sharded:
+            return self.expected_save_bytes()
+        return sum(p.numel() * p.element_size() for p in self.raw_model.parameters())
+
     def prepare_save_dir(self) -> None:
         """Rank 0, before anything is written: take the run lock, refuse to start over a run by accident (or set it
         aside when asked), and remove what killed runs of this name left half-written."""
         if not self.dist.is_main:
             return
+        os.makedirs(self.args.save_dir, exist_ok=True)  # first created here: a run refused before leaves no folder
         self.lock.acquire()
+        try:
+            check_run_name(self.args)  # again, under the lock: another run may have saved since start-up
+        except UserError:
+            self.lock.release()
+            raise
         if os.path.exists(self.resume_path) and not self.args.from_resume:
-            if not self.args.start_over:
-                self.lock.release()
-                raise UserError(f"{self.resume_path} holds a run of this name: continue it with --from_resume 1, or "
-                                f"pass --start_over 1 to move its files aside and start anew (or another --save_weight)")
             aside = f"{self.out_prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             os.makedirs(aside)
             for path in (self.out_prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
@@ -488,13 +499,20 @@ class Run:
         if self.state.samples_in_epoch >= (len(self.dataset) // self.dist.world_size) * self.dist.world_size:
             self.state.epoch, self.state.samples_in_epoch = self.state.epoch + 1, 0
         restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, self.state.step)
-        print0(f"resumed from {self.resume_path}: epoch {self.state.epoch + 1}, step {self.state.step}, "
-               f"{self.state.samples_in_epoch} samples into the epoch (saved by {checkpoint['world_size']} ranks)")
+        ranks = checkpoint["world_size"]
+        print0(f"resumed from {self.resume_path}: step {self.state.step}, epoch {self.state.epoch + 1} of "
+               f"{self.args.epochs}, {self.state.samples_in_epoch} samples into it (saved by {ranks} "
+               f"rank{'s' if ranks > 1 else ''})")
 
     def finish(self) -> None:
         """Close the logs and the lock. A run stopped by a signal before its end says how to continue and exits
         (75 for SIGTERM / SIGUSR1, 130 for Ctrl-C) with its checkpoint written."""
         self.close()
+        if self.finished_before:
+            print0(f"already finished: {self.resume_path} is at step {self.state.step} of {self.total_steps}, nothing "
+                   f"to train. To train longer, raise --max_steps or --epochs and pass --resume_changes max_steps "
+                   f"(or epochs): the learning-rate schedule is then recomputed over the new length")
+            return
         if self.stop_signal and not self.done:
             raise Stopped(f"stopped by {signal.Signals(self.stop_signal).name} after step {self.state.step}: "
                           f"checkpoint {self.resume_path}; continue with the same command and --from_resume 1",
@@ -534,11 +552,14 @@ def open_metrics(path: str, resumed_step: int):
     return open(path, "a", encoding="utf-8")
 
 
-# Flags that may differ on resume: they change how the run is executed or logged, not what it computes.
+# Flags that may differ on resume: they change how the run is executed or logged, not what it computes. Any other
+# change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
 RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
                      "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
-                     "gradient_checkpointing", "max_steps", "eval_interval", "eval_rows", "eval_data_path",
-                     "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher"}
+                     "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path",
+                     "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher", "dist_timeout",
+                     "resume_changes"}
+
 
 
 def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:
@@ -555,13 +576,18 @@ def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, mode
     if checkpoint["model_config"] != model.config.to_hf_dict():
         raise UserError(f"{path} was written for another model configuration; resume with the same "
                         f"--model_path/--model_config, or use another --save_weight")
-    saved = checkpoint["args"]
+    saved, accepted = checkpoint["args"], resume_change_names(args)
     changed = {k: (saved.get(k), v) for k, v in vars(args).items()
                if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
+    refused = {k: change for k, change in changed.items() if k not in accepted}
+    if refused:
+        details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise UserError(f"{path} was written with other settings ({details}), which would change what the run "
+                        f"computes (its length, learning-rate schedule or data): resume with the original flags, "
+                        f"accept the change with --resume_changes {','.join(refused)}, or use another --save_weight")
     if changed:
         details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        raise UserError(f"{path} was written with other settings ({details}); resume with the original flags "
-                        f"or use another --save_weight")
+        print0(f"resuming with changed settings, as --resume_changes accepts: {details}")
     if checkpoint["global_batch"] != global_batch:
         raise UserError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
                         f"now {global_batch}; keep the global batch to continue the same sample stream")
@@ -569,8 +595,10 @@ def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, mode
 
 
 def collect_rng_states(info: DistInfo) -> list[dict] | None:
+    """Every rank's RNG states, gathered to rank 0. CUDA: only the rank's own device (a resume on a node with
+    fewer visible GPUs must still find each rank's state, and no rank draws on another's device)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+             "cuda": torch.cuda.get_rng_state(info.device) if info.device.startswith("cuda") else None}
     if not info.enabled:
         return [state]
     gathered = [None] * info.world_size if info.is_main else None
@@ -588,8 +616,8 @@ def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and info.device.startswith("cuda"):
+        torch.cuda.set_rng_state(state["cuda"], info.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -657,9 +685,8 @@ class StopRequest:
     def __init__(self, run: "Run"):
         self.run, self.signal = run, 0
         self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
-        # a notice that arrived while the script was starting (trainer/setup.note_stop_signals) counts from here
-        noted, before_start_up = take_noted_stop_signal()
-        self.previous.update(before_start_up)
+        # a notice that arrived while the script was starting (trainer/guard.stop_signals_noted) counts from here
+        noted = take_noted_stop_signal()
         if noted:
             self.handle(noted, None)
 
@@ -722,21 +749,22 @@ class StepTimer:
 
 
 class Progress:
-    """A live progress bar (steps, ETA, loss, lr, loss tokens/s) on rank 0 when stderr is a terminal; none in CI
-    (the CI environment variable) or when the output is redirected, where the periodic log lines are the record.
-    Lines printed while the bar is up go through it, so they do not tear it."""
+    """A live progress bar (steps, elapsed, ETA, loss, lr, loss tokens/s) on rank 0 when stderr is a terminal; none
+    in CI (the CI environment variable) or when the output is redirected, where the periodic log lines are the
+    record. Its ETA is the log line's (StepTimer.eta), not tqdm's own estimate. Lines printed while the bar is up go
+    through it, so they do not tear it."""
 
     def __init__(self, total: int, done: int, enabled: bool):
         show = enabled and sys.stderr.isatty() and not os.environ.get("CI")
         self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show,
-                        file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+                        file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
                         ) if show else None
 
-    def update(self, step: int, metrics: dict) -> None:
+    def update(self, step: int, metrics: dict, eta: str) -> None:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} "
-                                     f"{metrics['tokens_per_s']:.0f} loss tok/s", refresh=True)
+            self.bar.set_postfix_str(f"eta {eta}, loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} "
+                                     f"{metrics['tokens_per_s']:.0f} tok/s", refresh=True)
 
     def write(self, line: str) -> None:
         if self.bar is not None:
@@ -748,6 +776,21 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def console_line(metrics: dict, epochs: int, total_steps: int, eta: str, show: tuple[str, ...],
+                 width: int = 120) -> str:
+    """One step's console line: step, loss, lr, grad norm, loss tokens/s, ms per step, ETA, then the loop's own
+    numbers named in `show`, as many as fit in `width` (the rest are in metrics.jsonl and the tracker)."""
+    step = metrics["step"]
+    epoch = f"epoch {metrics['epoch']}/{epochs} " if epochs > 1 else ""
+    parts = [f"{epoch}step {step}/{total_steps} {100.0 * step / total_steps:.0f}%", f"loss {metrics['loss']:.4f}",
+             f"lr {metrics['lr']:.1e}", f"gnorm {metrics['grad_norm']:.3g}", f"{metrics['tokens_per_s']:.0f} tok/s",
+             f"{metrics['step_ms']:.0f} ms", f"eta {eta}"]
+    extras = [format_metric(name, metrics[name]) for name in show if name in metrics]
+    while extras and len(" | ".join(parts + [" ".join(extras)])) > width:
+        extras.pop()
+    return " | ".join(parts + ([" ".join(extras)] if extras else []))
 
 
 def format_metric(name: str, value) -> str:
