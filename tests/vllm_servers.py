@@ -7,6 +7,7 @@ Two servers, started together when a test first asks (2-5 minutes on 2 cores) an
   rollout   serves "student": a tied-embedding tiny Qwen3 (SERVED_CONFIG), with the weight-sync extension
   teacher   serves "teacher": an untied tiny Qwen3 with other weights and a head of exactly the tokenizer's rows
 Each test that needs particular weights on a server loads them first (WeightSync.push); nothing else is assumed.
+A test module that needs a server in another --dtype starts its own (`start_server`), only when it runs.
 """
 from __future__ import annotations
 
@@ -84,6 +85,18 @@ def start_servers(folder: str) -> VllmServers:
             stop_vllm(server.process)
         raise
     return VllmServers(started[0][0], started[1][0], student_dir, teacher_dir)
+
+
+def start_server(folder: str, model_dir: str, name: str, dtype: str) -> VllmServer:
+    """One more server, ready (for the tests that need another --dtype; the caller stops it)."""
+    port, log = free_port(), os.path.join(folder, f"{name}_{dtype}_server.log")
+    server = VllmServer(port, start_vllm(vllm_command(vllm_python(), model_dir, name, port, dtype), log))
+    try:
+        wait_ready(server.process, port, log, timeout=READY_TIMEOUT)
+    except BaseException:
+        stop_vllm(server.process)
+        raise
+    return server
 
 
 def require_vllm() -> None:
