@@ -2,13 +2,20 @@
 
     python benchmarks/bench_fsdp.py             # 2 ranks (it launches torchrun itself), CPU/gloo, qwen3-tiny
     python benchmarks/bench_fsdp.py --config model/configs/qwen3-tiny-student.json --nproc 4
+    python benchmarks/bench_fsdp.py --load --config benchmarks/qwen3-1gb.json   # the load peaks
+    python benchmarks/bench_fsdp.py --precision  # FSDP's bf16 autocast numbers against DDP's
     python benchmarks/bench_fsdp.py --sizing    # only the sizing table (arithmetic, no run)
 
-Measured: one SFT optimizer step of the same model wrapped as train_sft.py wraps it (Run: DDP, or fully_shard per
-decoder layer and root), then each rank's bytes of parameters, gradients and AdamW state -- its local shards
+Measured: one SFT optimizer step over a window of 8 micro-batches of the same model wrapped as Run takes it (DDP, or
+fully_shard per RMSNorm, decoder layer and root), then each rank's bytes of parameters, gradients (the most it held
+after any backward of the window, FSDP2's internal unsharded gradients included) and AdamW state -- its local shards
 (`DTensor.to_local()`), everything else whole -- the fp32 master copy that training keeps; printed per rank with the
-FSDP/DDP ratio. What is not counted: activations, and under FSDP the layer being computed, gathered whole for its
+FSDP/DDP ratios. What is not counted: activations, and under FSDP the unit being computed, gathered whole for its
 forward and backward (one decoder layer, or the root's embedding and head).
+
+--load: an HF folder of --config's random model, loaded as student (fp32) and teacher, once by one unsharded
+process and once by --nproc sharded ranks, each case in processes of its own: the growth of each process's peak
+resident memory (VmHWM, reset just before the load) and whether the weights equal the files' bit for bit.
 
 The sizing table is arithmetic from bytes per parameter: a trained student keeps 16 B/parameter (fp32 weights,
 fp32 gradients, AdamW's two fp32 moments) on every GPU with DDP, 16/W with FSDP over W GPUs; a teacher in bf16 keeps
@@ -19,6 +26,7 @@ fp32 gradients, AdamW's two fp32 moments) on every GPU with DDP, 16/W with FSDP 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -27,19 +35,23 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from model import Qwen3Config, create_model  # noqa: E402
-from trainer.sharding import per_rank_training_bytes, shard  # noqa: E402
+from model import Qwen3Config, create_model, save_pretrained  # noqa: E402
+from trainer.setup import build_model, read_teacher  # noqa: E402
+from trainer.sharding import held_gradient_bytes, per_rank_training_bytes, shard  # noqa: E402
 
 QWEN3_PARAMS = {"Qwen3-0.6B": 0.6e9, "Qwen3-1.7B": 1.7e9, "Qwen3-4B": 4.0e9, "Qwen3-8B": 8.2e9,
                 "Qwen3-14B": 14.8e9, "Qwen3-32B": 32.8e9}
 PAIRS = [("Qwen3-0.6B", "Qwen3-4B"), ("Qwen3-0.6B", "Qwen3-8B"), ("Qwen3-1.7B", "Qwen3-8B"),
          ("Qwen3-4B", "Qwen3-32B"), ("Qwen3-8B", "Qwen3-32B"), ("Qwen3-14B", "Qwen3-32B")]
 BUDGET_GB = 0.8 * 80
+WINDOW = 8  # micro-batches per optimizer step (--accumulation_steps 8, as the README's example)
+MODES = ("DDP", "FSDP", "FSDP no-sync")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,24 +59,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=os.path.join(ROOT, "model", "configs", "qwen3-tiny.json"))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--sizing", action="store_true", help="print the sizing table only")
+    p.add_argument("--load", action="store_true",
+                   help="the load peaks: --config's model (e.g. model/configs/qwen3-1gb.json) loaded unsharded and "
+                        "sharded, as student and teacher")
+    p.add_argument("--precision", action="store_true",
+                   help="FSDP's mixed precision against DDP's under CPU bf16 autocast (loss and gradient)")
+    p.add_argument("--load_case", choices=["student", "teacher"], help=argparse.SUPPRESS)  # one measured load
+    p.add_argument("--model_dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)  # set by the launcher for its torchrun ranks
     return p.parse_args(argv)
 
 
-def one_step_bytes(config_path: str, sharded: bool) -> dict[str, int]:
+def one_step_bytes(config_path: str, mode: str) -> dict[str, int]:
+    """One SFT optimizer step over a window of WINDOW micro-batches, as Run takes it (DDP syncs on the window's
+    last; FSDP reduce-scatters after each backward; "FSDP no-sync", FSDP2's set_requires_gradient_sync(False)
+    until the last, is what Run did before and is measured to show what the counter sees). Gradients: the most this
+    rank held after any backward of the window."""
     torch.manual_seed(0)
-    model = create_model(Qwen3Config.from_json(config_path))
-    if sharded:
-        shard(model, "cpu", "float32")
-    else:
+    config = Qwen3Config.from_json(config_path)
+    model = create_model(config)
+    if mode == "DDP":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    raw = model.module if not sharded else model
+    else:
+        shard(model)
+    raw = model.module if mode == "DDP" else model
     optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-4)
-    ids = torch.randint(0, 1000, (2, 32))
-    hidden = model(ids, return_hidden=True).hidden_states
-    (hidden[:, -1] @ raw.lm_head.weight[:1000].T).logsumexp(-1).sum().backward()
+    gradients = 0
+    for index in range(WINDOW):
+        last = index == WINDOW - 1
+        if mode == "FSDP no-sync":
+            raw.set_requires_gradient_sync(last)
+        context = model.no_sync() if mode == "DDP" and not last else contextlib.nullcontext()
+        with context:
+            ids = torch.randint(0, config.vocab_size, (2, 32))
+            hidden = model(ids, return_hidden=True).hidden_states
+            (hidden[:, -1] @ raw.lm_head.weight.T).logsumexp(-1).sum().backward()
+        gradients = max(gradients, held_gradient_bytes(raw))
     optimizer.step()
-    return per_rank_training_bytes(raw, optimizer)
+    return {**per_rank_training_bytes(raw, optimizer), "gradients": gradients}
 
 
 def measure(args) -> None:
@@ -73,24 +105,157 @@ def measure(args) -> None:
     No collective after the last training step: a gloo worker thread can still be releasing the tensors of an
     object collective (all_gather_object) when the interpreter exits, which aborts the process."""
     dist.init_process_group("gloo")
-    results = {name: one_step_bytes(args.config, name == "FSDP") for name in ("DDP", "FSDP")}
+    results = {mode: one_step_bytes(args.config, mode) for mode in MODES}
     with open(os.path.join(args.out, f"{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
 
 
+def memory_kib(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (the peak since the last reset) of this process, in KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def load_growth(load):
+    """-> (the model `load()` returns, by how many bytes this process's peak resident memory grew while it ran)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
+    before = memory_kib("VmRSS")
+    model = load()
+    return model, (memory_kib("VmHWM") - before) * 1024
+
+
+def measure_load(args) -> None:
+    """One case, in a process of its own (or one per rank, under torchrun): load --model_dir as the student
+    (build_model: fp32) or the teacher (read_teacher: the autocast dtype -- fp32 on CPU), sharded when there are
+    ranks; write the growth of this rank's peak resident memory, and whether every weight equals the file's tensor
+    cast to that dtype (read whole by safetensors itself: not our loader), to --out/ROLE-RANK.json."""
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    flags = argparse.Namespace(fsdp=1, dtype="bfloat16", seed=0, teacher_path=args.model_dir, replicate_teacher=0)
+    load = {"student": lambda: build_model(flags, "cpu", path=args.model_dir),
+            "teacher": lambda: read_teacher(flags, "cpu")}[args.load_case]
+    model, growth = load_growth(load)
+    equal = True
+    expected = load_file_tensors(args.model_dir) if int(os.environ.get("RANK", 0)) == 0 else {}
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # every rank gathers
+        if expected:
+            reference = expected.get(name, expected["model.embed_tokens.weight"])  # a tied head is not in the file
+            equal &= torch.equal(whole, reference.to(whole.dtype))
+    with open(os.path.join(args.out, f"{args.load_case}-{case_name()}.json"), "w") as f:
+        json.dump({"growth": growth, "equal": equal}, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def case_name() -> str:
+    """"unsharded", or "rank-R" under torchrun."""
+    return f"rank-{os.environ['RANK']}" if "RANK" in os.environ else "unsharded"
+
+
+def load_file_tensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def run_load_benchmark(config_path: str, nproc: int) -> None:
+    """Save a random model of `config_path` as an HF folder, then load it as student and teacher, in one unsharded
+    process and in `nproc` sharded ranks; print each rank's peak growth and its ratio to the unsharded process's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "model")
+        model = create_model(Qwen3Config.from_json(config_path), seed=0)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        save_pretrained(model, folder)
+        del model
+        for role in ("student", "teacher"):
+            case = [os.path.abspath(__file__), "--load_case", role, "--model_dir", folder, "--out", tmp]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            subprocess.run([sys.executable, *case], check=True, env=env)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                            "--standalone", *case], check=True, env=env)
+        print(f"\nloading {os.path.basename(config_path)} ({size / 2**20:.0f} MiB in fp32; student fp32, teacher in "
+              f"the autocast dtype, fp32 on CPU): growth of each process's peak resident memory (VmHWM)\n")
+        print("| model | unsharded process, MiB | " + " | ".join(f"rank {r} of {nproc}, MiB" for r in range(nproc))
+              + " | largest rank / unsharded | weights equal the files' |")
+        print("|---|---|" + "---|" * nproc + "---|---|")
+        for role in ("student", "teacher"):
+            one, *ranks = [read_json(os.path.join(tmp, f"{role}-{name}.json"))
+                          for name in ["unsharded", *(f"rank-{r}" for r in range(nproc))]]
+            print(f"| {role} | {one['growth'] / 2**20:.0f} | "
+                  + " | ".join(f"{r['growth'] / 2**20:.0f}" for r in ranks)
+                  + f" | {max(r['growth'] for r in ranks) / one['growth']:.3f} | "
+                  f"{one['equal'] and all(r['equal'] for r in ranks)} |")
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def precision_case(config_path: str, mode: str) -> tuple[float, torch.Tensor]:
+    """One forward + backward of a fixed batch (the same on every rank, so the ranks' average is that batch's
+    gradient) under CPU bf16 autocast: -> (loss, the whole flattened gradient). Modes: "fp32" (no autocast, the
+    reference), "DDP" (fp32 weights, autocast lowers the matmuls), "FSDP" (trainer/sharding.shard's policies),
+    "FSDP all-bf16" (every unit gathered in bf16: the policy Run used before)."""
+    torch.manual_seed(0)
+    config = Qwen3Config.from_json(config_path)
+    model = create_model(config, seed=0)
+    if mode == "FSDP":
+        shard(model, torch.bfloat16)
+    elif mode == "FSDP all-bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "fp32"):
+        hidden = model(ids[:, :-1], return_hidden=True).hidden_states
+        logits = (hidden @ model.lm_head.weight.T).float()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    return float(loss), torch.cat([g.flatten() for g in grads])
+
+
+def measure_precision(args) -> None:
+    dist.init_process_group("gloo")
+    cases = {mode: precision_case(args.config, mode) for mode in ("fp32", "DDP", "FSDP", "FSDP all-bf16")}
+    if dist.get_rank() == 0:
+        (_, ref), (ddp_loss, ddp) = cases["fp32"], cases["DDP"]
+        rows = {mode: {"loss_vs_ddp": abs(loss - ddp_loss), "grad_vs_ddp": float((g - ddp).norm() / ddp.norm()),
+                       "grad_vs_fp32": float((g - ref).norm() / ref.norm())} for mode, (loss, g) in cases.items()}
+        with open(os.path.join(args.out, "precision.json"), "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def print_precision_table(config_path: str, out_dir: str, nproc: int) -> None:
+    rows = read_json(os.path.join(out_dir, "precision.json"))
+    print(f"\n{os.path.basename(config_path)}, {nproc} ranks, CPU bf16 autocast, one forward + backward: |loss - "
+          f"DDP's| and the gradient's relative distance to DDP's and to fp32's\n")
+    print("| mode | loss vs DDP | gradient vs DDP | gradient vs fp32 |")
+    print("|---|---|---|---|")
+    for mode, row in rows.items():
+        print(f"| {mode} | {row['loss_vs_ddp']:.2e} | {row['grad_vs_ddp']:.2e} | {row['grad_vs_fp32']:.2e} |")
+
+
 def print_per_rank_table(config_path: str, out_dir: str, nproc: int) -> None:
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
-    print(f"\n{os.path.basename(config_path)}, {nproc} ranks, one SFT step, fp32 + AdamW\n")
-    print("| rank | DDP params / grads / AdamW, MiB | DDP total | FSDP params / grads / AdamW, MiB | FSDP total "
-          "| FSDP / DDP |")
+    print(f"\n{os.path.basename(config_path)}, {nproc} ranks, one SFT step of {WINDOW} micro-batches, fp32 + AdamW; "
+          f"MiB of parameters / gradients (the window's peak) / AdamW state per rank, and each mode's total and "
+          f"gradients over DDP's\n")
+    print("| rank | mode | params / grads / AdamW, MiB | total | total / DDP | grads / DDP |")
     print("|---|---|---|---|---|---|")
     for rank in range(nproc):
         with open(os.path.join(out_dir, f"{rank}.json")) as f:
-            ddp, fsdp = json.load(f).values()
-        print(f"| {rank} | {' / '.join(mib(v) for v in ddp.values())} | {mib(sum(ddp.values()))} | "
-              f"{' / '.join(mib(v) for v in fsdp.values())} | {mib(sum(fsdp.values()))} | "
-              f"{sum(fsdp.values()) / sum(ddp.values()):.3f} |")
+            results = json.load(f)
+        ddp = results["DDP"]
+        for mode in MODES:
+            held = results[mode]
+            print(f"| {rank} | {mode} | {' / '.join(mib(v) for v in held.values())} | {mib(sum(held.values()))} | "
+                  f"{sum(held.values()) / sum(ddp.values()):.3f} | {held['gradients'] / ddp['gradients']:.3f} |")
 
 
 def sizing_table() -> None:
@@ -111,16 +276,24 @@ def sizing_table() -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.load_case:
+        measure_load(args)
+        return
     if "RANK" in os.environ:
-        measure(args)
+        measure_precision(args) if args.precision else measure(args)
+        return
+    if args.load:
+        run_load_benchmark(args.config, args.nproc)
         return
     if not args.sizing:
         with tempfile.TemporaryDirectory() as out_dir:
             command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--standalone",
-                       os.path.abspath(__file__), "--config", args.config, "--out", out_dir]
+                       os.path.abspath(__file__), "--config", args.config, "--out", out_dir,
+                       *(["--precision"] if args.precision else [])]
             subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            print_per_rank_table(args.config, out_dir, args.nproc)
-    sizing_table()
+            (print_precision_table if args.precision else print_per_rank_table)(args.config, out_dir, args.nproc)
+    if not args.precision:
+        sizing_table()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ One OPD step on one micro-batch, phase by phase, with the calls train_opd.py mak
   student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (student AND teacher lm_head
                    per chunk, beta=1: reverse KL), backward of the summed loss (recomputes each chunk)
   optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
-Phases are timed with trainer_utils.PhaseClock (the loop's own clock; its seconds are shown here in ms). The loss
+Phases are timed with console.PhaseClock (the loop's own clock; its seconds are shown here in ms). The loss
 phases are spelled out rather than calling train_opd.distill_loss, which would time them as one.
 The same 8 demo prompts (opd_prompts rows 0..7, PromptCollator) every step, sampled with per-row seeds that change
 with the step. --warmup steps first, then the median of --steps steps per phase; shares are of the sum of medians.
@@ -30,9 +30,9 @@ minus the prompt width.
 Then the generation alone is taken apart (separate runs of the same sample_completions, so the extra
 synchronisation does not touch the table above; the sequences it returns are all these numbers need, so there is no
 separate generate call): the model's forward and each decoder layer are timed with hooks, and model.generate's
-next_token_logits (the lm_head) and sample_next_token (temperature, top-k/p, per-row Gumbel noise, argmax) through
-wrappers installed in that module for the duration. Prefill = from the call to the end of the first lm_head;
-decode = the rest, per sampled token. "other" in a decode step is what generate's own loop does between those
+next_token_logits (the lm_head) and sample_next_token (temperature, top-k/p, softmax, the batched inverse-CDF
+draw) through wrappers installed in that module for the duration. Prefill = from the call to the end of the first
+lm_head; decode = the rest, per sampled token. "other" in a decode step is what generate's own loop does between those
 calls (vocab masking, EOS bookkeeping, the all-finished check, Python), plus, spread over the steps,
 sample_completions' set-up and its build_sequences concatenation.
 """
@@ -58,7 +58,8 @@ from dataset.sources import RowDataset  # noqa: E402
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
 from trainer.losses import chunked_generalized_jsd_loss, completion_hidden  # noqa: E402
 from trainer.train_opd import sample_completions  # noqa: E402
-from trainer.trainer_utils import PhaseClock, autocast_context  # noqa: E402
+from trainer.console import PhaseClock  # noqa: E402
+from trainer.trainer_utils import autocast_context  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "model", "configs")
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)

@@ -53,6 +53,13 @@ def refuse(message: str) -> NoReturn:
     raise FlagError(message)
 
 
+def refuse_first(rules: list[tuple[bool, str]]) -> None:
+    """Flag rules as a list of (broken, what is wrong and what to do): the first broken one is refused."""
+    for broken, message in rules:
+        if broken:
+            refuse(message)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose own complaints (an unknown, missing or mistyped flag) are one `error: argument ...` line with
     exit code 2, like every other refused flag, instead of the whole usage text; --help shows each flag's default."""

@@ -63,7 +63,7 @@ def stream_reply(model: Qwen3ForCausalLM, tokenizer, prompt_ids: list[int], max_
     for _ in range(max_new_tokens):
         logits[:, len(tokenizer):] = float("-inf")  # the embedding's padding rows are not tokens
         token = sample_next_token(logits, temperature > 0, temperature if temperature > 0 else 1.0, 0, top_p,
-                                  generator)
+                                  torch.rand(1, generator=generator, dtype=torch.float64, device=device))
         if int(token) in stop_ids:
             break
         ids.append(int(token))

@@ -1,7 +1,12 @@
 """Batched KV-cache generation: the rollout engine of on-policy distillation, so it stays lean.
 
 One prefill over the left-padded prompts, then one token per step against a pre-allocated cache (the prefix is
-never recomputed). Rows stop independently at EOS and emit pad afterwards; the loop ends when all rows stopped.
+never recomputed). Rows stop independently at EOS and emit pad afterwards; once as many rows have stopped as still
+decode, the stopped ones leave the batch (their cache rows with them), and the loop ends when all rows stopped.
+
+Sampling is one batched inverse-CDF draw per step: each row's uniforms for the whole rollout come from its own
+generator up front (one call per row per rollout, not per token), so a row's token depends only on its seed, its
+step and its logits -- not on its batch-mates, and a resumed run draws exactly what the killed one would have.
 """
 from __future__ import annotations
 
@@ -9,8 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from model.qwen3 import KVCache, Qwen3ForCausalLM, positions_from_mask
+
+# vocabulary block of the two-level inverse CDF (see inverse_cdf_sample): ~150 blocks for Qwen3's 151,936 tokens,
+# so both levels' scans are short
+CDF_BLOCK = 1024
 
 
 @dataclass
@@ -20,17 +30,24 @@ class GenerateOutput:
     completion_mask: torch.Tensor  # (B, R), 1 up to and including the first EOS
 
 
-def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
-                      generator: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,). Greedy, or temperature -> top-k -> top-p (nucleus) sampling.
+def draw_uniforms(generator: torch.Generator | Sequence[torch.Generator] | None, batch_size: int, steps: int,
+                  device: torch.device) -> torch.Tensor:
+    """(B, steps) float64 uniforms in [0, 1), column t drives step t's draw. With one generator per row, row r's
+    come from generator r alone: its samples do not depend on which rows share its batch, nor on the batch size."""
+    if isinstance(generator, Sequence):
+        return torch.stack([torch.rand(steps, generator=g, dtype=torch.float64, device=g.device)
+                            for g in generator]).to(device)
+    gen_device = generator.device if generator is not None else device
+    return torch.rand(batch_size, steps, generator=generator, dtype=torch.float64, device=gen_device).to(device)
 
-    `generator` is one generator for the batch, or one per row: then each row draws its own Gumbel noise and
-    samples argmax(logits + Gumbel) (an exact draw from the softmax), so a row's completion depends on its own
-    seed alone, not on which other rows share its batch (accumulation and world size then leave samples unchanged).
-    """
+
+def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
+                      uniforms: torch.Tensor | None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). Greedy, or temperature -> top-k -> top-p (nucleus) sampling, each row's
+    token the inverse CDF of its uniform (B,) under the resulting softmax."""
     if not do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float().contiguous()
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if top_k > 0:
@@ -43,13 +60,41 @@ def sample_next_token(logits: torch.Tensor, do_sample: bool, temperature: float,
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p
         drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if isinstance(generator, Sequence):
-        # exponential race: argmax(log p - log E) with E ~ Exp(1) is a Gumbel-max draw, one log pass per token
-        exponential = torch.stack([torch.empty(logits.shape[-1], device=logits.device).exponential_(generator=g)
-                                   for g in generator])
-        return (logits - exponential.log()).argmax(dim=-1)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return inverse_cdf_sample(logits.softmax(dim=-1), uniforms)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor, block: int = CDF_BLOCK) -> torch.Tensor:
+    """probs (B, V) (rows sum to 1, zeros allowed), uniforms (B,) in [0, 1) -> the token whose CDF interval holds
+    each row's uniform: token i with probability probs[i], and never a zero-probability token.
+
+    Two levels, because one float64 cumsum over the whole vocabulary costs ~7x the fused softmax on a CPU and a
+    float32 one is not exact (a partial sum near 1 rounds to ~6e-8, as large as a near-uniform row's tokens over
+    151,936). First the block: an fp64 CDF of the blocks' masses; then the token: the row's residual uniform on an
+    fp64 CDF of that block alone. A block mass is an fp32 sum of its tokens (relative error ~1e-7), so every token's
+    probability is exact to fp32 rounding, as the softmax itself is."""
+    B, V = probs.shape
+    full = V // block * block
+    masses = probs[:, :full].reshape(B, -1, block).sum(dim=-1)
+    if full < V:  # a ragged last block
+        masses = torch.cat([masses, probs[:, full:].sum(dim=-1, keepdim=True)], dim=1)
+    chosen, residual = inverse_cdf(masses.double(), uniforms)
+    index = chosen[:, None] * block + torch.arange(block, device=probs.device)
+    in_block = probs.gather(1, index.clamp(max=V - 1)).masked_fill(index >= V, 0.0)
+    offset, _ = inverse_cdf(in_block.double(), residual)
+    return chosen * block + offset
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights (B, N) >= 0 in float64, with a positive sum per row; uniforms (B,) in [0, 1) -> the index i whose
+    interval [cdf[i-1], cdf[i]) holds uniform * total, and where in it it fell, as a fresh uniform in [0, 1)."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total: uniform * total can round up to it, and then no index would be found
+    target = torch.minimum(uniforms[:, None] * total, total.nextafter(torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target, right=True)  # the first i with cdf[i] > target: weights[i] > 0
+    below = torch.where(index > 0, cdf.gather(1, (index - 1).clamp(min=0)), 0.0)  # cdf[i-1]
+    residual = ((target - below) / weights.gather(1, index)).clamp(0.0, 1.0 - 2.0 ** -53)
+    return index.squeeze(1), residual.squeeze(1)
 
 
 @torch.no_grad()
@@ -58,7 +103,8 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | Sequence[torch.Generator] | None = None,
              vocab_size: int | None = None) -> GenerateOutput:
-    """Generate up to `max_new_tokens` per row. `vocab_size` (the tokenizer's) keeps the embedding's padding rows
+    """Generate up to `max_new_tokens` per row. `generator`: one for the batch, or one per row (then a row's
+    sample depends on its own seed alone). `vocab_size` (the tokenizer's) keeps the embedding's padding rows
     (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled."""
     model = getattr(model, "module", model)
     B, P = input_ids.shape
@@ -68,6 +114,7 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     eos_ids = torch.tensor([] if eos_token_id is None else
                            ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)), device=device)
     pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+    uniforms = draw_uniforms(generator, B, max_new_tokens, device) if do_sample else None
 
     # under autocast the keys and values come out in the autocast dtype: store them so, not in the fp32 master
     # dtype (half the memory, and attention does not re-cast the whole cache at every layer and token)
@@ -79,24 +126,33 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     hidden = model(input_ids, attention_mask=mask[:, :P], kv_cache=cache, return_hidden=True).hidden_states
     logits = next_token_logits(model, hidden[:, -1])
 
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens = []
+    completion_ids = input_ids.new_full((B, max_new_tokens), pad_token_id)
+    rows = torch.arange(B, device=device)  # the batch rows still in the decoding batch, in order
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # per row of the decoding batch
+    steps = max_new_tokens
     for step in range(max_new_tokens):
         if vocab_size is not None:
             logits[:, vocab_size:] = float("-inf")
-        token = sample_next_token(logits, do_sample, temperature, top_k, top_p, generator)
-        token = token.masked_fill(finished, pad_token_id)
-        tokens.append(token)
+        token = sample_next_token(logits, do_sample, temperature, top_k, top_p,
+                                  None if uniforms is None else uniforms[rows, step])
+        completion_ids[rows, step] = token.masked_fill(finished, pad_token_id)
         finished = finished | torch.isin(token, eos_ids)
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        done = int(finished.sum())
+        if step == max_new_tokens - 1 or done == len(rows):
+            steps = step + 1
             break
+        if 2 * done >= len(rows):  # stopped rows leave the batch once they are half of it: at most log2(B) copies
+            keep = (~finished).nonzero().squeeze(1)
+            rows, token, mask, next_position = rows[keep], token[keep], mask[keep], next_position[keep]
+            cache.select_rows(keep)
+            finished = finished[keep]
         mask[:, P + step] = 1
         hidden = model(token[:, None], attention_mask=mask[:, :P + step + 1], position_ids=next_position,
                        kv_cache=cache, return_hidden=True).hidden_states
         logits = next_token_logits(model, hidden[:, -1])
         next_position = next_position + 1
 
-    completion_ids = torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros(B, 0)
+    completion_ids = completion_ids[:, :steps]
     return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
                           completion_mask=completion_mask_through_eos(completion_ids, eos_ids))
 
@@ -104,13 +160,16 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
 def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     """(B, H) final hidden states -> (B, V) logits, the lm_head that dominates a decoding step.
 
-    Computed as (W @ h.T).T rather than F.linear's h @ W.T: the same products, but for a few rows against the
-    151,936-row weight, CPU BLAS runs the weight-stationary form ~1.6x faster (measured: 8 x 512 against
-    151936 x 512, 52 ms vs 84 ms on one core), which is most of the step. On CUDA the two are the same GEMM.
-    The result is a transposed view: greedy's argmax reads it as it is (a contiguous copy would cost more than the
-    argmax); sampling makes it contiguous.
-    """
-    return (model.lm_head.weight @ hidden.T).T
+    On a CPU with hidden >= 512 and <= 8 rows, computed as (W @ h.T).T: the same products, but there CPU BLAS runs
+    the weight-stationary form 1.3-1.5x faster than F.linear's h @ W.T, at 1 and 2 threads alike
+    (`benchmarks/bench_model.py --only lm_head`, torch 2.13; at 16 rows it pays with 2 threads only). For narrower
+    rows (the demo models: hidden 64 and 128, 8-16 rows) F.linear is as fast or faster, by 1.2-2.5x counting the
+    contiguous copy sampling needs; on CUDA the two are the same GEMM. The weight-stationary result is a
+    transposed view: greedy's argmax reads it as it is."""
+    weight = model.lm_head.weight
+    if hidden.device.type == "cpu" and weight.shape[1] >= 512 and hidden.shape[0] <= 8:
+        return (weight @ hidden.T).T
+    return F.linear(hidden, weight)
 
 
 def completion_mask_through_eos(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,10 @@ class KVCache:
         self.values[layer, :, :, self.length:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows `index` (generation drops the rows that stopped): one copy of their cache."""
+        self.keys, self.values = self.keys[:, index], self.values[:, index]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -247,6 +251,12 @@ class Qwen3ForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The Qwen3ForCausalLM inside a DDP (`.module`) or whole-model torch.compile (`._orig_mod`) wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
 
 
 def create_model(config: Qwen3Config, seed: int | None = None, dtype: torch.dtype = torch.float32,

@@ -29,6 +29,7 @@ from common.errors import RuntimeFailure
 from common.files import atomic_write, raise_disk_error, remove_stale_temporaries
 from common.http import RequestError, one_line
 from model.checkpoint_io import hf_state_dict
+from model.qwen3 import unwrap
 from serving.engine import CompletionServer
 from serving.vllm_launch import EXTENSION
 
@@ -61,6 +62,7 @@ class WeightSync:
         self.server, self.path, self.probe_ids, self.dtype = server, os.path.abspath(path), probe_ids, dtype
         self.active = active
         self.synced_step: int | None = None
+        self.verified = 0  # verifications passed in this run
         if active:
             for stale in remove_stale_temporaries(self.path):
                 print(f"removed {stale}, left half-written by a run that was killed")
@@ -115,23 +117,31 @@ class WeightSync:
                     f"{EXTENSION} and the repository on its PYTHONPATH?")
         return f"weight sync to the {self.server.what} failed: {detail}"
 
-    def verify(self, model: torch.nn.Module, autocast: Callable) -> float:
-        """The server's log-probs of the probe against ours; returns the largest difference (0.0 where not
-        active) or raises. Every rank runs the probe's forward (a sharded model needs them all)."""
+    def verify(self, model: torch.nn.Module, autocast: Callable) -> dict[str, float]:
+        """The server's log-probs of the probe against ours -> {"max", "mean"} of |d log p| (zeros where not
+        active), or RuntimeFailure. Every rank runs the probe's forward (a sharded model needs them all). The first
+        verification of a run is said in one line."""
         if not self.active:
             own_logprobs(model, self.probe_ids, autocast)
-            return 0.0
-        return check_served_weights(self.server, model, self.probe_ids, self.dtype, autocast,
-                                    f"after the sync of step {self.synced_step}",
-                                    f"the server did not load {self.path} (started without --worker-extension-cls "
-                                    f"{EXTENSION}, or another file), it serves another model or --dtype, or it was "
-                                    f"restarted. Nothing from these weights was trained on.")
+            return {"max": 0.0, "mean": 0.0}
+        stats = check_served_weights(self.server, model, self.probe_ids, self.dtype, autocast,
+                                     f"after the sync of step {self.synced_step}",
+                                     f"the server did not load {self.path} (started without --worker-extension-cls "
+                                     f"{EXTENSION}, or another file), it serves another model or --dtype, or it was "
+                                     f"restarted. Nothing from these weights was trained on.")
+        if not self.verified:
+            tolerance = TOLERANCE[self.dtype]
+            print(f"weights of step {self.synced_step} pushed to {self.server.client.base_url} and verified: "
+                  f"|d log p| over the probe {stats['max']:.2g} at most, {stats['mean']:.2g} on average (tolerance "
+                  f"{tolerance.max:g} / {tolerance.mean:g})", flush=True)
+        self.verified += 1
+        return stats
 
 
 def check_served_weights(server: CompletionServer, model: torch.nn.Module, probe_ids: list[int], dtype: torch.dtype,
                          autocast: Callable, when: str, causes: str) -> float:
     """RuntimeFailure unless the server's log-probabilities of the probe equal `model`'s within the dtype's
-    tolerance; -> the largest difference."""
+    tolerance; -> the largest and the mean difference ({"max", "mean"})."""
     try:
         served = server.prompt_logprobs([probe_ids])[0]
     except RuntimeFailure as e:
@@ -143,7 +153,7 @@ def check_served_weights(server: CompletionServer, model: torch.nn.Module, probe
             f"differ from ours by up to {stats['max']:.3g}, {stats['mean']:.3g} on average (tolerance "
             f"{tolerance.max:g} at most and {tolerance.mean:g} on average for {str(dtype).removeprefix('torch.')}). "
             f"Likely causes: {causes}")
-    return stats["max"]
+    return stats
 
 
 def sync_statistics(served: torch.Tensor, own: torch.Tensor) -> dict[str, float]:
@@ -159,7 +169,7 @@ def within(stats: dict[str, float], tolerance: Tolerance) -> bool:
 @torch.no_grad()
 def own_logprobs(model: torch.nn.Module, token_ids: list[int], autocast: Callable) -> torch.Tensor:
     """log p(token t | tokens < t), t >= 1, over the full head (as a server computes it), fp32, on the CPU."""
-    model = getattr(model, "module", model)
+    model = unwrap(model)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

@@ -134,12 +134,50 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(models, kwargs):
 def test_top_k_and_top_p_restrict_the_support():
     from model.generate import sample_next_token
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(2000, 1)
-    gen = torch.Generator().manual_seed(0)
-    top2 = sample_next_token(logits, True, 1.0, 2, 1.0, gen)
+    uniforms = torch.rand(2000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    top2 = sample_next_token(logits, True, 1.0, 2, 1.0, uniforms)
     assert set(top2.tolist()) == {0, 1}
     # probs ~ [.64, .24, .09, .03, .01]: top_p=0.8 keeps the first two (0.64 < 0.8, 0.88 >= 0.8)
-    nucleus = sample_next_token(logits, True, 1.0, 0, 0.8, gen)
+    nucleus = sample_next_token(logits, True, 1.0, 0, 0.8, uniforms)
     assert set(nucleus.tolist()) == {0, 1}
+
+
+def _per_row(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_a_rows_sample_depends_on_its_seed_alone(models, monkeypatch):
+    """Batch-invariant: row r samples the same tokens alone, in another batch order or with other batch-mates,
+    also when rows stop at EOS early and leave the decoding batch."""
+    _, ours = models
+    ids, mask = prompts()
+    seeds = [11, 22, 33, 44]
+    free = generate(ours, ids, mask, 16, pad_token_id=PAD, generator=_per_row(seeds)).completion_ids
+    kept_rows = []  # the decoding batch's size after each time stopped rows left it
+    select_rows = KVCache.select_rows
+    monkeypatch.setattr(KVCache, "select_rows", lambda cache, index: kept_rows.append(len(index))
+                        or select_rows(cache, index))
+    for eos in (None, [int(free[0, 2]), int(free[1, 3])]):  # rows 0 and 1 stop by step 3: half the batch
+        together = generate(ours, ids, mask, 16, pad_token_id=PAD, eos_token_id=eos, generator=_per_row(seeds))
+        alone = [generate(ours, ids[r:r + 1], mask[r:r + 1], 16, pad_token_id=PAD, eos_token_id=eos,
+                          generator=_per_row(seeds[r:r + 1])).completion_ids[0] for r in range(4)]
+        width = together.completion_ids.shape[1]  # a row alone stops at its own EOS: pad it to the batch's width
+        alone = torch.stack([torch.nn.functional.pad(a, (0, width - len(a)), value=PAD) for a in alone])
+        assert torch.equal(together.completion_ids, alone)
+        order = [2, 0, 3, 1]
+        shuffled = generate(ours, ids[order], mask[order], 16, pad_token_id=PAD, eos_token_id=eos,
+                            generator=_per_row([seeds[r] for r in order])).completion_ids
+        assert torch.equal(shuffled, together.completion_ids[order])
+    assert width == 16 and 2 in kept_rows, "rows 2 and 3 should decode on alone after rows 0 and 1 stopped"
+
+
+def test_a_rows_draws_do_not_depend_on_the_token_budget(models):
+    """Step t's uniform is the t-th of the row's generator: a shorter budget samples the longer one's prefix."""
+    _, ours = models
+    ids, mask = prompts()
+    long = generate(ours, ids, mask, 16, pad_token_id=PAD, generator=_per_row([1, 2, 3, 4])).completion_ids
+    short = generate(ours, ids, mask, 7, pad_token_id=PAD, generator=_per_row([1, 2, 3, 4])).completion_ids
+    assert torch.equal(short, long[:, :7])
 
 
 def test_vocab_size_masks_padded_rows(models):

@@ -50,3 +50,11 @@ def test_imports_go_one_way(package):
     wrong = {f"{package}/{f} imports {name}" for f in files
              for name in project_imports(os.path.join(folder, f)) if not allowed(name, package)}
     assert not wrong, sorted(wrong)
+
+
+@pytest.mark.parametrize("module, may_import", [("console", set()), ("guard", {"common.errors", "common.files",
+                                                                               "trainer.setup"})])
+def test_the_console_and_the_guard_import_nothing_of_the_loops(module, may_import):
+    """trainer/console.py (bar, log line, clocks) and trainer/guard.py (run lock, stop signals) stand below the
+    skeleton and the scripts: neither imports trainer_utils or a training script."""
+    assert project_imports(os.path.join(ROOT, "trainer", f"{module}.py")) <= may_import

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import trainer.trainer_utils as trainer_utils
+import trainer.checkpoint as checkpoint
 from common.errors import run_script
 from loop_helpers import loop_args, metrics
 from trainer.setup import DistInfo
@@ -75,8 +75,8 @@ def test_each_rank_saves_and_restores_only_its_own_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("read every device's state"))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("wrote every device's state"))
     info = DistInfo(rank=0, local_rank=1, world_size=1, device="cuda:1")
-    states = trainer_utils.collect_rng_states(info)
+    states = checkpoint.collect_rng_states(info)
     expected = (random.random(), np.random.rand(), torch.rand(1))
-    trainer_utils.restore_rng_states(states, 1, info, seed=0, step=0)
+    checkpoint.restore_rng_states(states, 1, info, seed=0, step=0)
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the CPU generators round-trip too
     assert touched == [("get", "cuda:1"), ("set", "cuda:1")]

@@ -122,13 +122,18 @@ def test_sampled_rows_depend_on_their_seed_alone(served_student, tokenizer):
 
 
 @pytest.mark.slow
-def test_opd_on_the_server_verifies_every_sync_and_repeats_exactly(vllm_servers, files, tmp_path):
+def test_opd_on_the_server_verifies_every_sync_and_repeats_exactly(vllm_servers, files, tmp_path, capsys):
     for name in ("a", "b"):
         train_opd(opd_args(files, vllm_servers, tmp_path / name))
+    out = capsys.readouterr().out
+    # the run says where it samples, and the first verification's numbers, once per run
+    assert out.count(f"rollouts on {vllm_servers.rollout.url}") == 2
+    assert out.count("weights of step 0 pushed to") == 2 and out.count(" and verified: ") == 2
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [m["step"] for m in a] == [1, 2, 3]
     # one push and one verification before each step's rollouts, every one within fp32's 1e-4
     assert all("sync_s" in m and "verify_s" in m and m["sync_logprob_diff"] < 1e-4 for m in a)
+    assert all(0 <= m["sync_logprob_mean"] <= m["sync_logprob_diff"] for m in a)
     assert all(m["on_policy_share"] == 1.0 and m["completion_len"] > 0 for m in a)
     assert without_timing(a) == without_timing(b)
     assert max_weight_diff(weights(tmp_path / "a"), weights(tmp_path / "b")) == 0.0
@@ -267,3 +272,25 @@ def test_a_bf16_sync_passes_when_correct_and_fails_one_skipped_step(bf16_server,
     sync.push(new, 1)
     sync.verify(new, bf16_autocast)
     server.close()
+
+
+TOKENIZER_PROBES = [
+    "12345 + 67890 = 80235, 3.14159, 1e-5 and 2,048", "数学题：三加五等于多少？答案是八。", "日本語のテキスト、한국어 텍스트",
+    "emoji 🙂👍🏽🚀 and a family 👨‍👩‍👧", "runs   of  spaces\t\ttabs\n\n\nnewlines \r\n end   ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n\\boxed{4}",
+    "def f(x):\n    return x ** 2  # indented code", "Ünïcödé àccents, ß, ﬁ ligature, İstanbul",
+]
+
+
+@pytest.mark.slow
+def test_the_server_tokenises_as_we_do(vllm_servers):
+    """vLLM warns at start-up about the tokenizer's pre-tokenizer regex (a check transformers makes for Mistral
+    tokenizers, fix_mistral_regex): its /tokenize gives the ids our tokenizer gives, on digits, CJK, emojis,
+    whitespace runs, special tokens and accents."""
+    import httpx
+    ours = load_tokenizer(None)
+    base = vllm_servers.rollout.url.removesuffix("/v1")
+    for text in TOKENIZER_PROBES:
+        answer = httpx.post(f"{base}/tokenize", json={"model": "student", "prompt": text,
+                                                      "add_special_tokens": False}, timeout=60).json()
+        assert answer["tokens"] == ours.encode(text), text

@@ -12,7 +12,8 @@ from support import ROOT
 from loop_helpers import env_one_thread, loop_args, metrics
 from trainer.setup import DistInfo
 from trainer.train_sft import main as train_sft
-from trainer.trainer_utils import PhaseClock, WindowMetrics
+from trainer.console import PhaseClock
+from trainer.window_metrics import WindowMetrics
 
 
 def test_the_last_step_of_a_max_steps_run_is_logged(tiny_config_path, chat_jsonl, tmp_path, capsys):
@@ -78,7 +79,7 @@ def test_console_lines_of_all_three_loops_fit_120_characters(tiny_config_path, c
 
 @pytest.mark.parametrize("tty, ci, shown", [(True, "", True), (True, "true", False), (False, "", False)])
 def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, shown):
-    from trainer.trainer_utils import Progress
+    from trainer.console import Progress
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     monkeypatch.setenv("CI", ci)
     progress = Progress(10, 0, enabled=True)
@@ -87,7 +88,7 @@ def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, show
 
 
 def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
-    from trainer.trainer_utils import console_line
+    from trainer.console import console_line
     metrics = {"step": 100, "epoch": 1, "loss": 11.2345, "lr": 2.0e-3, "grad_norm": 12.34, "tokens_per_s": 12345.0,
                "step_ms": 12345.0, "ce": 11.8512, "kd": 10.6021}
     line = console_line(metrics, epochs=1, total_steps=100, eta="10:03:24", show=("ce", "kd"))
@@ -96,9 +97,10 @@ def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
 
 def test_every_step_reaches_the_tracker_and_metrics_and_the_bar_shows_the_lines_eta(tiny_config_path, chat_jsonl,
                                                                                   tmp_path, monkeypatch, one_thread):
+    import trainer.console as console
     import trainer.trainer_utils as trainer_utils
     etas = []
-    monkeypatch.setattr(trainer_utils.Progress, "update", lambda self, step, metrics, eta: etas.append(eta))
+    monkeypatch.setattr(console.Progress, "update", lambda self, step, metrics, eta: etas.append(eta))
     logged = []
     real_init_tracker = trainer_utils.init_tracker
 

@@ -1,9 +1,11 @@
-"""Stop signals from the first line of a training script's main to its last: what happens on SIGTERM, SIGUSR1 and
-Ctrl-C before the loop's own handler exists, and which handlers the process has again afterwards.
+"""What guards a run: one run per name (`RunLock`), and stop signals from the first line of a training script's
+main to its last -- what happens on SIGTERM, SIGUSR1 and Ctrl-C before the loop's own handler exists
+(`stop_signals_noted`), once it does (`StopRequest`: finish the step, save, stop), and which handlers the process
+has again afterwards. Imports nothing of the loops.
 
     with stop_signals_noted():      # in each script's main, around everything it does
         ...                         # start-up: a preemption notice is only noted
-        run = Run(...)              # trainer_utils.StopRequest takes the noted signal over: the run trains its
+        run = Run(...)              # its StopRequest takes the noted signal over: the run trains its
         ...                         # current step, saves it and exits 75
     # here, however main ended (done, refused, failed): the handlers the process had before main
 
@@ -13,9 +15,17 @@ rank can begin training.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
+import os
 import signal
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
+
+from common.errors import EXIT_INTERRUPTED, Stopped, UserError
+from common.files import process_start_time
+from trainer.setup import print0
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _noted = {"signal": 0}  # what the handler below writes: a signal handler can only reach module state
@@ -45,3 +55,87 @@ def take_noted_stop_signal() -> int:
     """For the loop's handler when it takes over: the signal noted so far (0: none), forgotten here."""
     noted, _noted["signal"] = _noted["signal"], 0
     return noted
+
+
+class RunLock:
+    """`SAVE_DIR/NAME.lock` (host, PID): a second run with the same name is refused, naming the holder. A lock left
+    by a process that no longer runs on this host is taken over with a message; one from another host (a shared
+    file system) is never guessed about."""
+
+    def __init__(self, path: str):
+        self.path, self.held = path, False
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time(os.getpid())}
+
+    def acquire(self) -> None:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                self.take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.me, f)
+            self.held = True
+            atexit.register(self.release)  # a run that fails on an exception gives it back too; SIGKILL cannot
+            return
+        raise UserError(f"cannot take the run lock {self.path}: it keeps reappearing (another run is starting?)")
+
+    def take_over_if_stale(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            holder = {}  # half-written by a process killed while taking it: nobody holds it
+        same_host = holder.get("host") == self.me["host"]
+        pid = holder.get("pid")
+        start = process_start_time(pid) if isinstance(pid, int) else None
+        alive = start is not None and start == holder.get("start")
+        if holder and not same_host:
+            raise UserError(f"{self.path}: a run of this name is held by PID {pid} on host {holder.get('host')}; "
+                            f"wait for it or stop it, use another --save_weight, or delete the lock file if that "
+                            f"run is gone")
+        if alive and pid != os.getpid():
+            raise UserError(f"{self.path}: a run of this name is in progress (PID {pid} on this host); wait for it "
+                            f"or stop it (kill {pid}), or use another --save_weight")
+        if holder and pid != os.getpid():
+            print0(f"taking over {self.path}: its run (PID {pid}) is no longer running")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (a scheduler's preemption notice) and Ctrl-C: note the signal; the run finishes the current
+    optimizer step on every rank, saves and stops (`Run.optimizer_step`). A second Ctrl-C stops at once, saying
+    where the last checkpoint is."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, step: Callable[[], int], last_checkpoint: Callable[[], str]):
+        self.step, self.last_checkpoint, self.signal = step, last_checkpoint, 0
+        self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
+        # a notice that arrived while the script was starting (trainer/guard.stop_signals_noted) counts from here
+        noted = take_noted_stop_signal()
+        if noted:
+            self.handle(noted, None)
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            self.restore()
+            raise Stopped(f"interrupted at step {self.step()}: {self.last_checkpoint()}; continue with "
+                          f"the same command and --from_resume 1", EXIT_INTERRUPTED)
+        if self.signal:
+            return
+        self.signal = signum
+        print0(f"\n{signal.Signals(signum).name}: finishing step {self.step() + 1}, then saving and stopping"
+               + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""))
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}

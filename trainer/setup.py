@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common.checks import check_device, check_model_dir
-from common.errors import refuse
+from common.errors import refuse, refuse_first
 from common.files import check_writable
 from common.http import ApiClient
 from dataset.collators import SFTCollator, validate_rows
@@ -29,7 +29,7 @@ from dataset.sources import RowDataset
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer
 from model.tokenizer import QwenTokenizer
 from serving.engine import CompletionServer
-from trainer.sharding import shard
+from trainer.sharding import compute_dtype, shard, sharded_random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
@@ -238,13 +238,25 @@ def check_save_time(rank0_bytes: int, dist_timeout: float) -> None:
 
 def build_model(args: argparse.Namespace, device: str, path: str | None = None,
                 config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
-    """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed."""
+    """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed. With
+    --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards."""
+    sharded = sharding_ranks(args)
     if path:
-        print0(f"loading {path} on {device}")
-        return load_pretrained(path, dtype=torch.float32, device=device)
+        print0(f"loading {path} on {device}" + (" (each rank its shards)" if sharded else ""))
+        return load_pretrained(path, dtype=torch.float32, device=device,
+                               shard=(lambda m: shard(m, compute_dtype(device, args.dtype))) if sharded else None)
     config_path = config_path or DEFAULT_MODEL_CONFIG
     print0(f"random weights from {os.path.relpath(config_path)} on {device}")
-    return create_model(Qwen3Config.from_json(config_path), seed=args.seed if seed is None else seed, device=device)
+    config, seed = Qwen3Config.from_json(config_path), args.seed if seed is None else seed
+    if sharded:
+        return sharded_random_model(config, seed, device, args.dtype)
+    return create_model(config, seed=seed, device=device)
+
+
+def sharding_ranks(args: argparse.Namespace) -> bool:
+    """--fsdp 1 with more than one rank: models are sharded (one process with --fsdp 1 holds them whole and still
+    writes sharded checkpoints)."""
+    return bool(args.fsdp) and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, RowDataset, SFTCollator]:
@@ -299,17 +311,24 @@ def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, 
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         refuse(f"the teacher's tokenizer ({teacher_tokenizer.folder}) differs from the student's "
                f"({tokenizer.folder}); token-level distillation needs the same vocabulary")
-    dtype = DTYPES[args.dtype] if device.startswith("cuda") else torch.float32
-    print0(f"loading the teacher {args.teacher_path} on {device}")
-    teacher = load_pretrained(args.teacher_path, dtype=dtype, device=device)
+    teacher = read_teacher(args, device)
     for name, model in (("student", student), ("teacher", teacher)):
         if model.config.vocab_size < len(tokenizer):
             refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
                    f"{len(tokenizer)} tokens")
     teacher.eval().requires_grad_(False)
-    if args.fsdp and not args.replicate_teacher and dist.is_initialized():
-        shard(teacher, device, args.dtype)  # frozen: its shards are gathered layer by layer for the forward
     return teacher
+
+
+def read_teacher(args: argparse.Namespace, device: str) -> torch.nn.Module:
+    """The teacher's weights straight in the autocast dtype (it never needs an fp32 master copy). With --fsdp 1 on
+    several ranks sharded, each rank reading only its own rows (its shards are gathered layer by layer for the
+    forward), unless --replicate_teacher 1: then whole on every rank, read once."""
+    dtype = compute_dtype(device, args.dtype)
+    sharded = sharding_ranks(args) and not args.replicate_teacher
+    print0(f"loading the teacher {args.teacher_path} on {device}" + (" (each rank its shards)" if sharded else ""))
+    return load_pretrained(args.teacher_path, dtype=dtype, device=device,
+                           shard=(lambda m: shard(m, dtype)) if sharded else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,23 +366,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
-    if args.teacher_url and args.loss != "sampled_kl":
-        refuse("--teacher_url gives the teacher's log-probabilities of the sampled tokens only, which --loss jsd "
-               "cannot use (the full-vocabulary divergence needs the teacher's whole distribution at every "
-               "position): use --loss sampled_kl, or a local --teacher_path")
-    if args.teacher_url and args.temperature != 1.0:
-        refuse(f"--teacher_url: a server's log-probabilities are at temperature 1, so --temperature "
-               f"{args.temperature} cannot be applied to the teacher; use --temperature 1 or a local --teacher_path")
-    if args.fsdp and not args.rollout_url and args.lmbda > 0:
-        refuse("--fsdp 1: the built-in engine would decode with a sharded student, every rank in step with the "
-               "others; sample on a rollout server instead (--rollout_url, docs/serving.md)")
-    if args.sync_interval < 1 or args.rollout_concurrency < 1 or args.rollout_timeout <= 0:
-        refuse(f"--sync_interval ({args.sync_interval}) and --rollout_concurrency ({args.rollout_concurrency}) must "
-               f"be >= 1 and --rollout_timeout ({args.rollout_timeout}) > 0")
-    if args.loss == "sampled_kl" and args.rollout_url and args.sync_interval > 1:
-        refuse(f"--loss sampled_kl is a policy gradient on the current student's own samples: with --sync_interval "
-               f"{args.sync_interval} the server samples from older weights (a biased estimate without importance "
-               f"weights); use --sync_interval 1 or --loss jsd")
+    a = args
+    refuse_first([
+        (a.teacher_url and a.loss != "sampled_kl",
+         "--teacher_url gives the log-probabilities of the sampled tokens only, not the whole distribution --loss "
+         "jsd needs: use --loss sampled_kl, or a local --teacher_path"),
+        (a.teacher_url and a.temperature != 1.0,
+         f"--teacher_url: a server's log-probabilities are at temperature 1, not --temperature {a.temperature}: use "
+         f"--temperature 1 or a local --teacher_path"),
+        (a.fsdp and not a.rollout_url and a.lmbda > 0,
+         "--fsdp 1: the built-in engine cannot decode with a sharded student; sample on a rollout server "
+         "(--rollout_url, docs/serving.md)"),
+        (a.sync_interval < 1, f"--sync_interval must be >= 1, got {a.sync_interval}"),
+        (a.rollout_concurrency < 1, f"--rollout_concurrency must be >= 1, got {a.rollout_concurrency}"),
+        (a.rollout_timeout <= 0, f"--rollout_timeout must be > 0, got {a.rollout_timeout}"),
+        (a.loss == "sampled_kl" and a.rollout_url and a.sync_interval > 1,
+         f"--loss sampled_kl needs samples from the current student: with --sync_interval {a.sync_interval} the "
+         f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd"),
+    ])
     check_server_wait(args)
 
 

@@ -4,14 +4,20 @@ resume checkpoints written shard by shard with `torch.distributed.checkpoint` (D
 With DDP every rank holds the fp32 master weights, their gradients and AdamW's two moments: 16 bytes per parameter.
 Sharded, each of W ranks holds 16/W bytes per parameter (plus, transiently, the unsharded parameters of the layer
 being computed). Each decoder layer is its own FSDP unit (all-gathered just before its forward and backward, freed
-after); the root unit holds the embedding, the final norm and the head, which stay gathered from the root's forward
-to the end of its backward -- the chunked losses use `lm_head.weight` outside the forward, and so get the gathered
-weight, whose gradient FSDP reduce-scatters like any other.
+after), and so is each RMSNorm (gathered in its stored dtype: see `shard`); the root unit holds the embedding and
+the head, which stay gathered from the root's forward to the end of its backward -- the chunked losses use
+`lm_head.weight` outside the forward, and so get the gathered weight, whose gradient FSDP reduce-scatters like any
+other.
+
+No process ever holds a whole model: a sharded model is built on the meta device, sharded, then each rank fills its
+own shards -- from the safetensors rows it owns (`load_pretrained(..., shard=...)`) or from the seeded random
+initialisation, drawn one tensor at a time (`sharded_random_model`).
 
 What stays as with DDP: the loss of a micro-step is a sum, gradients are averaged over ranks, and the optimizer step
 scales them once by world_size * constant / tokens -- on the local shards, which is the same arithmetic -- then clips
-by the global norm (a DTensor reduction over the shards). Gradient accumulation skips the reduce-scatter on every
-micro-batch but the window's last (`set_requires_gradient_sync`).
+by the global norm (a DTensor reduction over the shards). Gradients are reduce-scattered after every micro-batch's
+backward and accumulated as fp32 shards, so a rank never holds a whole gradient across a window (FSDP2's no-sync
+mode would keep every layer's unsharded fp32 gradient until the window's last backward: 4 bytes per parameter).
 """
 from __future__ import annotations
 
@@ -28,22 +34,50 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.experimental import implicit_replication
 
 from common.files import fsync_directory, temporary_name
-from model import DTYPES
+from model import DTYPES, Qwen3Config, Qwen3ForCausalLM
+from model.qwen3 import RMSNorm
+from trainer.tracking import trained_dtype
 
 
+def shard(model: Qwen3ForCausalLM, compute_dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """fully_shard each RMSNorm, each decoder layer, then the root (in place; the module's class becomes
+    FSDP<class>); works on a model on the meta device (then `to_empty` and fill it).
 
-def shard(model: torch.nn.Module, device: str, dtype_name: str) -> torch.nn.Module:
-    """fully_shard each decoder layer, then the root (in place; the module's class becomes FSDP<class>). On CUDA the
-    layers compute in `dtype_name` (bf16: the parameters are gathered in bf16) and gradients are reduced in fp32;
-    the sharded master weights stay fp32."""
-    policy = MixedPrecisionPolicy()
-    if device.startswith("cuda") and dtype_name != "float32":
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype_name], reduce_dtype=torch.float32)
+    Precision as DDP under autocast: the decoder layers' weights are gathered in `compute_dtype` (what autocast
+    casts them to for the matmuls) and their gradients reduced in fp32; the norms, the embedding and the head are
+    gathered in their stored dtype (a student's fp32), so the embedding's output, the residual stream and the norms
+    stay fp32 as DDP's do -- with the layers' policy they would all run in bf16."""
+    # cast_forward_inputs=False: FSDP would cast a layer's inputs (the residual stream, RoPE's cos/sin) to bf16;
+    # autocast already lowers what the matmuls take, as under DDP
+    lowered = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            fully_shard(module)  # its own unit: the default policy keeps its stored dtype
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=lowered)
+    fully_shard(model)  # embedding + head: stored dtype (tied, they are one weight)
+    return model
+
+
+def compute_dtype(device: str, dtype_name: str) -> torch.dtype:
+    """The dtype autocast computes the matmuls in: --dtype on CUDA, fp32 on CPU (trainer_utils.autocast_context)."""
+    return DTYPES[trained_dtype(device, dtype_name)]
+
+
+def sharded_random_model(config: Qwen3Config, seed: int, device: str, dtype_name: str) -> Qwen3ForCausalLM:
+    """The seeded random model `create_model(config, seed)` gives, sharded, each rank holding only its shards: built
+    on the meta device, sharded, then initialised in create_model's order -- each tensor drawn whole on the CPU
+    (so the numbers are the same), one at a time, and only this rank's rows kept (DTensor's implicit replication:
+    a plain tensor copied into a sharded one is sliced)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    shard(model, compute_dtype(device, dtype_name))
+    model.to_empty(device=device)  # recomputes RoPE's buffer on `device`
+    with torch.no_grad(), implicit_replication():
+        model.init_weights(seed)
     return model
 
 
@@ -121,11 +155,27 @@ def load_shards(folder: str, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 def per_rank_training_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-    params = [local(p) for p in model.parameters()]
+    params = [_local(p) for p in model.parameters()]
     return {"parameters": sum(p.numel() * p.element_size() for p in params),
-            "gradients": sum(local(p.grad).numel() * local(p.grad).element_size()
-                             for p in model.parameters() if p.grad is not None),
-            "optimizer": sum(local(v).numel() * local(v).element_size() for s in optimizer.state.values()
+            "gradients": held_gradient_bytes(model),
+            "optimizer": sum(_local(v).numel() * _local(v).element_size() for s in optimizer.state.values()
                              for v in s.values() if isinstance(v, torch.Tensor))}
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradient this rank holds now: each parameter's `.grad` (a sharded one's local shard) plus what FSDP2
+    keeps outside `.grad` between backwards -- the unsharded gradients of its no-sync accumulation
+    (`FSDPParam.unsharded_accumulated_grad`, or the unsharded parameter's own `.grad`), which `.grad` does not show."""
+    tensors = [p.grad for p in model.parameters() if p.grad is not None]
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    tensors += [t for t in (param.unsharded_accumulated_grad,
+                                            unsharded.grad if unsharded is not None else None) if t is not None]
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

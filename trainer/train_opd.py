@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from common.errors import ArgumentParser, refuse, run_script
+from common.errors import ArgumentParser, refuse, refuse_first, run_script
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
@@ -51,7 +51,8 @@ from trainer.setup import (add_common_args, add_server_args, add_teacher_args, b
                            connect_server, init_distributed_mode, load_teacher, print0, resolve_teacher_path,
                            rollout_weights_path, validate_common_args, validate_server_args)
 from trainer.tracking import trained_dtype
-from trainer.trainer_utils import PhaseClock, Run
+from trainer.console import PhaseClock
+from trainer.trainer_utils import Run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,23 +86,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate_opd_args(args: argparse.Namespace) -> None:
-    if not 0.0 <= args.lmbda <= 1.0 or not 0.0 <= args.beta <= 1.0:
-        refuse(f"--lmbda ({args.lmbda}) and --beta ({args.beta}) must be in [0, 1]")
-    if args.loss == "sampled_kl" and args.lmbda < 1.0:
-        refuse("--loss sampled_kl is a policy gradient: it is only valid on the student's own samples, so it needs "
-               "--lmbda 1 (use --loss jsd to mix in the dataset's completions)")
-    if args.max_new_tokens < 1 or args.max_prompt_length + args.max_new_tokens > args.max_length:
-        refuse(f"--max_prompt_length ({args.max_prompt_length}) + --max_new_tokens ({args.max_new_tokens}) must be "
-               f"<= --max_length ({args.max_length}): raise --max_length or lower one of the budgets")
-    if args.gen_temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
-        refuse("--gen_temperature must be > 0, --top_p in (0, 1], --top_k >= 0")
-    if args.loss == "sampled_kl" and (args.gen_temperature != args.temperature or args.top_k or args.top_p < 1.0):
-        # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
-        # temperature-scaled, untruncated student distribution
-        refuse(f"--loss sampled_kl estimates the reverse KL of the student at --temperature {args.temperature} from "
-               f"its own samples, so it needs --gen_temperature {args.temperature} --top_k 0 --top_p 1 (got "
-               f"--gen_temperature {args.gen_temperature} --top_k {args.top_k} --top_p {args.top_p}: a biased "
-               f"estimate); use --loss jsd to sample differently")
+    a, sampled_kl = args, args.loss == "sampled_kl"
+    # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
+    # temperature-scaled, untruncated student distribution, on-policy at every step
+    unbiased = a.gen_temperature == a.temperature and a.top_k == 0 and a.top_p == 1.0
+    refuse_first([
+        (not 0.0 <= a.lmbda <= 1.0, f"--lmbda must be in [0, 1], got {a.lmbda}"),
+        (not 0.0 <= a.beta <= 1.0, f"--beta must be in [0, 1], got {a.beta}"),
+        (a.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {a.max_new_tokens}"),
+        (a.max_prompt_length + a.max_new_tokens > a.max_length,
+         f"--max_prompt_length ({a.max_prompt_length}) + --max_new_tokens ({a.max_new_tokens}) must be <= "
+         f"--max_length ({a.max_length}): raise --max_length or lower one of the budgets"),
+        (a.gen_temperature <= 0, f"--gen_temperature must be > 0, got {a.gen_temperature}"),
+        (not 0.0 < a.top_p <= 1.0, f"--top_p must be in (0, 1], got {a.top_p}"),
+        (a.top_k < 0, f"--top_k must be >= 0, got {a.top_k}"),
+        (sampled_kl and a.lmbda < 1.0, "--loss sampled_kl is a policy gradient on the student's own samples: it "
+                                       "needs --lmbda 1 (--loss jsd mixes in the dataset's completions)"),
+        (sampled_kl and not unbiased,
+         f"--loss sampled_kl needs samples from the student at --temperature {a.temperature}: --gen_temperature "
+         f"{a.temperature} --top_k 0 --top_p 1 (got --gen_temperature {a.gen_temperature} --top_k {a.top_k} "
+         f"--top_p {a.top_p}: a biased estimate); --loss jsd samples any way"),
+    ])
 
 
 def say_servers(args: argparse.Namespace) -> None:
@@ -230,7 +235,9 @@ def train(args: argparse.Namespace) -> None:
             with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
                 weight_sync.push(run.raw_model, run.step, run.gathered_weights())
             with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
-                run.metrics.total("sync_logprob_diff", weight_sync.verify(run.raw_model, run.autocast))
+                agreement = weight_sync.verify(run.raw_model, run.autocast)
+                run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
+                run.metrics.total("sync_logprob_mean", agreement["mean"])
         for i, batch in enumerate(window):
             with clock("gen"), run.fail_together(server is not None):  # steps 1-2: samples or the data's completions
                 if on_policy:

@@ -1,11 +1,13 @@
 """The shared skeleton of the three training loops: the mechanics, one call away from the algorithm.
 
-What lives here: the cosine LR, mixed precision, the data stream (a world-size-invariant sampler grouped into
-accumulation windows, resumable), exact loss normalisation over the window and all ranks, gradient clipping, the
-window's metrics (one all-reduce), logging (console, metrics.jsonl, swanlab), the run lock, graceful stops, atomic
-resume checkpoints and the HF export. What does not: flags and loading (trainer/setup.py), collation, generation,
-forward passes and losses -- those are the algorithm, and each script spells them out, together with what happens at
-the end of every step (optimizer step, log, save when due, evaluate when due, stop when done).
+What lives here (`Run`): the learning rate (`get_lr`, cosine), mixed precision, the data stream (a
+world-size-invariant sampler grouped into accumulation windows, resumable), exact loss normalisation over the window
+and all ranks, gradient clipping, the window's metrics (one all-reduce), logging (metrics.jsonl, swanlab), stopping
+and failing together. Beside it: checkpoints (trainer/checkpoint.py), the run lock and the stop signals
+(trainer/guard.py), the console's bar, lines and clocks (trainer/console.py). What does not live here: flags and
+loading (trainer/setup.py), collation, generation, forward passes and losses -- those are the algorithm, and each
+script spells them out, together with what happens at the end of every step (optimizer step, log, save when due,
+evaluate when due, stop when done).
 
 The normalisation invariant (docs/architecture.md): an optimizer step's gradient is the gradient of
     (sum of token losses over the whole accumulation window and all ranks) / (number of loss tokens in it).
@@ -16,38 +18,29 @@ short completion's tokens more than a long one's, and a short tail window would 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import glob
 import json
 import math
 import os
-import random
 import signal
-import socket
-import sys
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
-from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped, UserError
-from common.files import (atomic_write, check_free_space, process_start_time, raise_disk_error,
-                          remove_stale_temporaries)
+from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped
 from common.seeds import derived_seed, seed_everything
-from model import DTYPES, save_pretrained
+from model import DTYPES
+from trainer.checkpoint import Checkpoints, RunState, rank0_save_bytes
+from trainer.console import Progress, StepTimer, console_line, format_metric, format_seconds
+from trainer.guard import RunLock, StopRequest
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
-from trainer.guard import take_noted_stop_signal
-from trainer.setup import DistInfo, check_run_name, check_save_time, print0, resume_change_names
-from trainer.sharding import full_weights, is_sharded, load_shards, remove_other_shards, save_shards, shard
+from trainer.setup import DistInfo, check_save_time, print0
+from trainer.sharding import full_weights, is_sharded
 from trainer.tracking import init_tracker, trained_dtype
-
-CHECKPOINT_FORMAT = 1
+from trainer.window_metrics import WindowMetrics, all_reduce_sum
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -67,75 +60,8 @@ def autocast_context(device: str, dtype_name: str):
     return contextlib.nullcontext() if dtype == "float32" else torch.autocast("cuda", dtype=DTYPES[dtype])
 
 
-def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    if info.enabled:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the run: data stream, exact accumulation, optimizer step, logging, checkpoints
-
-@dataclass
-class RunState:
-    epoch: int = 0
-    step: int = 0                    # optimizer steps done
-    samples_in_epoch: int = 0        # global samples consumed in the current epoch (a multiple of the global batch)
-    swanlab_run_id: str | None = None
-
-
-class WindowMetrics:
-    """The numbers of one accumulation window, summed over its micro-batches and reduced over all ranks in one
-    all-reduce at the optimizer step. Each name says how it is reduced:
-
-        token_mean(name, sum)     a sum over loss tokens, logged per loss token of the whole window (loss, ce, kd)
-        ratio(name, num, den)     sum of numerators / sum of denominators (eos_share = rows ended / rows)
-        total(name, value)        a plain sum (tokens, generated_tokens)
-        rank_mean(name, value)    the mean over ranks of a per-rank number (seconds spent in a phase)
-
-    Every rank must add the same names (they travel in one tensor, in sorted order)."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.kinds: dict[str, str] = {}
-        self.sums: dict[str, list[torch.Tensor]] = {}
-
-    def _add(self, kind: str, name: str, *values) -> None:
-        if self.kinds.setdefault(name, kind) != kind:
-            raise ValueError(f"metric {name!r} is a {self.kinds[name]}, not a {kind}")
-        tensors = [torch.as_tensor(v).detach().to(self.device, torch.float64) for v in values]
-        self.sums[name] = [old + new for old, new in zip(self.sums[name], tensors)] if name in self.sums else tensors
-
-    def token_mean(self, name: str, value) -> None:
-        self._add("token_mean", name, value)
-
-    def ratio(self, name: str, numerator, denominator) -> None:
-        self._add("ratio", name, numerator, denominator)
-
-    def total(self, name: str, value) -> None:
-        self._add("total", name, value)
-
-    def rank_mean(self, name: str, value) -> None:
-        self._add("rank_mean", name, value)
-
-    def reduce(self, info: DistInfo, extra: float = 0.0) -> tuple[dict[str, float], float]:
-        """-> (name -> value, the all-ranks sum of `extra`), and start the next window empty. `extra` rides along
-        in the same all-reduce (the stop flag: one collective per step, not two)."""
-        names = sorted(self.sums)
-        flat = [t for name in names for t in self.sums[name]]
-        reduced = all_reduce_sum(torch.stack([*flat, torch.tensor(extra, dtype=torch.float64, device=self.device)]),
-                                 info).tolist()
-        sums, position = {}, 0
-        for name in names:
-            width = len(self.sums[name])
-            sums[name], position = reduced[position:position + width], position + width
-        tokens = max(sums.get("tokens", [0.0])[0], 1.0)
-        divisor = {"token_mean": lambda _: tokens, "ratio": lambda s: max(s[1], 1e-12), "total": lambda _: 1.0,
-                   "rank_mean": lambda _: info.world_size}
-        values = {name: sums[name][0] / divisor[self.kinds[name]](sums[name]) for name in names}
-        self.kinds, self.sums = {}, {}
-        return values, reduced[-1]
-
 
 class Run:
     """The mechanics of one training run. A script calls, in this order:
@@ -159,66 +85,91 @@ class Run:
         # ranks must not draw the same random numbers (dropout, sampling); the data order does not depend on these
         # generators at all, it is a function of (seed, epoch) in EpochSampler
         seed_everything(derived_seed(args.seed, info.rank))
-        self.tokenizer_dir = tokenizer_dir
         self.dataset, self.collate_fn = dataset, collate_fn
-        self.raw_model = model
-        self.raw_model.gradient_checkpointing = bool(args.gradient_checkpointing)
-        # --fsdp 1: sharded over the ranks (trainer/sharding.py); checkpoints are written shard by shard either way,
-        # so that a sharded run can resume on one process and the other way round
-        self.sharded = bool(args.fsdp)
-        if self.sharded and info.enabled:
-            shard(self.raw_model, self.device, args.dtype)
-        if args.use_compile:
-            self.raw_model.compile_layers()  # per layer: DDP / FSDP communication overlaps the backward
-        self.model = self.raw_model
-        if info.enabled and not self.sharded:
-            self.model = DistributedDataParallel(self.model, device_ids=[info.local_rank]
-                                                 if self.device.startswith("cuda") else None)
-        self.optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.learning_rate,
-                                           weight_decay=args.weight_decay, betas=(0.9, 0.95))
-        use_fp16 = self.device.startswith("cuda") and args.dtype == "float16"
-        self.scaler = torch.amp.GradScaler("cuda", enabled=use_fp16)
-        # Micro-step losses are sums; dividing them by a fixed constant keeps fp16 gradients in range. The constant
-        # is undone exactly when the window's gradients are scaled by constant * world_size / global_tokens.
-        self.loss_divisor = float(args.batch_size * args.max_length)
-
-        self.global_batch = args.batch_size * args.accumulation_steps * info.world_size
-        self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch() / args.accumulation_steps)
-        self.total_steps = args.epochs * self.steps_per_epoch
-        if args.max_steps:
-            self.total_steps = min(self.total_steps, args.max_steps)
-        self.warmup_steps = int(args.warmup_ratio * self.total_steps)
-        if info.enabled:  # refused before anything is written: rank 0 saves alone while the others wait
-            check_save_time(self.rank0_save_bytes(), args.dist_timeout)
-
-        self.out_prefix = os.path.join(args.save_dir, args.save_weight)
-        self.resume_path = f"{self.out_prefix}_resume.pt"
-        self.metrics_path = f"{self.out_prefix}_metrics.jsonl"
-        self.lock = RunLock(f"{self.out_prefix}.lock") if info.is_main else None
-        self.prepare_save_dir()
-        self.state = RunState()
-        if args.from_resume:
-            try:
-                self.resume()
-            except BaseException:
-                if self.lock:
-                    self.lock.release()  # a refused resume leaves the folder as it found it
-                raise
-        self.tracker = init_tracker(args, self.state, info.is_main,
-                                    effective={"device": info.device, "world_size": info.world_size,
-                                               "dtype": trained_dtype(info.device, args.dtype),
-                                               "data_path": os.path.abspath(dataset.path)})
-        self.metrics_file = open_metrics(self.metrics_path, self.state.step) if info.is_main else None
+        self.raw_model, self.model = model, self.wrap(model)  # checkpointing, compile, DDP (FSDP: sharded already)
+        self.optimizer, self.scaler = self.make_optimizer()
+        self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
+        self.checkpoints = Checkpoints(args, info, tokenizer_dir)
+        self.resume_path = self.checkpoints.resume_path
+        self.out_prefix = self.checkpoints.prefix
+        self.lock = self.take_run_name()
+        self.state = self.start_or_resume()
+        self.tracker, self.metrics_file = self.open_logs()
         self.metrics = WindowMetrics(self.device)
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
         self.finished_before = self.saved_step is not None and self.done  # a finished run resumed as it was
-        self.stop_request = StopRequest(self)
-        self.stop_signal = 0
+        self.stop_request, self.stop_signal = StopRequest(lambda: self.state.step, self.last_checkpoint), 0
         self.timer = StepTimer()
         print0(f"{info.world_size} rank(s) x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
                f"{self.global_batch} rows/step | {len(dataset)} rows | {self.total_steps} steps | "
                f"{self.raw_model.num_parameters() / 1e6:.1f}M params | {self.device}")
         self.progress = Progress(self.total_steps, self.state.step, enabled=info.is_main)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Gradient checkpointing, --use_compile (each layer: DDP / FSDP communication overlaps the backward), and
+        DDP across ranks. With --fsdp 1 the model arrived sharded (setup.build_model): no rank holds it whole."""
+        model.gradient_checkpointing = bool(self.args.gradient_checkpointing)
+        if self.args.use_compile:
+            model.compile_layers()
+        if not self.dist.enabled or self.args.fsdp:
+            return model
+        return DistributedDataParallel(model, device_ids=[self.dist.local_rank]
+                                       if self.device.startswith("cuda") else None)
+
+    def make_optimizer(self) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler]:
+        """AdamW over the fp32 master weights, and a GradScaler that is active for fp16 on CUDA only."""
+        args = self.args
+        optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.learning_rate,
+                                      weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        use_fp16 = self.device.startswith("cuda") and args.dtype == "float16"
+        return optimizer, torch.amp.GradScaler("cuda", enabled=use_fp16)
+
+    def schedule(self) -> tuple[int, int, int]:
+        """(global batch, optimizer steps of the run, warm-up steps)."""
+        args = self.args
+        global_batch = args.batch_size * args.accumulation_steps * self.dist.world_size
+        total_steps = args.epochs * math.ceil(self.micro_batches_per_epoch() / args.accumulation_steps)
+        if args.max_steps:
+            total_steps = min(total_steps, args.max_steps)
+        return global_batch, total_steps, int(args.warmup_ratio * total_steps)
+
+    @property
+    def loss_divisor(self) -> float:
+        """Micro-step losses are sums; dividing them by a fixed constant keeps fp16 gradients in range. The constant
+        is undone exactly when the window's gradients are scaled by constant * world_size / global_tokens."""
+        return float(self.args.batch_size * self.args.max_length)
+
+    def take_run_name(self) -> RunLock | None:
+        """Refused before anything is written when rank 0's save could outlast --dist_timeout; then rank 0 takes
+        the run lock and prepares the folder (trainer/checkpoint.py)."""
+        if self.dist.enabled:  # rank 0 saves alone while the others wait
+            check_save_time(rank0_save_bytes(self.raw_model, bool(self.args.fsdp)), self.args.dist_timeout)
+        lock = RunLock(f"{self.out_prefix}.lock") if self.dist.is_main else None
+        self.checkpoints.prepare(lock)
+        return lock
+
+    def start_or_resume(self) -> RunState:
+        """--from_resume 1: the checkpoint's state (a refused resume gives the lock back and leaves the folder as it
+        found it); otherwise step 0."""
+        if not self.args.from_resume:
+            return RunState()
+        try:
+            return self.checkpoints.resume(self.raw_model, self.optimizer, self.scaler, self.global_batch,
+                                           len(self.dataset))
+        except BaseException:
+            if self.lock:
+                self.lock.release()
+            raise
+
+    def open_logs(self):
+        """swanlab (rank 0; a resumed run continues its run id) with the run's effective settings, metrics.jsonl."""
+        info = self.dist
+        tracker = init_tracker(self.args, self.state, info.is_main,
+                               effective={"device": info.device, "world_size": info.world_size,
+                                          "dtype": trained_dtype(info.device, self.args.dtype),
+                                          "data_path": os.path.abspath(self.dataset.path)})
+        metrics_file = open_metrics(self.checkpoints.metrics_path, self.state.step) if info.is_main else None
+        return tracker, metrics_file
 
     @property
     def step(self) -> int:
@@ -262,11 +213,10 @@ class Run:
                 yield epoch, window
 
     def micro_step(self, index: int, window_size: int):
-        """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last, and
-        FSDP reduce-scatters them only then."""
-        if is_sharded(self.raw_model):
-            self.raw_model.set_requires_gradient_sync(index == window_size - 1)
-        elif self.dist.enabled and index < window_size - 1:
+        """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last; FSDP
+        reduce-scatters them after every backward, so each rank only ever holds its gradient shards
+        (trainer/sharding.py)."""
+        if self.dist.enabled and not self.args.fsdp and index < window_size - 1:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -380,129 +330,11 @@ class Run:
         None (the model holds them whole)."""
         return full_weights(self.raw_model) if is_sharded(self.raw_model) else None
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------
-
     def save(self) -> None:
-        """The HF folder, then the resume checkpoint (every rank's RNG gathered to rank 0), written by rank 0.
-
-        The resume file is the commit point: it is written last, so whenever it says step N the export of step N is
-        complete, and a run killed during an export resumes from the previous checkpoint and exports again."""
-        rng = collect_rng_states(self.dist)
-        # every rank checks (one filesystem): a refusal on rank 0 alone would leave the others in a collective
-        check_free_space(self.args.save_dir, self.expected_save_bytes(), f"the checkpoint of step {self.state.step}")
-        weights = self.gathered_weights()  # with --fsdp 1 a collective, as is writing the shards
-        shards = None
-        if self.sharded:
-            shards = save_shards(self.out_prefix + "_resume", self.state.step, self.raw_model, self.optimizer,
-                                 self.dist.is_main)
-        if self.dist.is_main:
-            checkpoint = {
-                "format": CHECKPOINT_FORMAT,
-                "model": None if shards else {k: v.detach().float().cpu()
-                                              for k, v in self.raw_model.state_dict().items()},
-                "optimizer": None if shards else self.optimizer.state_dict(),
-                "shards": os.path.basename(shards) if shards else None,  # model + optimizer, in that folder
-                "model_config": self.raw_model.config.to_hf_dict(),
-                "scaler": self.scaler.state_dict(),
-                "epoch": self.state.epoch, "step": self.state.step,
-                "samples_in_epoch": self.state.samples_in_epoch, "global_batch": self.global_batch,
-                "world_size": self.dist.world_size, "swanlab_run_id": self.state.swanlab_run_id,
-                "args": vars(self.args), "rng": rng,
-            }
-            try:
-                save_pretrained(self.raw_model, self.out_prefix, tokenizer_dir=self.tokenizer_dir, state=weights)
-                with atomic_write(self.resume_path) as f:
-                    torch.save(checkpoint, f)
-                if shards:
-                    remove_other_shards(self.out_prefix + "_resume", keep=shards)
-            except (OSError, RuntimeError) as error:
-                # torch.save reports a failed write as RuntimeError("unexpected pos ...") raised while handling it
-                cause = error if isinstance(error, OSError) else error.__context__
-                if not isinstance(cause, OSError):
-                    raise
-                raise_disk_error(cause, f"the checkpoint of step {self.state.step} to {self.args.save_dir} (the "
-                                        f"previous checkpoint is intact)")
+        """Every rank: the export and the resume file of this step (trainer/checkpoint.py: the resume file is the
+        commit point, written last)."""
+        self.checkpoints.save(self.raw_model, self.optimizer, self.scaler, self.state, self.global_batch)
         self.saved_step = self.state.step
-        if self.dist.enabled:
-            dist.barrier()
-
-    def expected_save_bytes(self) -> int:
-        """Resume file (fp32 weights and AdamW's two moments) plus the HF export, both held beside the old ones."""
-        weights = sum(p.numel() for p in self.raw_model.parameters())
-        export = sum(p.numel() * p.element_size() for p in self.raw_model.parameters())
-        return 3 * 4 * weights + export
-
-    def rank0_save_bytes(self) -> int:
-        """What rank 0 writes alone while the other ranks wait at the save's barrier: the resume file and the HF
-        export; with --fsdp 1 the export only (every rank writes its own shards, the resume file holds no weights)."""
-        if not self.sharded:
-            return self.expected_save_bytes()
-        return sum(p.numel() * p.element_size() for p in self.raw_model.parameters())
-
-    def prepare_save_dir(self) -> None:
-        """Rank 0, before anything is written: take the run lock, refuse to start over a run by accident (or set it
-        aside when asked), and remove what killed runs of this name left half-written."""
-        if not self.dist.is_main:
-            return
-        os.makedirs(self.args.save_dir, exist_ok=True)  # first created here: a run refused before leaves no folder
-        self.lock.acquire()
-        try:
-            check_run_name(self.args)  # again, under the lock: another run may have saved since start-up
-        except UserError:
-            self.lock.release()
-            raise
-        if os.path.exists(self.resume_path) and not self.args.from_resume:
-            aside = f"{self.out_prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.makedirs(aside)
-            for path in (self.out_prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
-                if os.path.exists(path):
-                    os.replace(path, os.path.join(aside, os.path.basename(path)))
-            print0(f"--start_over 1: the previous run's files are in {aside}/")
-        for path in (self.out_prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
-            for stale in remove_stale_temporaries(path):
-                print0(f"removed {stale}, left half-written by a run that was killed")
-        committed = self.committed_shards() if self.shard_folders() else False
-        if committed is not False:
-            for stale in remove_other_shards(self.out_prefix + "_resume", keep=committed):
-                print0(f"removed {stale}, written by a run that was killed before it committed them")
-
-    def shard_folders(self) -> list[str]:
-        """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
-        return glob.glob(f"{glob.escape(self.out_prefix)}_resume.shards-*")
-
-    def committed_shards(self) -> str | None | bool:
-        """The shard folder the resume file names; None when there is no resume file (nothing is committed);
-        False when it cannot be read -- then no shard folder is touched, and resuming reports the damage."""
-        if not os.path.exists(self.resume_path):
-            return None
-        try:
-            checkpoint = torch.load(self.resume_path, map_location="cpu", weights_only=False)
-        except Exception as error:  # torch raises several types for a damaged file: reported, not swallowed
-            print0(f"{self.resume_path} cannot be read ({type(error).__name__}); its shard folders are left alone")
-            return False
-        shards = checkpoint.get("shards") if isinstance(checkpoint, dict) else None
-        return os.path.join(self.args.save_dir, shards) if shards else None
-
-    def resume(self) -> None:
-        if not os.path.exists(self.resume_path):
-            print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
-            return
-        checkpoint = load_checkpoint(self.resume_path, self.args, self.global_batch, self.raw_model)
-        if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
-            load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), self.raw_model, self.optimizer)
-        else:
-            self.raw_model.load_state_dict(checkpoint["model"])
-            self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.scaler.load_state_dict(checkpoint["scaler"])
-        self.state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
-                              checkpoint["swanlab_run_id"])
-        if self.state.samples_in_epoch >= (len(self.dataset) // self.dist.world_size) * self.dist.world_size:
-            self.state.epoch, self.state.samples_in_epoch = self.state.epoch + 1, 0
-        restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, self.state.step)
-        ranks = checkpoint["world_size"]
-        print0(f"resumed from {self.resume_path}: step {self.state.step}, epoch {self.state.epoch + 1} of "
-               f"{self.args.epochs}, {self.state.samples_in_epoch} samples into it (saved by {ranks} "
-               f"rank{'s' if ranks > 1 else ''})")
 
     def finish(self) -> None:
         """Close the logs and the lock. A run stopped by a signal before its end says how to continue and exits
@@ -550,284 +382,3 @@ def open_metrics(path: str, resumed_step: int):
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(kept)
     return open(path, "a", encoding="utf-8")
-
-
-# Flags that may differ on resume: they change how the run is executed or logged, not what it computes. Any other
-# change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
-RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
-                     "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
-                     "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path",
-                     "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher", "dist_timeout",
-                     "resume_changes"}
-
-
-
-def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:
-    """Read a resume checkpoint and check it belongs to this run; a damaged or foreign one is a clear error."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # torch raises several types for a truncated or corrupt zip; all mean the same
-        raise UserError(f"{path} is damaged and cannot be read ({type(error).__name__}: {str(error)[:120]}). Restore "
-                        f"it from a backup, or pass --start_over 1 (without --from_resume) to set it aside and start "
-                        f"anew") from None
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"{path} is not a resume checkpoint of this project (format "
-                        f"{checkpoint.get('format') if isinstance(checkpoint, dict) else type(checkpoint).__name__})")
-    if checkpoint["model_config"] != model.config.to_hf_dict():
-        raise UserError(f"{path} was written for another model configuration; resume with the same "
-                        f"--model_path/--model_config, or use another --save_weight")
-    saved, accepted = checkpoint["args"], resume_change_names(args)
-    changed = {k: (saved.get(k), v) for k, v in vars(args).items()
-               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
-    refused = {k: change for k, change in changed.items() if k not in accepted}
-    if refused:
-        details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise UserError(f"{path} was written with other settings ({details}), which would change what the run "
-                        f"computes (its length, learning-rate schedule or data): resume with the original flags, "
-                        f"accept the change with --resume_changes {','.join(refused)}, or use another --save_weight")
-    if changed:
-        details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        print0(f"resuming with changed settings, as --resume_changes accepts: {details}")
-    if checkpoint["global_batch"] != global_batch:
-        raise UserError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
-                        f"now {global_batch}; keep the global batch to continue the same sample stream")
-    return checkpoint
-
-
-def collect_rng_states(info: DistInfo) -> list[dict] | None:
-    """Every rank's RNG states, gathered to rank 0. CUDA: only the rank's own device (a resume on a node with
-    fewer visible GPUs must still find each rank's state, and no rank draws on another's device)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state(info.device) if info.device.startswith("cuda") else None}
-    if not info.enabled:
-        return [state]
-    gathered = [None] * info.world_size if info.is_main else None
-    dist.gather_object(state, gathered, dst=0)
-    return gathered
-
-
-def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo, seed: int, step: int) -> None:
-    """Each rank takes back its own RNG state. After a world-size change there is no rank-to-rank mapping, so
-    every rank re-seeds from (seed, rank, step) instead: reproducible, though not the uninterrupted stream."""
-    if saved_world_size != info.world_size:
-        seed_everything(derived_seed(seed, info.rank, step))
-        return
-    state = states[info.rank]
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and info.device.startswith("cuda"):
-        torch.cuda.set_rng_state(state["cuda"], info.device)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# one run per name, and a graceful stop on a signal
-
-class RunLock:
-    """`SAVE_DIR/NAME.lock` (host, PID): a second run with the same name is refused, naming the holder. A lock left
-    by a process that no longer runs on this host is taken over with a message; one from another host (a shared
-    file system) is never guessed about."""
-
-    def __init__(self, path: str):
-        self.path, self.held = path, False
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_time(os.getpid())}
-
-    def acquire(self) -> None:
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-            except FileExistsError:
-                self.take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.me, f)
-            self.held = True
-            atexit.register(self.release)  # a run that fails on an exception gives it back too; SIGKILL cannot
-            return
-        raise UserError(f"cannot take the run lock {self.path}: it keeps reappearing (another run is starting?)")
-
-    def take_over_if_stale(self) -> None:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                holder = json.load(f)
-        except (OSError, ValueError):
-            holder = {}  # half-written by a process killed while taking it: nobody holds it
-        same_host = holder.get("host") == self.me["host"]
-        pid = holder.get("pid")
-        start = process_start_time(pid) if isinstance(pid, int) else None
-        alive = start is not None and start == holder.get("start")
-        if holder and not same_host:
-            raise UserError(f"{self.path}: a run of this name is held by PID {pid} on host {holder.get('host')}; "
-                            f"wait for it or stop it, use another --save_weight, or delete the lock file if that "
-                            f"run is gone")
-        if alive and pid != os.getpid():
-            raise UserError(f"{self.path}: a run of this name is in progress (PID {pid} on this host); wait for it "
-                            f"or stop it (kill {pid}), or use another --save_weight")
-        if holder and pid != os.getpid():
-            print0(f"taking over {self.path}: its run (PID {pid}) is no longer running")
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-
-class StopRequest:
-    """SIGTERM / SIGUSR1 (a scheduler's preemption notice) and Ctrl-C: note the signal; the run finishes the current
-    optimizer step on every rank, saves and stops (`Run.optimizer_step`). A second Ctrl-C stops at once, saying
-    where the last checkpoint is."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self, run: "Run"):
-        self.run, self.signal = run, 0
-        self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
-        # a notice that arrived while the script was starting (trainer/guard.stop_signals_noted) counts from here
-        noted = take_noted_stop_signal()
-        if noted:
-            self.handle(noted, None)
-
-    def handle(self, signum: int, frame) -> None:
-        if self.signal == signal.SIGINT and signum == signal.SIGINT:
-            self.restore()
-            raise Stopped(f"interrupted at step {self.run.state.step}: {self.run.last_checkpoint()}; continue with "
-                          f"the same command and --from_resume 1", EXIT_INTERRUPTED)
-        if self.signal:
-            return
-        self.signal = signum
-        print0(f"\n{signal.Signals(signum).name}: finishing step {self.run.state.step + 1}, then saving and stopping"
-               + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""))
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous = {}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# timers
-
-class StepTimer:
-    """Wall time per optimizer step, loss tokens/s, and an ETA. The first step (warm-up, compilation) is left out
-    of the rates. ms/step leaves evaluations out (log_eval restarts the step clock); the ETA does not: it is the
-    wall time per step since the first one, evaluations and saves included, times the steps left."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.steps_timed, self.time_timed, self.tokens_timed, self.ticks = 0, 0.0, 0.0, 0
-        self.last_rate = 0.0
-        self.first_step_end = None
-
-    def tick(self, tokens: float) -> float:
-        now = time.perf_counter()
-        elapsed, self.last = now - self.last, now
-        self.ticks += 1
-        self.last_rate = tokens / max(elapsed, 1e-9)
-        if self.ticks == 1:
-            self.first_step_end = now
-        else:
-            self.steps_timed += 1
-            self.time_timed += elapsed
-            self.tokens_timed += tokens
-        return elapsed
-
-    def tokens_per_s(self) -> float:
-        return self.tokens_timed / self.time_timed if self.time_timed else self.last_rate
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def eta(self, step: int, total: int) -> str:
-        """"?" until a step after the first has been timed: the first one's warm-up would inflate it."""
-        if not self.steps_timed:
-            return "?"
-        per_step = (time.perf_counter() - self.first_step_end) / self.steps_timed
-        return format_seconds(per_step * (total - step))
-
-
-class Progress:
-    """A live progress bar (steps, elapsed, ETA, loss, lr, loss tokens/s) on rank 0 when stderr is a terminal; none
-    in CI (the CI environment variable) or when the output is redirected, where the periodic log lines are the
-    record. Its ETA is the log line's (StepTimer.eta), not tqdm's own estimate. Lines printed while the bar is up go
-    through it, so they do not tear it."""
-
-    def __init__(self, total: int, done: int, enabled: bool):
-        show = enabled and sys.stderr.isatty() and not os.environ.get("CI")
-        self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show,
-                        file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-                        ) if show else None
-
-    def update(self, step: int, metrics: dict, eta: str) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(f"eta {eta}, loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} "
-                                     f"{metrics['tokens_per_s']:.0f} tok/s", refresh=True)
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def console_line(metrics: dict, epochs: int, total_steps: int, eta: str, show: tuple[str, ...],
-                 width: int = 120) -> str:
-    """One step's console line: step, loss, lr, grad norm, loss tokens/s, ms per step, ETA, then the loop's own
-    numbers named in `show`, as many as fit in `width` (the rest are in metrics.jsonl and the tracker)."""
-    step = metrics["step"]
-    epoch = f"epoch {metrics['epoch']}/{epochs} " if epochs > 1 else ""
-    parts = [f"{epoch}step {step}/{total_steps} {100.0 * step / total_steps:.0f}%", f"loss {metrics['loss']:.4f}",
-             f"lr {metrics['lr']:.1e}", f"gnorm {metrics['grad_norm']:.3g}", f"{metrics['tokens_per_s']:.0f} tok/s",
-             f"{metrics['step_ms']:.0f} ms", f"eta {eta}"]
-    extras = [format_metric(name, metrics[name]) for name in show if name in metrics]
-    while extras and len(" | ".join(parts + [" ".join(extras)])) > width:
-        extras.pop()
-    return " | ".join(parts + ([" ".join(extras)] if extras else []))
-
-
-def format_metric(name: str, value) -> str:
-    """`gen_share 0.58` -> `gen 58%`, `accuracy 0.025` -> `accuracy 2.5%`; other numbers with 4 significant digits."""
-    if name.endswith("_share"):
-        return f"{name.removesuffix('_share')} {100.0 * value:.0f}%"
-    if name == "accuracy":
-        return f"accuracy {100.0 * value:.1f}%"
-    return f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}"
-
-
-class PhaseClock:
-    """Seconds spent per phase of a step (e.g. generation vs training), synchronising CUDA so the split is honest."""
-
-    def __init__(self, device: str):
-        self.device, self.seconds = device, {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def _sync(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    def add_to(self, metrics: WindowMetrics) -> None:
-        """PHASE_s (seconds, the mean over ranks) and PHASE_share (of all phases' time, over all ranks)."""
-        total = sum(self.seconds.values())
-        for phase, seconds in self.seconds.items():
-            metrics.rank_mean(f"{phase}_s", seconds)
-            metrics.ratio(f"{phase}_share", seconds, total)
-
-
-def format_seconds(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,64 @@
+# python -m pytest tests/test_fsdp_loading.py
+"""--fsdp 1 never holds a whole model in one process: sharded loading (each rank reads only its rows of the
+safetensors; its peak resident memory grows by at most 0.6 of an unsharded process's, weights bit-equal to the
+files') and the streamed export (the sharded HF layout, which transformers loads with our logits and
+load_pretrained reads back bit for bit). CPU, gloo, 2 ranks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loop_helpers import env_one_thread, run_command, torchrun_command
+from model import Qwen3Config, create_model, load_pretrained
+from support import ROOT, TINY_CONFIG
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+# untied, so the head is loaded too: 2 x 151,936 x 256 + 2 layers = ~80M parameters, ~320 MB in fp32 -- large
+# against the ~35 MB a process's resident memory grows by around any load
+LOAD_CONFIG = {**TINY_CONFIG, "hidden_size": 256, "intermediate_size": 768, "head_dim": 32,
+               "tie_word_embeddings": False}
+
+
+@pytest.mark.slow
+def test_each_sharded_rank_loads_at_most_06_of_an_unsharded_process(tmp_path):
+    """bench_fsdp.py --load: one process per case (VmHWM reset before the load), student and teacher."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LOAD_CONFIG))
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp.py"), "--load", "--config",
+                             str(config)], capture_output=True, text=True, timeout=600, env=env_one_thread())
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {cells[1].strip(): cells for cells in (line.split("|") for line in result.stdout.splitlines())
+            if len(cells) > 2 and cells[1].strip() in ("student", "teacher")}
+    assert rows.keys() == {"student", "teacher"}, result.stdout
+    for cells in rows.values():
+        assert float(cells[-3]) <= 0.6 and cells[-2].strip() == "True", result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_streamed_export_of_a_sharded_model_is_the_sharded_hf_layout(tied, tmp_path):
+    """A seeded model built sharded (each rank its shards) and exported in files of at most 4 MB: several files and
+    an index; they hold create_model's weights bit for bit (the sharded build draws the same numbers); transformers
+    loads them with our logits."""
+    config_dict = {**TINY_CONFIG, "tie_word_embeddings": tied}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(config_dict))
+    out = tmp_path / "export"
+    run_command(torchrun_command(os.path.join(ROOT, "tests", "fsdp_export_worker.py"),
+                                 [str(config), "5", str(out), str(4 * 2**20)]))
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(files) > 1 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                        for i in range(1, len(files) + 1)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    expected = create_model(Qwen3Config.from_dict(config_dict), seed=5)
+    ours = load_pretrained(str(out)).eval()
+    assert all(torch.equal(a, b) for a, b in zip(expected.state_dict().values(), ours.state_dict().values()))
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.tensor([[151644, 872, 198, 9707, 11, 1879]])
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours(ids).logits, atol=1e-5)
