@@ -35,7 +35,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -43,7 +43,7 @@ if ROOT not in sys.path:
 
 from model import Qwen3Config, create_model, save_pretrained  # noqa: E402
 from trainer.setup import build_model, read_teacher  # noqa: E402
-from trainer.sharding import held_gradient_bytes, per_rank_training_bytes, shard  # noqa: E402
+from trainer.sharding import shard  # noqa: E402
 
 QWEN3_PARAMS = {"Qwen3-0.6B": 0.6e9, "Qwen3-1.7B": 1.7e9, "Qwen3-4B": 4.0e9, "Qwen3-8B": 8.2e9,
                 "Qwen3-14B": 14.8e9, "Qwen3-32B": 32.8e9}
@@ -52,6 +52,34 @@ PAIRS = [("Qwen3-0.6B", "Qwen3-4B"), ("Qwen3-0.6B", "Qwen3-8B"), ("Qwen3-1.7B", 
 BUDGET_GB = 0.8 * 80
 WINDOW = 8  # micro-batches per optimizer step (--accumulation_steps 8, as the README's example)
 MODES = ("DDP", "FSDP", "FSDP no-sync")
+
+
+def per_rank_training_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
+    params = [_local(p) for p in model.parameters()]
+    return {"parameters": sum(p.numel() * p.element_size() for p in params),
+            "gradients": held_gradient_bytes(model),
+            "optimizer": sum(_local(v).numel() * _local(v).element_size() for s in optimizer.state.values()
+                             for v in s.values() if isinstance(v, torch.Tensor))}
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradient this rank holds now: each parameter's `.grad` (a sharded one's local shard) plus what FSDP2
+    keeps outside `.grad` between backwards -- the unsharded gradients of its no-sync accumulation
+    (`FSDPParam.unsharded_accumulated_grad`, or the unsharded parameter's own `.grad`), which `.grad` does not show."""
+    tensors = [p.grad for p in model.parameters() if p.grad is not None]
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    tensors += [t for t in (param.unsharded_accumulated_grad,
+                                            unsharded.grad if unsharded is not None else None) if t is not None]
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,8 +13,8 @@ Two measurements:
             row's first EOS) per second, the median of --repeats after one warm-up each. The server holds the
             student's weights (pushed and verified first).
   OPD step  trainer/train_opd.py for --steps optimizer steps in each layout (rollouts built-in or served; teacher
-            local or served: --loss sampled_kl, the only loss a served teacher allows, for the layouts that compare
-            teachers), same flags otherwise; the median over the steps after the first of ms/step and of its phases
+            local or served: --loss sampled_kl for the layouts that compare teachers, and --loss jsd
+            --teacher_topk 16 with the served teacher's top-K), same flags otherwise; the median over the steps after the first of ms/step and of its phases
             from metrics.jsonl: gen (rollouts), sync (write the weights, the server loads them, prefix cache
             reset), verify (the probe's log-probs), teacher (its forward, or its log-probs from the server), train
             (student forward + backward); the optimizer step and logging are the rest of ms/step.
@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "(default: start one)")
     p.add_argument("--teacher_url", default=None, help="a running server of the teacher, served as `teacher` "
                                                        "(default: start one)")
+    p.add_argument("--teacher_topk", type=int, default=16, help="K of the layout with the served teacher's top-K")
     p.add_argument("--port", type=int, default=8731, help="of the first server this benchmark starts (+1: the second)")
     p.add_argument("--workdir", default=None, help="where the models and runs go (default: a temporary folder)")
     return p.parse_args(argv)
@@ -110,12 +111,13 @@ def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
     return {engine: statistics.median(values) for engine, values in rates.items()}
 
 
-LAYOUTS = (  # (name, rollouts on the server, teacher on the server, loss)
+LAYOUTS = (  # (name, rollouts on the server, teacher on the server, loss; "jsd_topk": --loss jsd --teacher_topk)
     ("built-in rollouts, local teacher (jsd)", False, False, "jsd"),
     ("served rollouts, local teacher (jsd)", True, False, "jsd"),
     ("built-in rollouts, local teacher", False, False, "sampled_kl"),
     ("built-in rollouts, served teacher", False, True, "sampled_kl"),
     ("served rollouts, served teacher", True, True, "sampled_kl"),
+    ("built-in rollouts, served teacher top-K", False, True, "jsd_topk"),
 )
 PHASES = ("gen_s", "sync_s", "verify_s", "teacher_s", "train_s")
 
@@ -127,7 +129,9 @@ def opd_steps(args, student_dir: str, teacher_dir: str, rollout_url: str | None,
                "--device", args.device, "--dtype", args.dtype, "--batch_size", str(args.batch_size),
                "--max_new_tokens", str(args.max_new_tokens), "--max_length", str(256 + args.max_new_tokens),
                "--max_steps", str(args.steps), "--log_interval", "1", "--save_interval", str(10 ** 6),
-               "--start_over", "1", "--loss", loss]
+               "--start_over", "1", "--loss", "jsd" if loss == "jsd_topk" else loss]
+    if loss == "jsd_topk":  # the teacher's top-K per position (a server's default --max-logprobs 20 allows 16)
+        command += ["--teacher_topk", str(args.teacher_topk)]
     command += ["--teacher_url", teacher_url] if teacher_url else ["--teacher_path", teacher_dir]
     if rollout_url:
         command += ["--rollout_url", rollout_url, "--rollout_model", "student"]

@@ -19,6 +19,7 @@ padding rows beyond the tokenizer's vocabulary.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import torch
@@ -144,6 +145,47 @@ class CompletionServer:
                  for logprobs, n in zip(served, map(int, completion_lengths))]
         return torch.cat(parts).to(input_ids.device)
 
+    def prompt_topk_logprobs(self, sequences: Sequence[Sequence[int]], k: int
+                             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For each token sequence, at t = 1 .. len-1: the ids of the served model's top-k tokens after tokens < t
+        and of token t itself, and its log-probabilities of them (vLLM's `prompt_logprobs: k`, prefill only, from the
+        raw logits) -> per sequence (ids (len-1, k+1) int64, log-probs (len-1, k+1) fp32); each id once: where token
+        t is in the top-k, one column is id -1 (log-prob 0)."""
+        payloads = [{"model": self.model, "prompt": list(map(int, ids)), "max_tokens": 1, "temperature": 0.0,
+                     "prompt_logprobs": int(k), "return_token_ids": True, "skip_special_tokens": False}
+                    for ids in sequences]
+        return self._post_all(payloads, lambda body: _prompt_topk_logprobs(body, k))
+
+    def completion_topk_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                 completion_lengths: Sequence[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`completion_logprobs` with the top-k: at each completion position the ids of the teacher's top-k tokens
+        plus the sampled one, and its log-probabilities of them, row after row: ((sum of lengths, k+1) int64,
+        (sum of lengths, k+1) fp32), on input_ids' device."""
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+        served = self.prompt_topk_logprobs(rows, k)
+        ids = [i[len(i) - n:] if n else i[:0] for (i, _), n in zip(served, map(int, completion_lengths))]
+        logprobs = [v[len(v) - n:] if n else v[:0] for (_, v), n in zip(served, map(int, completion_lengths))]
+        return torch.cat(ids).to(input_ids.device), torch.cat(logprobs).to(input_ids.device)
+
+    def check_topk(self, k: int, probe_ids: Sequence[int]) -> None:
+        """Refuse at once a server that will not return k prompt log-probabilities per position (vLLM's
+        --max-logprobs, default 20; no endpoint reports it, so a probe is scored), or returns fewer."""
+        payload = {"model": self.model, "prompt": list(map(int, probe_ids)), "max_tokens": 1, "temperature": 0.0,
+                   "prompt_logprobs": int(k), "return_token_ids": True, "skip_special_tokens": False}
+        try:
+            _prompt_topk_logprobs(self.client.post_once("/completions", payload), k)
+        except RequestError as e:
+            if e.status is not None and 400 <= e.status < 500:
+                allowed = re.search(r"max allowed: (\d+)", e.detail or "")
+                limit = f"at most {allowed.group(1)}" if allowed else "fewer"
+                raise UserError(f"the {self.what} ({self.model!r} at {self.client.base_url}) returns {limit} "
+                                f"log-probabilities per position, fewer than --teacher_topk {k}: restart it with "
+                                f"--max-logprobs {k} (serving/vllm_launch.py --max_logprobs {k})") from None
+            raise RuntimeFailure(f"the {self.what} at {self.client.base_url} failed: {one_line(str(e))}") from None
+        except ValueError as e:
+            raise RuntimeFailure(f"the {self.what} did not answer prompt_logprobs {k} as vLLM does "
+                                 f"({one_line(str(e))}): cannot take its top-{k}") from None
+
     def _post_all(self, payloads: list[dict[str, Any]], parse) -> list:
         """Every payload answered, in order, or RuntimeFailure: a batch is never returned in part."""
         tasks = [lambda p=p, i=i: self.client.post("/completions", p, parse, index=i) for i, p in enumerate(payloads)]
@@ -189,6 +231,35 @@ def _prompt_logprobs(body: Any) -> torch.Tensor:
             raise ValueError(f"no log-probability for prompt token {token}")
         values.append(float(item["logprob"]))
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _prompt_topk_logprobs(body: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """choices[0].prompt_logprobs with `prompt_logprobs: k`: per position a dict of the top-k ids and the prompt's
+    own token (k entries when it is among them, else k+1) -> (ids, log-probs), each (len-1, k+1), every id once
+    and one column -1 where the token is in the top-k. vLLM sends -inf as -9999 (probability 0 all the same)."""
+    choice = _choice(body)
+    entries, ids = choice.get("prompt_logprobs"), choice.get("prompt_token_ids") or body.get("prompt_token_ids")
+    if not isinstance(entries, list) or not isinstance(ids, list) or len(entries) != len(ids):
+        raise ValueError("choices[0].prompt_logprobs / prompt_token_ids missing (the server must accept "
+                         "prompt_logprobs and return_token_ids, as vLLM does)")
+    width = k + 1
+    out_ids = torch.full((max(len(ids) - 1, 0), width), -1, dtype=torch.long)
+    out_logprobs = torch.zeros((max(len(ids) - 1, 0), width), dtype=torch.float32)
+    for t, (token, entry) in enumerate(zip(ids[1:], entries[1:])):
+        if not isinstance(entry, dict) or str(token) not in entry or not k <= len(entry) <= width:
+            raise ValueError(f"position {t + 1}: {len(entry) if isinstance(entry, dict) else 'no'} log-probabilities"
+                             f" for top-{k} plus prompt token {token}")
+        others = [(int(i), item) for i, item in entry.items() if int(i) != token]
+        if len(others) == k:  # the prompt's token is not in the top-k: its own column
+            others.append((token, entry[str(token)]))
+        for j, (i, item) in enumerate(others):
+            if not isinstance(item, dict) or not isinstance(item.get("logprob"), (int, float)):
+                raise ValueError(f"position {t + 1}: no log-probability for token {i}")
+            out_ids[t, j], out_logprobs[t, j] = i, float(item["logprob"])
+        if len(others) < width:  # it is in the top-k: put it in too (the loss drops a repeat)
+            out_ids[t, len(others)] = token
+            out_logprobs[t, len(others)] = float(entry[str(token)]["logprob"])
+    return out_ids, out_logprobs
 
 
 # A chat-formatted exchange: special tokens, text, digits and LaTeX, scored at every position.

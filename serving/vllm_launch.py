@@ -1,6 +1,7 @@
 """Start a vLLM server that the trainer can sync weights into: the one command for users, tests and benchmarks.
 
     python serving/vllm_launch.py --model checkpoints/kd --name student --port 8000          # CPU, fp32
+    python serving/vllm_launch.py --model checkpoints/sft --name teacher --port 8001 --max_logprobs 64  # top-64
     python serving/vllm_launch.py --model /models/Qwen3-0.6B --name student --port 8000 --dtype bfloat16 \
         --python /opt/vllm/bin/python -- --gpu-memory-utilization 0.3                          # extra vLLM flags
 
@@ -38,10 +39,14 @@ def vllm_python(venv: str = DEFAULT_VENV) -> str | None:
 
 
 def vllm_command(python: str, model: str, name: str, port: int, dtype: str = "float32", max_model_len: int = 1024,
-                 host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
+                 host: str = "127.0.0.1", extra: list[str] | None = None,
+                 max_logprobs: int | None = None) -> list[str]:
+    """max_logprobs: vLLM's --max-logprobs, the most log-probabilities per position a request may ask for (vLLM's
+    default 20): a teacher server for --teacher_topk K needs K or more."""
+    logprobs = ["--max-logprobs", str(max_logprobs)] if max_logprobs is not None else []
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--host", host, "--port", str(port),
-            "--worker-extension-cls", EXTENSION, *(extra or [])]
+            *logprobs, "--worker-extension-cls", EXTENSION, *(extra or [])]
 
 
 def vllm_env() -> dict[str, str]:
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--dtype", default="float32", help="the trainer's precision: float32 on CPU, bfloat16 on GPU")
     parser.add_argument("--max_model_len", type=int, default=1024, help=">= the trainer's --max_length")
+    parser.add_argument("--max_logprobs", type=int, default=None,
+                        help="vLLM's --max-logprobs (its default 20): >= the trainer's --teacher_topk for a teacher")
     parser.add_argument("--python", default=None, help="the vLLM environment's python (default: DISTILL_VLLM_VENV "
                                                        "or ~/.cache/distill/vllm-venv)")
     args, extra = parser.parse_known_args(argv)
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     if python is None:
         sys.exit(f"error: no vLLM environment at {DEFAULT_VENV}: run serving/setup_vllm_cpu.sh, or pass --python")
     command = vllm_command(python, args.model, args.name, args.port, args.dtype, args.max_model_len, args.host,
-                           [e for e in extra if e != "--"])
+                           [e for e in extra if e != "--"], args.max_logprobs)
     print("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=" + ROOT + " " + " ".join(command), flush=True)
     os.execve(python, command, vllm_env())
 

@@ -12,7 +12,7 @@ from trainer.setup import build_model, init_distributed_mode  # noqa: E402
 
 config, device = sys.argv[1], sys.argv[2]
 info = init_distributed_mode(device)
-model = build_model(argparse.Namespace(seed=0), info.device, config_path=config)
+model = build_model(argparse.Namespace(seed=0, fsdp=0, dtype="float32"), info.device, config_path=config)
 print(f"rank {info.rank} local_rank {info.local_rank} device {info.device} weights {next(model.parameters()).device}",
       flush=True)
 dist.destroy_process_group()

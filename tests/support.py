@@ -41,3 +41,19 @@ def give_another_tokenizer(model_dir) -> None:
     tokenizer_json["added_tokens"][-1]["content"] = "<|a_token_only_the_teacher_has|>"
     with open(path, "w", encoding="utf-8") as f:
         json.dump(tokenizer_json, f)
+
+
+def reference_divergence(p_teacher, q_student, beta: float):
+    """Generalized JSD by its definition, in probability space (no log-space tricks): beta 0 forward KL(p || q), 1
+    reverse KL(q || p), between beta KL(p || m) + (1 - beta) KL(q || m) with m = beta p + (1 - beta) q. Zero
+    probabilities contribute nothing (0 log 0 = 0). The losses' tests compare against it."""
+    import torch
+
+    def kl(a, b):
+        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
+    if beta == 0.0:
+        return kl(p_teacher, q_student)
+    if beta == 1.0:
+        return kl(q_student, p_teacher)
+    m = (1 - beta) * q_student + beta * p_teacher
+    return beta * kl(p_teacher, m) + (1 - beta) * kl(q_student, m)

@@ -4,7 +4,6 @@ code 2 in every script, as any other refused flag is -- not the whole usage text
 is said once, not once per rank."""
 import os
 import subprocess
-import sys
 
 import pytest
 

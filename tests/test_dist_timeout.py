@@ -17,7 +17,8 @@ from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, metr
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from support import ROOT, write_chat_jsonl
 from trainer.heldout import HeldoutEvaluator
-from trainer.setup import DistInfo, build_model, check_save_time, server_wait_seconds
+from trainer.servers import server_wait_seconds
+from trainer.setup import DistInfo, build_model, check_save_time
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import parse_args as sft_args

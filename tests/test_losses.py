@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from support import reference_divergence
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss,
                             chunked_sft_loss, distillation_loss, generalized_jsd_loss, sampled_token_kl_loss,
                             sft_loss)
@@ -29,13 +30,7 @@ def ref_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def ref_jsd_per_token(student, teacher, beta, temperature):
     """The definition, straight in probability space (no log-space tricks), float64."""
-    p_s, p_t = ref_probs(student, temperature), ref_probs(teacher.detach(), temperature)
-    if beta == 0.0:
-        return ref_kl(p_t, p_s)
-    if beta == 1.0:
-        return ref_kl(p_s, p_t)
-    m = (1 - beta) * p_s + beta * p_t
-    return beta * ref_kl(p_t, m) + (1 - beta) * ref_kl(p_s, m)
+    return reference_divergence(ref_probs(teacher.detach(), temperature), ref_probs(student, temperature), beta)
 
 
 def ref_reduce(per_token, labels, reduction):

@@ -65,8 +65,8 @@ class WriteRecorder:
             self.error = error
             raise
 
-    def flush(self) -> None:
-        self.file.flush()
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)  # flush, tell, ...: the file's own
 
 
 class Checkpoints:

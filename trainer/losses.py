@@ -216,7 +216,8 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     padding and must not take probability mass) and calls
     loss_fn(student_logits, teacher_logits_or_None, labels_or_None) -> scalar sum or tuple of scalar sums.
     teacher_values (N, ...) optional: per-position teacher numbers handed to loss_fn in place of teacher logits
-    (a remote teacher's log-probabilities of the labels).
+    (a remote teacher's log-probabilities of the labels), or a tuple of such tensors (its top-K ids and their
+    log-probabilities), sliced alike.
     Each chunk is checkpointed, so backward recomputes one chunk at a time; the teacher never gets gradients.
     Returns the summed result, with the structure loss_fn returns.
     """
@@ -247,10 +248,17 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
         args = (loss_fn, student_hidden[start:end], weight,
                 None if labels is None else labels[start:end],
                 None if t_hidden is None else t_hidden[start:end], t_weight,
-                None if teacher_values is None else teacher_values[start:end].detach())
+                None if teacher_values is None else _rows(teacher_values, start, end))
         part = checkpoint(_chunk_loss, *args, use_reentrant=False) if needs_graph else _chunk_loss(*args)
         total = _add(total, part)
     return total
+
+
+def _rows(values: torch.Tensor | tuple[torch.Tensor, ...], start: int, end: int):
+    """Rows start:end of a teacher-values tensor or of each tensor of a tuple, detached (the teacher is a constant)."""
+    if isinstance(values, tuple):
+        return tuple(v[start:end].detach() for v in values)
+    return values[start:end].detach()
 
 
 def _count(labels: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:

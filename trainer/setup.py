@@ -20,15 +20,13 @@ import torch
 import torch.distributed as dist
 
 from common.checks import check_device, check_model_dir
-from common.errors import refuse, refuse_first
+from common.errors import refuse
 from common.files import check_writable
-from common.http import ApiClient
 from dataset.collators import SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer
 from model.tokenizer import QwenTokenizer
-from serving.engine import CompletionServer
 from trainer.sharding import compute_dtype, shard, sharded_random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -329,105 +327,3 @@ def read_teacher(args: argparse.Namespace, device: str) -> torch.nn.Module:
     print0(f"loading the teacher {args.teacher_path} on {device}" + (" (each rank its shards)" if sharded else ""))
     return load_pretrained(args.teacher_path, dtype=dtype, device=device,
                            shard=(lambda m: shard(m, dtype)) if sharded else None)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# OPD's inference servers (docs/serving.md)
-
-SERVERS = {  # role -> (what messages call it, default --ROLE_model, what --ROLE_url does)
-    "rollout": ("rollout server", "student",
-                "sample on this OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8000/v1, started with the "
-                "weight-sync extension; rank 0 loads the student's weights into it and verifies them"),
-    "teacher": ("teacher server", "teacher",
-                "the teacher on this OpenAI-compatible server (vLLM), e.g. http://127.0.0.1:8001/v1, instead of "
-                "--teacher_path: its log-probabilities of the sampled tokens (--loss sampled_kl)"),
-}
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """--rollout_url / --teacher_url with their model name and API-key variable; the rollout server's sync and
-    request settings."""
-    groups = {}
-    for role, (what, name, url_help) in SERVERS.items():
-        g = groups[role] = parser.add_argument_group(f"{what} (docs/serving.md)")
-        g.add_argument(f"--{role}_url", default=None, help=url_help)
-        g.add_argument(f"--{role}_model", default=name, help=f"the {what}'s --served-model-name")
-        g.add_argument(f"--{role}_api_key_env", default=None,
-                       help=f"environment variable holding the {what}'s API key (default: no key)")
-    g = groups["rollout"]
-    g.add_argument("--sync_interval", type=int, default=1,
-                   help="optimizer steps between weight syncs (1: strictly on-policy; k: samples from weights up "
-                        "to k-1 steps old, k times fewer syncs)")
-    g.add_argument("--sync_dir", default=None,
-                   help="folder the server can read where the weights are written for it "
-                        "(default SAVE_DIR/SAVE_WEIGHT_rollout_weights; /dev/shm/... on GPU machines)")
-    g.add_argument("--rollout_concurrency", type=int, default=64, help="requests in flight per rank and server")
-    g.add_argument("--rollout_timeout", type=float, default=600.0, help="seconds to wait for one request")
-
-
-def validate_server_args(args: argparse.Namespace) -> None:
-    a = args
-    refuse_first([
-        (a.teacher_url and a.loss != "sampled_kl",
-         "--teacher_url gives the log-probabilities of the sampled tokens only, not the whole distribution --loss "
-         "jsd needs: use --loss sampled_kl, or a local --teacher_path"),
-        (a.teacher_url and a.temperature != 1.0,
-         f"--teacher_url: a server's log-probabilities are at temperature 1, not --temperature {a.temperature}: use "
-         f"--temperature 1 or a local --teacher_path"),
-        (a.fsdp and not a.rollout_url and a.lmbda > 0,
-         "--fsdp 1: the built-in engine cannot decode with a sharded student; sample on a rollout server "
-         "(--rollout_url, docs/serving.md)"),
-        (a.sync_interval < 1, f"--sync_interval must be >= 1, got {a.sync_interval}"),
-        (a.rollout_concurrency < 1, f"--rollout_concurrency must be >= 1, got {a.rollout_concurrency}"),
-        (a.rollout_timeout <= 0, f"--rollout_timeout must be > 0, got {a.rollout_timeout}"),
-        (a.loss == "sampled_kl" and a.rollout_url and a.sync_interval > 1,
-         f"--loss sampled_kl needs samples from the current student: with --sync_interval {a.sync_interval} the "
-         f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd"),
-    ])
-    check_server_wait(args)
-
-
-def server_wait_seconds(args: argparse.Namespace) -> float:
-    """The longest a rank can wait for one batch of server requests (a batch's rollouts or teacher scores) before
-    they fail, while the other ranks wait in the next collective: every attempt of a request (retries + 1) up to
-    the client's connect timeout plus --rollout_timeout, between attempts up to the longest backoff or Retry-After
-    the client honours (common/http.py), and a batch's rows sent --rollout_concurrency at a time."""
-    client = ApiClient.__init__.__kwdefaults__  # what CompletionServer leaves to the client
-    attempts = CompletionServer.__init__.__kwdefaults__["max_retries"] + 1
-    request = (attempts * (client["connect_timeout"] + args.rollout_timeout)
-               + (attempts - 1) * max(client["backoff_max"], client["max_retry_after"]))
-    return math.ceil(args.batch_size / args.rollout_concurrency) * request
-
-
-def check_server_wait(args: argparse.Namespace) -> None:
-    """With more than one rank, a batch of server requests that could outlast --dist_timeout is refused at once:
-    the other ranks would be failed by the process group before the failure protocol (fail_together) saves."""
-    if not (args.rollout_url or args.teacher_url) or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return
-    seconds = server_wait_seconds(args)
-    if seconds > args.dist_timeout:
-        refuse(f"--rollout_timeout {args.rollout_timeout:g}: a batch of server requests can take up to {seconds:.0f} s "
-               f"with its retries (--batch_size {args.batch_size}, --rollout_concurrency {args.rollout_concurrency}), "
-               f"longer than --dist_timeout {args.dist_timeout:g}; raise --dist_timeout to {math.ceil(seconds)} or "
-               f"lower --rollout_timeout")
-
-
-def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> CompletionServer | None:
-    """The --ROLE_url server (None without one), checked at once: up, serving --ROLE_model with a context of at
-    least --max_length, and, given the student's tokenizer, the same tokenizer."""
-    url = getattr(args, f"{role}_url")
-    if not url:
-        return None
-    server = CompletionServer(url, getattr(args, f"{role}_model"), what=SERVERS[role][0],
-                              api_key_env=getattr(args, f"{role}_api_key_env"), concurrency=args.rollout_concurrency,
-                              timeout=args.rollout_timeout)
-    server.check(args.max_length)
-    if tokenizer is not None:
-        server.check_tokenizer(tokenizer)
-    return server
-
-
-def rollout_weights_path(args: argparse.Namespace) -> str:
-    """Where rank 0 writes the weights for the rollout server."""
-    folder = args.sync_dir or os.path.join(args.save_dir, f"{args.save_weight}_rollout_weights")
-    return os.path.join(folder, "model.safetensors")

@@ -151,31 +151,3 @@ def load_shards(folder: str, model: torch.nn.Module, optimizer: torch.optim.Opti
         dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
-def per_rank_training_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
-    params = [_local(p) for p in model.parameters()]
-    return {"parameters": sum(p.numel() * p.element_size() for p in params),
-            "gradients": held_gradient_bytes(model),
-            "optimizer": sum(_local(v).numel() * _local(v).element_size() for s in optimizer.state.values()
-                             for v in s.values() if isinstance(v, torch.Tensor))}
-
-
-def held_gradient_bytes(model: torch.nn.Module) -> int:
-    """Bytes of gradient this rank holds now: each parameter's `.grad` (a sharded one's local shard) plus what FSDP2
-    keeps outside `.grad` between backwards -- the unsharded gradients of its no-sync accumulation
-    (`FSDPParam.unsharded_accumulated_grad`, or the unsharded parameter's own `.grad`), which `.grad` does not show."""
-    tensors = [p.grad for p in model.parameters() if p.grad is not None]
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    unsharded = getattr(param, "_unsharded_param", None)
-                    tensors += [t for t in (param.unsharded_accumulated_grad,
-                                            unsharded.grad if unsharded is not None else None) if t is not None]
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -8,6 +8,7 @@
     ... --from_resume 1
     ... --rollout_url http://127.0.0.1:8000/v1     # sample on a vLLM server (docs/serving.md)
     ... --loss sampled_kl --teacher_url http://127.0.0.1:8001/v1   # the teacher's log-probs from a server
+    ... --teacher_topk 16 --teacher_url http://127.0.0.1:8001/v1    # its top-16 per position (--loss jsd)
 
 Per micro-batch, the paper's eq. 2:
   1. with probability lmbda the step is on-policy (one draw per optimizer step, so the same whatever the split into
@@ -16,11 +17,12 @@ Per micro-batch, the paper's eq. 2:
      first rollout every --sync_interval steps); otherwise the dataset's own completions are used (lmbda=0 is
      plain KD on the data)
   2. the sequence x + y gets labels on y only, through the first EOS
-  3. the teacher scores every position without gradients (a teacher on a server: the sampled tokens only), the
-     student with gradients
+  3. the teacher scores every position without gradients (a teacher on a server: the sampled tokens only, or its
+     top-K per position), the student with gradients
   4. loss per token = generalized JSD over the full vocabulary (beta=1: reverse KL(student || teacher)), computed
-     chunk by chunk from hidden states; or --loss sampled_kl, the policy-gradient form that needs only the
-     teacher's log-probability of the sampled tokens
+     chunk by chunk from hidden states; with --teacher_topk K over the teacher's top-K, the sampled token and one
+     tail bucket (a lower bound of it, exact as S covers the mass); or --loss sampled_kl, the policy-gradient form
+     that needs only the teacher's log-probability of the sampled tokens
 The skeleton normalises by the window's loss tokens over all ranks, clips and steps. Each row samples with its own
 seed (seed, epoch, row), so a resumed run samples exactly what the killed one would have, and 2 ranks x accumulation
 2 sample what 1 rank x accumulation 4 does.
@@ -43,15 +45,16 @@ from dataset.sources import RowDataset
 from model import DTYPES, generate, load_tokenizer
 from serving.engine import CompletionServer, probe_token_ids
 from serving.weight_sync import WeightSync
+from trainer.console import PhaseClock
 from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs, sampled_token_kl_loss)
-from trainer.setup import (add_common_args, add_server_args, add_teacher_args, build_model, check_rows,
-                           connect_server, init_distributed_mode, load_teacher, print0, resolve_teacher_path,
-                           rollout_weights_path, validate_common_args, validate_server_args)
+from trainer.servers import add_server_args, connect_server, rollout_weights_path, validate_server_args
+from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
+                           load_teacher, print0, resolve_teacher_path, validate_common_args)
+from trainer.topk_divergence import chunked_topk_divergence
 from trainer.tracking import trained_dtype
-from trainer.console import PhaseClock
 from trainer.trainer_utils import Run
 
 
@@ -64,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="jsd: generalized JSD over the full vocabulary (beta=1: reverse KL); sampled_kl: "
                         "policy-gradient reverse KL from the sampled tokens' log-probabilities only")
     g.add_argument("--beta", type=float, default=1.0, help="0: forward KL, 1: reverse KL, between: generalized JSD")
+    g.add_argument("--teacher_topk", type=int, default=0,
+                   help="K > 0 with --loss jsd: the divergence over the teacher's top-K tokens, the sampled token "
+                        "and one tail bucket per position (what a --teacher_url server returns; with --teacher_path "
+                        "the same from its logits); 0: the full vocabulary (local teacher only)")
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that an optimizer step is on-policy")
     g = parser.add_argument_group("the student's sampling")
     g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
@@ -100,6 +107,10 @@ def validate_opd_args(args: argparse.Namespace) -> None:
         (a.gen_temperature <= 0, f"--gen_temperature must be > 0, got {a.gen_temperature}"),
         (not 0.0 < a.top_p <= 1.0, f"--top_p must be in (0, 1], got {a.top_p}"),
         (a.top_k < 0, f"--top_k must be >= 0, got {a.top_k}"),
+        (a.teacher_topk < 0, f"--teacher_topk must be >= 0, got {a.teacher_topk}"),
+        (sampled_kl and a.teacher_topk > 0,
+         "--teacher_topk is for --loss jsd (the top-K divergence); --loss sampled_kl needs the sampled tokens' "
+         "log-probabilities only"),
         (sampled_kl and a.lmbda < 1.0, "--loss sampled_kl is a policy gradient on the student's own samples: it "
                                        "needs --lmbda 1 (--loss jsd mixes in the dataset's completions)"),
         (sampled_kl and not unbiased,
@@ -116,7 +127,9 @@ def say_servers(args: argparse.Namespace) -> None:
                f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
                f"against the server's log-probabilities of a probe before sampling")
     if args.teacher_url:
-        print0(f"teacher on {args.teacher_url} ({args.teacher_model}): its log-probabilities of the sampled tokens")
+        what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
+                if args.teacher_topk else "its log-probabilities of the sampled tokens")
+        print0(f"teacher on {args.teacher_url} ({args.teacher_model}): {what}")
 
 
 def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
@@ -154,11 +167,17 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
 
 
 def teacher_scores(teacher, teacher_server: CompletionServer | None, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor, labels: torch.Tensor, autocast) -> torch.Tensor:
+                   attention_mask: torch.Tensor, labels: torch.Tensor, autocast,
+                   topk: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Step 3, without gradients: a local teacher's hidden states at the completion positions (its lm_head is
-    applied chunk by chunk inside the loss), or a served teacher's log-probabilities of the sampled tokens."""
+    applied chunk by chunk inside the loss, where --teacher_topk takes its top-K), or a served teacher's
+    log-probabilities of the sampled tokens -- with topk K, the ids of its top-K and the sampled token and its
+    log-probabilities of them, ((N, K+1), (N, K+1))."""
     if teacher_server is not None:
-        return teacher_server.completion_logprobs(input_ids, attention_mask, (labels != IGNORE_INDEX).sum(dim=1))
+        lengths = (labels != IGNORE_INDEX).sum(dim=1)
+        if topk:
+            return teacher_server.completion_topk_logprobs(input_ids, attention_mask, lengths, topk)
+        return teacher_server.completion_logprobs(input_ids, attention_mask, lengths)
     with torch.no_grad(), autocast():
         return completion_hidden(teacher, input_ids, attention_mask, labels)[0]
 
@@ -167,12 +186,18 @@ def distill_loss(run: Run, args: argparse.Namespace, teacher, scores: torch.Tens
                  input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 4: the student's hidden states at the completion positions, the summed per-token loss against the
-    teacher's `scores` (teacher None: they are a served teacher's log-probabilities of the labels)."""
+    teacher's `scores` (teacher None: they are a served teacher's log-probabilities of the labels, or its top-K)."""
     student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
     common = dict(student_weight=run.raw_model.lm_head.weight, labels=targets, chunk_size=args.loss_chunk_size,
                   vocab_size=vocab_size)
     heads = dict(teacher_values=scores) if teacher is None else \
         dict(teacher_hidden=scores, teacher_weight=teacher.lm_head.weight)
+    if args.loss == "jsd" and args.teacher_topk:  # the K+2 buckets: served and local, the same function
+        support = dict(teacher_support=scores) if teacher is None else heads
+        loss_sum, num_tokens, tail_sum = chunked_topk_divergence(student_hidden, k=args.teacher_topk, beta=args.beta,
+                                                                 temperature=args.temperature, **common, **support)
+        run.metrics.token_mean("teacher_tail_mass", tail_sum)  # the teacher's mass outside S, per token
+        return loss_sum, num_tokens
     if args.loss == "jsd":
         return chunked_generalized_jsd_loss(student_hidden, beta=args.beta, temperature=args.temperature,
                                             **common, **heads)
@@ -247,7 +272,8 @@ def train(args: argparse.Namespace) -> None:
                     data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
                     input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
             with clock("teacher"), run.fail_together(teacher_server is not None):  # step 3: the teacher scores them
-                scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels, run.autocast)
+                scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels, run.autocast,
+                                        args.teacher_topk)
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
                     loss_sum, num_tokens = distill_loss(run, args, teacher, scores, len(tokenizer), input_ids,
