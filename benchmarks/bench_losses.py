@@ -8,7 +8,7 @@
 --casts: the chunked loss's forward + backward under CPU bf16 autocast (what CUDA training does), counting the
 full-size (V, H) casts of the lm_head weights (aten._to_copy, through a dispatch mode) and timing it, once with the
 weights cast once per loss (`trainer.losses.autocast_once`, today) and once with autocast casting them at every
-chunk's matmul (before: `autocast_once` replaced by the identity).
+chunk's matmul (before: `autocast_once` giving no copy).
 
 Each variant runs in a fresh 'spawn' process. On CPU, torch's allocations are invisible to tracemalloc, so the
 number is the process's peak RSS (ru_maxrss) minus its RSS once the inputs exist; large CPU tensors are mmap'ed
@@ -113,7 +113,7 @@ def count_casts(args: argparse.Namespace, cast_once: bool) -> tuple[int, float]:
     th, tw = torch.randn(n, hdim) * 0.5, torch.randn(v, hdim) * 0.05
     labels = torch.randint(0, v, (n,))
     original = losses.autocast_once
-    losses.autocast_once = original if cast_once else (lambda weight: weight)
+    losses.autocast_once = original if cast_once else (lambda weight: None)
     try:
         start = time.perf_counter()
         with CountWeightCasts((v - 1) * hdim) as counter:  # vocab_size = v - 1: the sliced view, as in training

@@ -428,3 +428,34 @@ def test_sampled_token_kl_ignores_masked_positions():
     full, _ = sampled_token_kl_loss(student, teacher, labels)
     kept, _ = sampled_token_kl_loss(student[[0, 2]], teacher[[0, 2]], labels[[0, 2]])
     assert float(full) == pytest.approx(float(kept))
+
+
+def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_numbers():
+    """The CUDA training path's cast, on CPU bf16 autocast: 8 chunks of student and teacher cast each (V, H) weight
+    once (the view `weight[:vocab_size]` would otherwise be cast at every chunk's matmul, recompute and backward),
+    and the loss and the head's gradient equal the per-chunk casts'."""
+    import trainer.losses as losses
+    from benchmarks.bench_losses import CountWeightCasts
+    torch.manual_seed(0)
+    n, v, hdim = 128, 1000, 32
+    h = (torch.randn(n, hdim) * 0.5).requires_grad_()
+    w = (torch.randn(v, hdim) * 0.05).requires_grad_()
+    th, tw, labels = torch.randn(n, hdim) * 0.5, torch.randn(v, hdim) * 0.05, torch.randint(0, v - 1, (n,))
+    results = {}
+    for name, cast in (("once", losses.autocast_once), ("per chunk", lambda weight: None)):
+        original, losses.autocast_once = losses.autocast_once, cast
+        try:
+            w.grad = None
+            with CountWeightCasts((v - 1) * hdim) as counter:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss, _ = chunked_generalized_jsd_loss(h, w, th, tw, labels, beta=1.0, chunk_size=16,
+                                                           vocab_size=v - 1)
+                loss.backward()
+        finally:
+            losses.autocast_once = original
+        results[name] = counter.count, loss.detach(), w.grad.clone()
+    chunks = n // 16  # once: one cast of each head, then one of each chunk's head gradient back to fp32
+    assert results["once"][0] <= 2 + chunks and results["per chunk"][0] >= 4 * chunks
+    assert torch.equal(results["once"][1], results["per chunk"][1])
+    a, b = results["once"][2], results["per chunk"][2]
+    assert torch.allclose(a, b, rtol=0, atol=1e-6)

@@ -171,7 +171,7 @@ def sampled_token_kl_from_logprobs(student_logits: torch.Tensor, teacher_logprob
 # ----------------------------------------------------------------------------- chunked from hidden states
 
 def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight: torch.Tensor,
-                labels: torch.Tensor | None, teacher_hidden: torch.Tensor | None,
+                low_weight: torch.Tensor | None, labels: torch.Tensor | None, teacher_hidden: torch.Tensor | None,
                 teacher_weight: torch.Tensor | None, teacher_values: torch.Tensor | None) -> LossOutput:
     # The teacher is projected in here, not outside: checkpoint keeps its inputs alive until backward, and
     # (chunk, V) teacher logits passed in as inputs would accumulate to the full (N, V) we are avoiding.
@@ -180,20 +180,40 @@ def _chunk_loss(loss_fn: Callable[..., LossOutput], hidden: torch.Tensor, weight
     if teacher_hidden is not None:
         with torch.no_grad():
             teacher_logits = teacher_hidden @ teacher_weight.T
-    return loss_fn(hidden @ weight.T, teacher_logits, labels)
+    return loss_fn(hidden @ _weight_in_use(weight, low_weight).T, teacher_logits, labels)
 
 
-def autocast_once(weight: torch.Tensor) -> torch.Tensor:
-    """The lm_head weight in the autocast dtype, cast once per loss instead of once per chunk matmul.
+class _LowPrecisionUse(torch.autograd.Function):
+    """Forward: the weight's copy already cast to the autocast dtype. Backward: the chunk's gradient cast back to the
+    weight's own dtype here, so that the chunks' gradients add up in fp32 on the weight, not in bf16 on the copy."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return low
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def autocast_once(weight: torch.Tensor) -> torch.Tensor | None:
+    """The lm_head weight's copy in the autocast dtype, cast once per loss instead of once per chunk matmul (None
+    without autocast: fp32, CPU).
 
     Autocast caches the casts of leaf tensors only; `weight[:vocab_size]` is a view, so every chunk's
     `hidden @ weight.T` would cast the whole (V, H) weight again -- in the forward, in the checkpoint's recompute
-    and in the backward (benchmarks/bench_losses.py counts them). Cast here, the matmuls see a weight already in
-    their dtype, and the gradient flows back through this one cast. Without autocast (fp32, CPU): unchanged."""
+    and in the backward (benchmarks/bench_losses.py counts them). Each chunk uses this copy through
+    `_LowPrecisionUse`, whose gradient goes to the fp32 weight: a plain `weight.to(bf16)` shared by the chunks would
+    sum their gradients in bf16 (0.7% off on a test head of 8 chunks)."""
     device_type = weight.device.type
     if not torch.is_autocast_enabled(device_type):
-        return weight
-    return weight.to(torch.get_autocast_dtype(device_type))
+        return None
+    return weight.detach().to(torch.get_autocast_dtype(device_type))
+
+
+def _weight_in_use(weight: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
+    return weight if low is None else _LowPrecisionUse.apply(weight, low)
 
 
 def _add(total: LossOutput | None, part: LossOutput) -> LossOutput:
@@ -234,8 +254,11 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     for w in (student_weight, teacher_weight):
         if w is not None and w.shape[0] < vocab_size:
             raise ValueError(f"vocab_size {vocab_size} exceeds the lm_head's {w.shape[0]} rows")
-    weight = autocast_once(student_weight[:vocab_size])
-    t_weight = autocast_once(teacher_weight[:vocab_size].detach()) if teacher_weight is not None else None
+    weight = student_weight[:vocab_size]
+    low_weight = autocast_once(weight)
+    t_weight = teacher_weight[:vocab_size].detach() if teacher_weight is not None else None
+    t_low = autocast_once(t_weight) if t_weight is not None else None
+    t_weight = t_low if t_low is not None else t_weight  # a constant: its one cast serves every chunk
     t_hidden = teacher_hidden.detach() if teacher_hidden is not None else None
 
     # checkpoint only when a graph is being built; under no_grad (evaluation) it would only add overhead
@@ -245,7 +268,7 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     # at least one (possibly empty) chunk, so an empty batch still returns loss_fn's structure of zeros
     for start in range(0, max(num_positions, 1), chunk_size):
         end = start + chunk_size
-        args = (loss_fn, student_hidden[start:end], weight,
+        args = (loss_fn, student_hidden[start:end], weight, low_weight,
                 None if labels is None else labels[start:end],
                 None if t_hidden is None else t_hidden[start:end], t_weight,
                 None if teacher_values is None else _rows(teacher_values, start, end))
