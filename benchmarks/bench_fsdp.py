@@ -5,6 +5,8 @@
     python benchmarks/bench_fsdp.py --load --config benchmarks/qwen3-1gb.json   # the load peaks
     python benchmarks/bench_fsdp.py --precision  # FSDP's bf16 autocast numbers against DDP's
     python benchmarks/bench_fsdp.py --sizing    # only the sizing table (arithmetic, no run)
+    python benchmarks/bench_fsdp.py --estimate  # each rank's GPU memory by phase, real Qwen3 shapes, fake tensors
+    python benchmarks/bench_fsdp.py --estimate_check   # that estimate against a real 2-rank CPU run (qwen3-tiny)
 
 Measured: one SFT optimizer step over a window of 8 micro-batches of the same model wrapped as Run takes it (DDP, or
 fully_shard per RMSNorm, decoder layer and root), then each rank's bytes of parameters, gradients (the most it held
@@ -17,7 +19,16 @@ forward and backward (one decoder layer, or the root's embedding and head).
 process and once by --nproc sharded ranks, each case in processes of its own: the growth of each process's peak
 resident memory (VmHWM, reset just before the load) and whether the weights equal the files' bit for bit.
 
-The sizing table is arithmetic from bytes per parameter: a trained student keeps 16 B/parameter (fp32 weights,
+--estimate (benchmarks/fsdp_estimate.py): one real training step -- the distillation loop's, teacher included --
+of each pair of the sizing table at 1, 4 and 8 ranks, with and without gradient checkpointing, on fake tensors
+(shapes, no storage) under a fake process group, counted by torch's FSDPMemTracker: each rank's peak by phase
+(teacher forward, student forward, backward, optimizer; the full depths extrapolated from 2 and 3 layers per model,
+exactly: fsdp_estimate.by_depth), then the sizing table from those peaks (DDP: one GPU's
+peak plus its reducer's fp32 gradient buckets), "yes" within 80 GB less an 8 GB reserve. --estimate_check: the
+estimate of --config's SFT step against the same step on --nproc real gloo ranks, counted by the CPU allocator
+(torch.profiler's memory events). What the estimate stands in for and leaves out: fsdp_estimate.py's docstring.
+
+The --sizing table is arithmetic from bytes per parameter: a trained student keeps 16 B/parameter (fp32 weights,
 fp32 gradients, AdamW's two fp32 moments) on every GPU with DDP, 16/W with FSDP over W GPUs; a teacher in bf16 keeps
 2 B/parameter, whole on every GPU (replicated) or 2/W (sharded). A pair "fits" when that stays within 80% of an
 80 GB GPU, leaving 16 GB for activations, the gathered layer and the CUDA context; long sequences need more
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -41,6 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import fsdp_estimate as fe  # noqa: E402
 from model import Qwen3Config, create_model, save_pretrained  # noqa: E402
 from trainer.setup import build_model, read_teacher  # noqa: E402
 from trainer.sharding import shard  # noqa: E402
@@ -92,6 +105,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sharded, as student and teacher")
     p.add_argument("--precision", action="store_true",
                    help="FSDP's mixed precision against DDP's under CPU bf16 autocast (loss and gradient)")
+    p.add_argument("--estimate", action="store_true",
+                   help="each rank's GPU memory by phase for the sizing table's pairs, estimated on the CPU with "
+                        "fake tensors (benchmarks/fsdp_estimate.py), and the sizing table from it")
+    p.add_argument("--estimate_check", action="store_true",
+                   help="the estimate of --config's SFT step at --nproc fake ranks against the bytes the same step "
+                        "allocates on the CPU in --nproc real gloo ranks")
+    p.add_argument("--estimate_batch", type=int, default=2, help="rows per micro-batch (--estimate)")
+    p.add_argument("--estimate_seq", type=int, default=2048, help="tokens per row (--estimate)")
+    p.add_argument("--estimate_window", type=int, default=2,
+                   help="micro-batches per step (--estimate): from the second on each repeats the one before, the "
+                        "same work on the same held state (--estimate_check shows it), so 2 stand for any window")
+    p.add_argument("--real_step", help=argparse.SUPPRESS)  # a StepShape as JSON, for --estimate_check's ranks
     p.add_argument("--load_case", choices=["student", "teacher"], help=argparse.SUPPRESS)  # one measured load
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)  # set by the launcher for its torchrun ranks
@@ -302,13 +327,119 @@ def sizing_table() -> None:
         print(f"| {student} / {teacher} | " + " | ".join(cells) + " |")
 
 
+ESTIMATE_LAYOUTS = [("1 GPU", 1), ("4 GPUs FSDP", 4), ("8 GPUs FSDP", 8)]
+ESTIMATE_BUDGET_GB = fe.GPU_GB - fe.RESERVE_GB
+DDP_BUCKET_BYTES = 4  # per parameter: DDP's reducer keeps its own fp32 copy of the gradients in its buckets
+
+
+def run_estimates(shape_args: dict) -> dict:
+    """Every pair of PAIRS at every layout of ESTIMATE_LAYOUTS, with and without gradient checkpointing: rank 0's
+    peak per phase in bytes (the most over the micro-batches), printed as it comes. A layout whose training state
+    alone (16 B/parameter of student and 2 of teacher, over W) is over the budget is not run: "no" already."""
+    print(f"\nOne step per rank, fake tensors on the CPU (benchmarks/fsdp_estimate.py): {shape_args['window']} "
+          f"micro-batches of {shape_args['batch']} x {shape_args['seq']} tokens, loss chunk {shape_args['chunk']}; "
+          f"GB (1e9 B) held at the peak of each phase; fits within {ESTIMATE_BUDGET_GB:.0f} GB (80 GB less "
+          f"{fe.RESERVE_GB:.0f} GB for the CUDA context, NCCL, the allocator and kernel workspaces)\n", flush=True)
+    print("| student / teacher | layout | checkpointing | state | teacher fwd | forward | backward | optimizer | "
+          "peak | fits |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    results = {}
+    for student, teacher in PAIRS:
+        for layout, world in ESTIMATE_LAYOUTS:
+            if state_gb(student, teacher, world) > ESTIMATE_BUDGET_GB:
+                continue
+            for checkpointing in (True, False):
+                shape = fe.StepShape(**shape_args, gradient_checkpointing=checkpointing)
+                result = fe.by_depth(fe.qwen3_config(student), fe.qwen3_config(teacher), world, shape)
+                peaks = result["peaks"]
+                results[student, teacher, world, checkpointing] = peaks
+                cells = " | ".join(f"{peaks[phase] / 1e9:.1f}" for phase in fe.PHASES)
+                peak = max(peaks.values()) / 1e9
+                print(f"| {student} / {teacher} | {layout} | {'on' if checkpointing else 'off'} | "
+                      f"{result['state'] / 1e9:.1f} | {cells} | {peak:.1f} | "
+                      f"{'yes' if peak <= ESTIMATE_BUDGET_GB else 'no'} |", flush=True)
+    return results
+
+
+def state_gb(student: str, teacher: str, world: int) -> float:
+    return (16 * QWEN3_PARAMS[student] + 2 * QWEN3_PARAMS[teacher]) / world / 1e9
+
+
+def estimated_sizing_table(results: dict) -> None:
+    """The sizing table from the estimate: per pair and layout the peak with / without gradient checkpointing. DDP
+    holds what one GPU holds plus its reducer's fp32 gradient buckets; a layout not run shows its state alone."""
+    print(f"\nGB per GPU at the step's peak, gradient checkpointing on / off; yes: within {ESTIMATE_BUDGET_GB:.0f} "
+          f"GB\n")
+    layouts = [("1 GPU", 1, 0), ("4 GPUs DDP", 1, 4), ("4 GPUs FSDP", 4, 0), ("8 GPUs DDP", 1, 8),
+               ("8 GPUs FSDP", 8, 0)]
+    print("| student / teacher | " + " | ".join(name for name, _, _ in layouts) + " |")
+    print("|---|" + "---|" * len(layouts))
+    for student, teacher in PAIRS:
+        cells = []
+        for _, world, ddp in layouts:
+            extra = DDP_BUCKET_BYTES * QWEN3_PARAMS[student] / 1e9 if ddp else 0.0
+            gbs = [max(results[student, teacher, world, gc].values()) / 1e9 + extra
+                   if (student, teacher, world, gc) in results else None for gc in (True, False)]
+            if gbs[0] is None:
+                cells.append(f"> {state_gb(student, teacher, world) + extra:.0f} no")
+                continue
+            cells.append(" / ".join(f"{gb:.0f} {'yes' if gb <= ESTIMATE_BUDGET_GB else 'no'}" for gb in gbs))
+        print(f"| {student} / {teacher} | " + " | ".join(cells) + " |")
+
+
+def estimate_check(config_path: str, nproc: int) -> None:
+    """--config's SFT step at `nproc` fake ranks against the same step on `nproc` real gloo ranks (the CPU
+    allocator's own count): per phase and micro-batch, MiB and the ratio. Both under CPU bf16 autocast."""
+    shape = fe.StepShape(batch=2, seq=128, window=4, chunk=64)
+    config = Qwen3Config.from_json(config_path)
+    fake = fe.estimate(config, None, nproc, shape)
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                        os.path.abspath(__file__), "--config", config_path, "--out", out,
+                        "--real_step", json.dumps(dataclasses.asdict(shape))],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        real = [read_json(os.path.join(out, f"real-{rank}.json")) for rank in range(nproc)]
+    print(f"\n{os.path.basename(config_path)}, one SFT step of {shape.window} micro-batches of {shape.batch} x "
+          f"{shape.seq}, {nproc} ranks, CPU bf16 autocast: MiB at each phase's peak, the fake estimate (rank 0) "
+          f"against what the CPU allocator counted on each real rank\n")
+    print("| phase | occurrence | estimate | " + " | ".join(f"rank {r}" for r in range(nproc))
+          + " | estimate / largest rank |\n|---|---|---|" + "---|" * nproc + "---|")
+    print(f"| before the step | | {fake['state'] / 2**20:.1f} | "
+          + " | ".join(f"{r['state'] / 2**20:.1f}" for r in real) + f" | "
+          f"{fake['state'] / max(r['state'] for r in real):.3f} |")
+    for phase, values in fake["peaks"].items():
+        for index, value in enumerate(values):
+            measured = [r["peaks"][phase][index] for r in real]
+            print(f"| {phase} | {index + 1} | {value / 2**20:.1f} | "
+                  + " | ".join(f"{m / 2**20:.1f}" for m in measured) + f" | {value / max(measured):.3f} |")
+
+
+def measure_real_step(args) -> None:
+    """One rank of --estimate_check: the step on real tensors; writes its peaks to --out/real-RANK.json."""
+    dist.init_process_group("gloo")
+    result = fe.measured_step(Qwen3Config.from_json(args.config), fe.StepShape(**json.loads(args.real_step)))
+    with open(os.path.join(args.out, f"real-{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.load_case:
         measure_load(args)
         return
+    if args.real_step:
+        measure_real_step(args)
+        return
     if "RANK" in os.environ:
         measure_precision(args) if args.precision else measure(args)
+        return
+    if args.estimate_check:
+        estimate_check(args.config, args.nproc)
+        return
+    if args.estimate:
+        shape = {"batch": args.estimate_batch, "seq": args.estimate_seq, "window": args.estimate_window,
+                 "chunk": 512}
+        estimated_sizing_table(run_estimates(shape))
         return
     if args.load:
         run_load_benchmark(args.config, args.nproc)

@@ -14,10 +14,14 @@ Two measurements:
             student's weights (pushed and verified first).
   OPD step  trainer/train_opd.py for --steps optimizer steps in each layout (rollouts built-in or served; teacher
             local or served: --loss sampled_kl for the layouts that compare teachers, and --loss jsd
-            --teacher_topk 16 with the served teacher's top-K), same flags otherwise; the median over the steps after the first of ms/step and of its phases
-            from metrics.jsonl: gen (rollouts), sync (write the weights, the server loads them, prefix cache
-            reset), verify (the probe's log-probs), teacher (its forward, or its log-probs from the server), train
-            (student forward + backward); the optimizer step and logging are the rest of ms/step.
+            --teacher_topk 16 with the served teacher's top-K; served rollouts with --max_staleness 0 and 1), same
+            flags otherwise; the median over the steps after the first of ms/step and of its phases from
+            metrics.jsonl: gen (rollouts; with --max_staleness 1 only what is left to wait for when the step
+            trains), wait (the rollouts in flight finishing before the next push), sync (write the weights, the
+            server loads them, prefix cache reset), verify (the probe's log-probs), teacher (its forward, or its
+            log-probs from the server), train (student forward + backward); the optimizer step and logging are the
+            rest of ms/step. Then the overlap's speed-up here, and what the serial phases give for a layout where
+            the server and the trainer have their own devices.
 Models: --config (default model/configs/qwen3-tiny.json: hidden 128, 4 layers, the real vocabulary) with random
 weights for the student and, with another seed, the teacher; the servers start from these folders.
 """
@@ -47,7 +51,7 @@ from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, vllm_python, wait_ready  # noqa: E402
 from serving.weight_sync import WeightSync  # noqa: E402
 from trainer.trainer_utils import autocast_context  # noqa: E402
-from trainer.train_opd import sample_completions  # noqa: E402
+from trainer.train_opd import sample_completions, served_sampler, served_sequences  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "model", "configs")
 OPD = os.path.join(ROOT, "trainer", "train_opd.py")
@@ -101,8 +105,11 @@ def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
     for repeat in range(args.repeats + 1):
         for engine in rates:
             start = time.perf_counter()
-            _, _, labels = sample_completions(student, loop_args, tokenizer, batch, repeat, args.device, autocast,
-                                              server if engine == "server" else None)
+            if engine == "server":
+                completions = served_sampler(server, loop_args, tokenizer, student.config.vocab_size)(batch, repeat)
+                _, _, labels = served_sequences(batch, completions, tokenizer, args.device)
+            else:
+                _, _, labels = sample_completions(student, loop_args, tokenizer, batch, repeat, args.device, autocast)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
@@ -111,19 +118,21 @@ def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
     return {engine: statistics.median(values) for engine, values in rates.items()}
 
 
-LAYOUTS = (  # (name, rollouts on the server, teacher on the server, loss; "jsd_topk": --loss jsd --teacher_topk)
-    ("built-in rollouts, local teacher (jsd)", False, False, "jsd"),
-    ("served rollouts, local teacher (jsd)", True, False, "jsd"),
-    ("built-in rollouts, local teacher", False, False, "sampled_kl"),
-    ("built-in rollouts, served teacher", False, True, "sampled_kl"),
-    ("served rollouts, served teacher", True, True, "sampled_kl"),
-    ("built-in rollouts, served teacher top-K", False, True, "jsd_topk"),
+LAYOUTS = (  # (name, rollouts on the server, teacher on the server, loss, --max_staleness; "jsd_topk": --loss jsd
+    # --teacher_topk)
+    ("built-in rollouts, local teacher (jsd)", False, False, "jsd", 0),
+    ("served rollouts, local teacher (jsd)", True, False, "jsd", 0),
+    ("served rollouts, local teacher (jsd), --max_staleness 1", True, False, "jsd", 1),
+    ("built-in rollouts, local teacher", False, False, "sampled_kl", 0),
+    ("built-in rollouts, served teacher", False, True, "sampled_kl", 0),
+    ("served rollouts, served teacher", True, True, "sampled_kl", 0),
+    ("built-in rollouts, served teacher top-K", False, True, "jsd_topk", 0),
 )
-PHASES = ("gen_s", "sync_s", "verify_s", "teacher_s", "train_s")
+PHASES = ("gen_s", "wait_s", "sync_s", "verify_s", "teacher_s", "train_s")
 
 
 def opd_steps(args, student_dir: str, teacher_dir: str, rollout_url: str | None, teacher_url: str | None, loss: str,
-              folder: str, name: str) -> dict:
+              staleness: int, folder: str, name: str) -> dict:
     """trainer/train_opd.py for --steps steps; medians over the steps after the first (ms)."""
     command = [sys.executable, OPD, "--model_path", student_dir, "--save_dir", folder, "--save_weight", name,
                "--device", args.device, "--dtype", args.dtype, "--batch_size", str(args.batch_size),
@@ -134,7 +143,7 @@ def opd_steps(args, student_dir: str, teacher_dir: str, rollout_url: str | None,
         command += ["--teacher_topk", str(args.teacher_topk)]
     command += ["--teacher_url", teacher_url] if teacher_url else ["--teacher_path", teacher_dir]
     if rollout_url:
-        command += ["--rollout_url", rollout_url, "--rollout_model", "student"]
+        command += ["--rollout_url", rollout_url, "--rollout_model", "student", "--max_staleness", str(staleness)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(command)} failed:\n{result.stderr[-3000:]}")
@@ -160,12 +169,25 @@ def print_tables(args, rates: dict, layouts: list[tuple[str, dict]]) -> None:
     print("|---|---|---|---|")
     print(f"| generated tokens/s, median of {args.repeats} | {rates['built-in']:.0f} | {rates['server']:.0f} | "
           f"{rates['server'] / rates['built-in']:.2f}x |\n")
-    print(f"| OPD layout | ms/step (median of steps 2-{args.steps}) | rollouts | weight sync | verification | "
-          f"teacher | student fwd+bwd | rest |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| OPD layout | ms/step (median of steps 2-{args.steps}) | rollouts | wait | weight sync | "
+          f"verification | teacher | student fwd+bwd | rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, m in layouts:
         cells = " | ".join(f"{m[key]:.0f}" if m[key] else "-" for key in PHASES)
         print(f"| {name} | {m['step_ms']:.0f} | {cells} | {m['rest_ms']:.0f} |")
+    serial, overlapped = dict(layouts)[LAYOUTS[1][0]], dict(layouts)[LAYOUTS[2][0]]
+    print(f"\n--max_staleness 1: {serial['step_ms'] / overlapped['step_ms']:.2f}x the steps per second of 0 here "
+          f"(server and trainer share these {os.cpu_count()} cores). With each on its own devices, from the serial "
+          f"phases: {overlap_arithmetic(serial):.2f}x")
+
+
+def overlap_arithmetic(serial: dict) -> float:
+    """A serial step's time over an overlapped one's when the server and the trainer do not share hardware: the
+    rollouts of the next step run during this step's teacher, training and rest; the sync and the verification
+    stay serial (the server cannot sample while it loads weights)."""
+    fixed = serial["sync_s"] + serial["verify_s"]
+    trainer = serial["teacher_s"] + serial["train_s"] + serial["rest_ms"]
+    return (fixed + serial["gen_s"] + trainer) / (fixed + max(serial["gen_s"], trainer))
 
 
 def start_server(args, python: str, model_dir: str, name: str, port: int, folder: str):
@@ -194,8 +216,9 @@ def main(argv=None) -> None:
         server = CompletionServer(urls["student"], "student", what="rollout server")
         rates = rollout_rates(args, student_dir, server)
         layouts = [(name, opd_steps(args, student_dir, teacher_dir, urls["student"] if served_rollouts else None,
-                                    urls["teacher"] if served_teacher else None, loss, folder, f"layout{i}"))
-                   for i, (name, served_rollouts, served_teacher, loss) in enumerate(LAYOUTS)]
+                                    urls["teacher"] if served_teacher else None, loss, staleness, folder,
+                                    f"layout{i}"))
+                   for i, (name, served_rollouts, served_teacher, loss, staleness) in enumerate(LAYOUTS)]
     finally:
         for (process, _), _ in started:
             stop_vllm(process)

@@ -97,11 +97,20 @@ class CompletionServer:
     # -- sampling ------------------------------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, *,
-                 seeds: Sequence[int], do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_token_id: int | list[int], pad_token_id: int, vocab_size: int,
-                 model_vocab_size: int) -> GenerateOutput:
+                 seeds: Sequence[int], eos_token_id: int | list[int], pad_token_id: int, **sampling) -> GenerateOutput:
         """`model.generate`'s contract for left-padded prompts: (B, R) completion ids with pad after each row's EOS
-        and the mask through the first EOS; R is the longest completion. One request per row, seeded by `seeds`."""
+        and the mask through the first EOS; R is the longest completion. One request per row, seeded by `seeds`
+        (`sampling`: `sample_tokens`'s settings)."""
+        completions = self.sample_tokens(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
+                                         eos_token_id=eos_token_id, **sampling)
+        return completions_output(prompt_ids, completions, eos_token_id, pad_token_id)
+
+    def sample_tokens(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, *,
+                      seeds: Sequence[int], do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
+                      top_p: float = 1.0, eos_token_id: int | list[int], vocab_size: int,
+                      model_vocab_size: int) -> list[list[int]]:
+        """The requests alone: each row's completion token ids as the server returned them (through its EOS or
+        `max_new_tokens`). Plain lists, no tensor work: what a background thread can do (trainer/rollout_queue.py)."""
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         padding_rows = {str(i): -100.0 for i in range(vocab_size, model_vocab_size)}
@@ -113,16 +122,7 @@ class CompletionServer:
             "logit_bias": padding_rows,
             "return_token_ids": True, "skip_special_tokens": False,
         } for row, seed in zip(rows, seeds)]
-        completions = self._post_all(payloads, _completion_token_ids)
-        width = max(len(c) for c in completions)
-        completion_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        for i, tokens in enumerate(completions):
-            completion_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        completion_ids = completion_ids.to(prompt_ids.device)
-        eos = torch.tensor(eos_ids, device=prompt_ids.device)
-        return GenerateOutput(sequences=torch.cat([prompt_ids, completion_ids], dim=1),
-                              completion_ids=completion_ids,
-                              completion_mask=completion_mask_through_eos(completion_ids, eos))
+        return self._post_all(payloads, _completion_token_ids)
 
     # -- scoring -------------------------------------------------------------------------------------------------------
 
@@ -198,6 +198,21 @@ class CompletionServer:
         except RequestError as e:
             raise RuntimeFailure(f"the {self.what} at {self.client.base_url} failed: {one_line(str(e))}") from None
         return results
+
+
+def completions_output(prompt_ids: torch.Tensor, completions: Sequence[Sequence[int]], eos_token_id: int | list[int],
+                       pad_token_id: int) -> GenerateOutput:
+    """Rows of completion token ids -> `model.generate`'s output: padded after each row to the longest, the mask
+    through each row's first EOS, on the prompts' device."""
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    width = max(len(c) for c in completions)
+    completion_ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    for i, tokens in enumerate(completions):
+        completion_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    completion_ids = completion_ids.to(prompt_ids.device)
+    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    return GenerateOutput(sequences=torch.cat([prompt_ids, completion_ids], dim=1), completion_ids=completion_ids,
+                          completion_mask=completion_mask_through_eos(completion_ids, eos))
 
 
 def _choice(body: Any) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""Run a training script and SIGKILL it in the middle of a checkpoint write, at a chosen save:
+"""Run a training script and SIGKILL it at a chosen instant:
 
-    python tests/kill_driver.py SCRIPT export|resume N ARGS...
+    python tests/kill_driver.py SCRIPT export|resume|rollout|backward N ARGS...
 
 export: during the N-th HF export, with half of its model.safetensors written; resume: during the N-th resume-file
-write, with half of it written. A real SIGKILL at an instant a timer could not hit reliably: the state on disk is
-what a kill there leaves (temporaries and all), and nothing gets to clean up."""
+write, with half of it written; rollout: as the N-th batch of served rollouts is requested (OPD's rollout queue
+samples it in its background thread); backward: during the N-th micro-batch's backward. A real SIGKILL at an instant
+a timer could not hit reliably: the state on disk is what a kill there leaves (temporaries and all), and nothing gets
+to clean up."""
 import os
 import runpy
 import signal
@@ -45,9 +47,25 @@ def torch_save(obj, f, *rest, **kwargs):
         die_half_written(f)
 
 
+def killed_at_call(real):
+    def call(*args, **kwargs):
+        global calls
+        calls += 1
+        if calls == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    return call
+
+
 if what == "export":
     real_save_file, checkpoint_io.save_file = checkpoint_io.save_file, save_file
-else:
+elif what == "resume":
     real_torch_save, torch.save = torch.save, torch_save
+elif what == "rollout":
+    from serving.engine import CompletionServer
+    CompletionServer.sample_tokens = killed_at_call(CompletionServer.sample_tokens)
+else:
+    from trainer.trainer_utils import Run
+    Run.backward = killed_at_call(Run.backward)
 sys.argv = [script, *args]
 runpy.run_path(script, run_name="__main__")

@@ -148,8 +148,8 @@ def test_a_server_wait_longer_than_the_timeout_is_refused(tiny_config_path, chat
     assert "cannot be reached" in capsys.readouterr().err
 
 
-def test_the_default_timeout_covers_the_default_server_wait_and_an_8b_checkpoint():
-    args = sft_args([])
+def test_the_default_timeout_covers_the_default_server_wait_and_an_8b_checkpoint(tmp_path):
+    args = sft_args(["--save_dir", str(tmp_path)])  # the defaults, away from a demo run's checkpoints/
     opd_defaults = argparse.Namespace(rollout_timeout=600.0, batch_size=args.batch_size, rollout_concurrency=64)
     assert server_wait_seconds(opd_defaults) == 3340 <= args.dist_timeout
     check_save_time(16 * 8_200_000_000, args.dist_timeout)  # Qwen3-8B: fp32 weights, AdamW moments, the export

@@ -227,6 +227,44 @@ def test_opd_with_a_served_top_k_teacher_trains_as_with_the_local_top_k(vllm_ser
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_divergence(vllm_servers, beta):
+    """With --teacher_topk K the held-out evaluation against a served teacher logs the training loss's top-K
+    divergence on the student's greedy completions (not the sampled-token estimate): the same number as the local
+    teacher's top-K from its logits on those completions."""
+    from trainer.heldout import heldout_metrics, heldout_sums
+    from trainer.losses import completion_hidden
+    from trainer.topk_divergence import chunked_topk_divergence
+    tokenizer = load_tokenizer(None)
+    student, teacher = load_pretrained(vllm_servers.student_dir), load_pretrained(vllm_servers.teacher_dir)
+    prompts = [tokenizer.encode(f"<|im_start|>user\nAdd {i} and 3.<|im_end|>\n<|im_start|>assistant\n")
+               for i in range(4)]
+    width = max(map(len, prompts))
+    batch = {"prompt_ids": torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in prompts]),
+             "prompt_attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts]),
+             "rows": [{"row_index": i} for i in range(4)]}
+    server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
+    sums = heldout_sums(student, tokenizer, [batch], 24, beta=beta, teacher_server=server, teacher_topk=8)
+    served = heldout_metrics(sums, False, beta, True, teacher_topk=8)
+    name = "eval/reverse_kl_top8" if beta == 1.0 else "eval/jsd_beta0.5_top8"
+    assert list(served) == ["eval/accuracy", "eval/completion_len", "eval/eos_share", name]
+    with torch.no_grad():
+        out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], 24, do_sample=False,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       vocab_size=len(tokenizer))
+        sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
+                                    out.completion_mask)
+        hidden, targets = completion_hidden(student, *sequences)
+        teacher_hidden, _ = completion_hidden(teacher, *sequences)
+        local, tokens, _ = chunked_topk_divergence(hidden, student.lm_head.weight, targets, 8,
+                                                   teacher_hidden=teacher_hidden,
+                                                   teacher_weight=teacher.lm_head.weight, beta=beta,
+                                                   vocab_size=len(tokenizer))
+    assert sums["kl_tokens"] == int(tokens) > 0
+    assert served[name] == pytest.approx(float(local) / int(tokens), rel=1e-4)
+
+
+@pytest.mark.slow
 def test_a_teacher_server_with_too_few_logprobs_is_refused(vllm_servers, files, tmp_path, capsys):
     """The fixture's teacher server runs with vLLM's default --max-logprobs 20: --teacher_topk 21 is refused at
     start-up in one line that says how to restart it."""

@@ -188,7 +188,7 @@ def test_a_server_that_dies_mid_run_stops_it_and_the_resumed_run_is_exact(vllm_s
                                                                          monkeypatch):
     train_opd(opd_args(files, vllm_servers, tmp_path / "reference"))
     proxy = TcpProxy(vllm_servers.rollout.port)
-    dies_before_call(monkeypatch, "generate", proxy, 3)  # the third step's rollout
+    dies_before_call(monkeypatch, "sample_tokens", proxy, 3)  # the third step's rollout
     killed = tmp_path / "killed"
     code, stderr = script_exit(train_opd, opd_args(files, vllm_servers, killed, url=proxy.url), capsys)
     assert_one_line_error(code, stderr, 1, "rollout server", "failed", "step 2", "--from_resume 1")

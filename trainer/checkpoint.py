@@ -15,7 +15,7 @@ import glob
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from common.errors import UserError
 from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
 from common.seeds import derived_seed, seed_everything
 from model import save_pretrained
+from trainer.rollout_queue import merge_rollouts
 from trainer.setup import DistInfo, check_run_name, print0, resume_change_names
 from trainer.sharding import is_sharded, load_shards, remove_other_shards, save_shards
 
@@ -36,7 +37,7 @@ RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "sa
                      "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
                      "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path",
                      "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher", "dist_timeout",
-                     "resume_changes"}
+                     "resume_changes", "overlap"}
 
 
 @dataclass
@@ -45,6 +46,9 @@ class RunState:
     step: int = 0                    # optimizer steps done
     samples_in_epoch: int = 0        # global samples consumed in the current epoch (a multiple of the global batch)
     swanlab_run_id: str | None = None
+    # OPD --max_staleness: served rollouts sampled for coming steps from weights older than these (this rank's, and
+    # after a resume every rank's): step -> {"version", "rows": {row_index: completion token ids}}
+    rollouts: dict[int, dict] = field(default_factory=dict)
 
 
 class UnreadableResumeFile(Exception):
@@ -143,13 +147,14 @@ class Checkpoints:
         rank 0 (with --fsdp 1 each rank writes its shards, and the export gathers tensor by tensor with all of
         them). The resume file is written last: it is the commit point."""
         rng = collect_rng_states(self.dist)
+        rollouts = collect_rollouts(state, self.dist)
         # every rank checks (one filesystem): a refusal on rank 0 alone would leave the others in a collective
         check_free_space(self.args.save_dir, expected_save_bytes(model), f"the checkpoint of step {state.step}")
         shards = None
         if self.args.fsdp:
             shards = save_shards(self.prefix + "_resume", state.step, model, optimizer, self.dist.is_main)
         if self.dist.is_main:
-            checkpoint = self.resume_record(model, optimizer, scaler, state, global_batch, rng, shards)
+            checkpoint = self.resume_record(model, optimizer, scaler, state, global_batch, rng, shards, rollouts)
             self.write(model, checkpoint, shards, state.step)
         elif is_sharded(model):  # the export gathers tensor by tensor: every rank takes part
             save_pretrained(model, self.prefix, write=False)
@@ -157,7 +162,7 @@ class Checkpoints:
             dist.barrier()
 
     def resume_record(self, model: torch.nn.Module, optimizer, scaler, state: RunState, global_batch: int,
-                      rng: list[dict], shards: str | None) -> dict:
+                      rng: list[dict], shards: str | None, rollouts: dict[int, dict]) -> dict:
         """What the resume file holds (docs/architecture.md, "Invariant 3")."""
         return {
             "format": CHECKPOINT_FORMAT,
@@ -169,6 +174,7 @@ class Checkpoints:
             "epoch": state.epoch, "step": state.step, "samples_in_epoch": state.samples_in_epoch,
             "global_batch": global_batch, "world_size": self.dist.world_size,
             "swanlab_run_id": state.swanlab_run_id, "args": vars(self.args), "rng": rng,
+            "rollouts": rollouts,
         }
 
     def write(self, model: torch.nn.Module, checkpoint: dict, shards: str | None, step: int) -> None:
@@ -205,7 +211,7 @@ class Checkpoints:
             optimizer.load_state_dict(checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
-                         checkpoint["swanlab_run_id"])
+                         checkpoint["swanlab_run_id"], checkpoint.get("rollouts") or {})
         if state.samples_in_epoch >= (dataset_size // self.dist.world_size) * self.dist.world_size:
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
         restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, state.step)
@@ -272,6 +278,16 @@ def collect_rng_states(info: DistInfo) -> list[dict] | None:
     gathered = [None] * info.world_size if info.is_main else None
     dist.gather_object(state, gathered, dst=0)
     return gathered
+
+
+def collect_rollouts(state: RunState, info: DistInfo) -> dict[int, dict] | None:
+    """Every rank's kept rollouts of the steps still to train, merged on rank 0 (None elsewhere)."""
+    own = dict(state.rollouts)  # one copy at once: a background rollout may be adding a step
+    if not info.enabled:
+        return merge_rollouts([own], state.step)
+    gathered = [None] * info.world_size if info.is_main else None
+    dist.gather_object(own, gathered, dst=0)
+    return merge_rollouts(gathered, state.step) if info.is_main else None
 
 
 def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo, seed: int, step: int) -> None:

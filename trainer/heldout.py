@@ -21,6 +21,7 @@ from model import generate
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs)
 from trainer.setup import DistInfo
+from trainer.topk_divergence import chunked_topk_divergence
 
 # what an evaluation adds up over its prompts: one process's total, or the ranks' shares all-reduced
 SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
@@ -29,11 +30,12 @@ SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
 @torch.no_grad()
 def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
                  autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
-                 teacher_server=None, seed: int = 0) -> dict[str, float]:
+                 teacher_server=None, seed: int = 0, teacher_topk: int = 0) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
     generated tokens, rows that ended with EOS and, with a teacher, the generalized JSD at `beta` summed over the
-    greedy completions' tokens and their number (with a teacher on a server, the sampled-token estimate on the
-    student's own samples of the prompts)."""
+    greedy completions' tokens and their number (with a teacher on a server: with `teacher_topk` K the top-K
+    divergence on the same greedy completions, the loss OPD trains with; without, the sampled-token estimate on
+    the student's own samples of the prompts)."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -51,14 +53,17 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
         rows += len(texts)
         generated += int(out.completion_mask.sum())
         ended += int((out.completion_ids == tokenizer.eos_token_id).any(dim=1).sum())
+        sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
+                                    out.completion_mask)
         if teacher is not None:
-            input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
-                                                                out.completion_ids, out.completion_mask)
             with autocast():
-                kl, tokens = divergence_sum(student, teacher, input_ids, attention_mask, labels, len(tokenizer),
-                                            chunk_size, beta)
+                kl, tokens = divergence_sum(student, teacher, *sequences, len(tokenizer), chunk_size, beta)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
-        if teacher_server is not None:
+        if teacher_server is not None and teacher_topk:
+            kl, tokens = served_topk_sum(student, teacher_server, *sequences, teacher_topk, len(tokenizer),
+                                         chunk_size, beta, autocast)
+            kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
+        elif teacher_server is not None:
             kl, tokens = sampled_kl_sum(student, teacher_server, tokenizer, batch, max_new_tokens, autocast,
                                         chunk_size, seed)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
@@ -67,17 +72,21 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
             "kl_tokens": kl_tokens}
 
 
-def heldout_metrics(sums: dict[str, float], teacher: bool, beta: float, teacher_server: bool) -> dict[str, float]:
+def heldout_metrics(sums: dict[str, float], teacher: bool, beta: float, teacher_server: bool,
+                    teacher_topk: int = 0) -> dict[str, float]:
     """The SUMS of all prompts -> accuracy, mean completion length, EOS share (per row) and, with a teacher, the
     token-weighted mean divergence: beta=1 is the reverse KL(student || teacher), logged as eval/reverse_kl;
-    another beta as eval/jsd_beta<beta>; with a teacher on a server (log-probabilities of given tokens only),
-    eval/reverse_kl_estimate."""
+    another beta as eval/jsd_beta<beta>; with a teacher on a server, its top-K divergence as eval/reverse_kl_top<K>
+    (eval/jsd_beta<beta>_top<K>), or without K the sampled-token estimate, eval/reverse_kl_estimate."""
     rows, kl_tokens = max(sums["rows"], 1), max(sums["kl_tokens"], 1)
     metrics = {"eval/accuracy": sums["correct"] / rows, "eval/completion_len": sums["generated"] / rows,
                "eval/eos_share": sums["ended"] / rows}
     if teacher:
         metrics["eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"] = sums["kl_sum"] / kl_tokens
-    if teacher_server:
+    if teacher_server and teacher_topk:
+        name = "eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"
+        metrics[f"{name}_top{teacher_topk}"] = sums["kl_sum"] / kl_tokens
+    elif teacher_server:
         metrics["eval/reverse_kl_estimate"] = sums["kl_sum"] / kl_tokens
     return metrics
 
@@ -103,6 +112,19 @@ def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_toke
             logits, logprobs, chunk_labels), hidden, student.lm_head.weight, targets, chunk_size=chunk_size,
             vocab_size=len(tokenizer), teacher_values=teacher_logprobs)
     return float(kl), int(targets.numel())
+
+
+def served_topk_sum(student, teacher_server, input_ids, attention_mask, labels, k: int, vocab_size: int,
+                    chunk_size: int, beta: float, autocast) -> tuple[float, int]:
+    """The top-K divergence at `beta` (trainer/topk_divergence.py) summed over the completions' tokens, against
+    a served teacher's top-K log-probabilities there, and their number."""
+    support = teacher_server.completion_topk_logprobs(input_ids, attention_mask, (labels != IGNORE_INDEX).sum(dim=1),
+                                                      k)
+    with autocast():
+        hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
+        kl, tokens, _ = chunked_topk_divergence(hidden, student.lm_head.weight, targets, k, teacher_support=support,
+                                                beta=beta, chunk_size=chunk_size, vocab_size=vocab_size)
+    return float(kl), int(tokens)
 
 
 def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_size: int, chunk_size: int,
@@ -160,15 +182,18 @@ class HeldoutEvaluator:
                  teacher_server=None) -> dict[str, float]:
         """Greedy completions of the held-out prompts: accuracy, length, EOS share; with a teacher also the
         student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta);
-        with a teacher on a server, the sampled-token reverse-KL estimate. Every rank returns the same numbers."""
+        with a teacher on a server, its top-K divergence there (--teacher_topk K) or the sampled-token reverse-KL
+        estimate. Every rank returns the same numbers."""
         self.evaluated_step = step
         args = self.args
+        # a served teacher's top-K divergence needs the server's K; a local teacher gives the exact divergence
+        topk = getattr(args, "teacher_topk", 0) if teacher_server is not None else 0
 
         def work() -> dict[str, float]:
             return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, teacher, autocast,
-                                args.loss_chunk_size, beta, teacher_server, args.seed)
+                                args.loss_chunk_size, beta, teacher_server, args.seed, topk)
         sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
-        return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None)
+        return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None, topk)
 
     def all_ranks_sums(self, work: Callable[[], dict[str, float]]) -> dict[str, float]:
         """This rank's sums, all-reduced with the others'. A rank whose share fails (a teacher server that stopped

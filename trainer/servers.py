@@ -35,6 +35,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sync_interval", type=int, default=1,
                    help="optimizer steps between weight syncs (1: strictly on-policy; k: samples from weights up "
                         "to k-1 steps old, k times fewer syncs)")
+    g.add_argument("--max_staleness", type=int, default=0,
+                   help="S > 0: step s's rollouts are sampled from the weights of step s-S, in the background while "
+                        "the trainer trains the steps before (0: strictly on-policy, sampled when the step starts)")
+    g.add_argument("--overlap", type=int, default=1, choices=[0, 1],
+                   help=argparse.SUPPRESS)  # 0: the same rollouts sampled in the loop's thread (the tests' reference)
     g.add_argument("--sync_dir", default=None,
                    help="folder the server can read where the weights are written for it "
                         "(default SAVE_DIR/SAVE_WEIGHT_rollout_weights; /dev/shm/... on GPU machines)")
@@ -58,6 +63,16 @@ def validate_server_args(args: argparse.Namespace) -> None:
         (a.sync_interval < 1, f"--sync_interval must be >= 1, got {a.sync_interval}"),
         (a.rollout_concurrency < 1, f"--rollout_concurrency must be >= 1, got {a.rollout_concurrency}"),
         (a.rollout_timeout <= 0, f"--rollout_timeout must be > 0, got {a.rollout_timeout}"),
+        (a.max_staleness < 0, f"--max_staleness must be >= 0, got {a.max_staleness}"),
+        (a.max_staleness and not a.rollout_url,
+         "--max_staleness samples ahead on a rollout server while the trainer trains: add --rollout_url (the "
+         "built-in engine samples on the trainer's own device, so there is nothing to overlap)"),
+        (a.max_staleness and a.sync_interval > 1,
+         f"--max_staleness {a.max_staleness} with --sync_interval {a.sync_interval}: two ways of sampling from older "
+         f"weights; --max_staleness pushes the weights every step (keep --sync_interval 1)"),
+        (a.loss == "sampled_kl" and a.max_staleness,
+         f"--loss sampled_kl needs samples from the current student: with --max_staleness {a.max_staleness} they "
+         f"come from weights {a.max_staleness} step(s) older (a biased estimate); use --loss jsd"),
         (a.loss == "sampled_kl" and a.rollout_url and a.sync_interval > 1,
          f"--loss sampled_kl needs samples from the current student: with --sync_interval {a.sync_interval} the "
          f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd"),

@@ -7,6 +7,7 @@
     torchrun --nproc_per_node 4 trainer/train_opd.py --model_path Qwen3-0.6B --teacher_path Qwen3-4B ...
     ... --from_resume 1
     ... --rollout_url http://127.0.0.1:8000/v1     # sample on a vLLM server (docs/serving.md)
+    ... --rollout_url ... --max_staleness 1         # the server samples step s+1 while the trainer trains step s
     ... --loss sampled_kl --teacher_url http://127.0.0.1:8001/v1   # the teacher's log-probs from a server
     ... --teacher_topk 16 --teacher_url http://127.0.0.1:8001/v1    # its top-16 per position (--loss jsd)
 
@@ -14,8 +15,9 @@ Per micro-batch, the paper's eq. 2:
   1. with probability lmbda the step is on-policy (one draw per optimizer step, so the same whatever the split into
      ranks and micro-batches): the student samples y ~ pi_student(.|x) (KV cache, eval mode,
      no grad; or on the rollout server, which holds the student's weights: pushed and verified before the step's
-     first rollout every --sync_interval steps); otherwise the dataset's own completions are used (lmbda=0 is
-     plain KD on the data)
+     first rollout every --sync_interval steps; with --max_staleness S the server samples step s from the weights
+     of step s-S, in the background, trainer/rollout_queue.py); otherwise the dataset's own completions are used
+     (lmbda=0 is plain KD on the data)
   2. the sequence x + y gets labels on y only, through the first EOS
   3. the teacher scores every position without gradients (a teacher on a server: the sampled tokens only, or its
      top-K per position), the student with gradients
@@ -43,11 +45,12 @@ from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_s
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import DTYPES, generate, load_tokenizer
-from serving.engine import CompletionServer, probe_token_ids
+from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.console import PhaseClock
 from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
+from trainer.rollout_queue import RolloutQueue
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs, sampled_token_kl_loss)
 from trainer.servers import add_server_args, connect_server, rollout_weights_path, validate_server_args
@@ -125,7 +128,9 @@ def say_servers(args: argparse.Namespace) -> None:
     if args.rollout_url:
         print0(f"rollouts on {args.rollout_url} ({args.rollout_model}): rank 0 pushes the student's weights every "
                f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
-               f"against the server's log-probabilities of a probe before sampling")
+               f"against the server's log-probabilities of a probe before sampling"
+               + (f"; step s samples from the weights of step s-{args.max_staleness}, in the background while the "
+                  f"trainer trains" if args.max_staleness else ""))
     if args.teacher_url:
         what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
                 if args.teacher_topk else "its log-probabilities of the sampled tokens")
@@ -140,29 +145,49 @@ def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
     return torch.rand(1, generator=generator).item() < args.lmbda
 
 
+def row_seeds(args: argparse.Namespace, batch: dict, epoch: int) -> list[int]:
+    """One seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
+    or accumulation, and a resumed run draws exactly what the killed one would have."""
+    return [derived_seed(args.seed, epoch, row["row_index"]) for row in batch["rows"]]
+
+
+def sampling_settings(args: argparse.Namespace, tokenizer) -> dict:
+    return dict(do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
+                eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+
+
 def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
-                       autocast, server: CompletionServer | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-2 on-policy: the student samples -- with the built-in engine (KV cache, eval mode, no grad) or on the
-    rollout server, which holds the same weights -> input_ids, attention_mask and labels on the completion through
-    its first EOS."""
-    # one seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
-    # or accumulation, and a resumed run draws exactly what the killed one would have
-    seeds = [derived_seed(args.seed, epoch, row["row_index"]) for row in batch["rows"]]
+                       autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-2 on-policy with the built-in engine (KV cache, eval mode, no grad) -> input_ids, attention_mask and
+    labels on the completion through its first EOS."""
     prompt_ids = batch["prompt_ids"].to(device)
     prompt_mask = batch["prompt_attention_mask"].to(device)
-    sampling = dict(do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
-    if server is not None:
-        out = server.generate(prompt_ids, prompt_mask, args.max_new_tokens, seeds=seeds,
-                              model_vocab_size=student.config.vocab_size, **sampling)
-    else:
-        was_training = student.training
-        student.eval()
-        with autocast():
-            out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
-                           generator=[torch.Generator(device).manual_seed(seed) for seed in seeds], **sampling)
-        student.train(was_training)
+    was_training = student.training
+    student.eval()
+    with autocast():
+        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
+                       generator=[torch.Generator(device).manual_seed(seed) for seed in row_seeds(args, batch, epoch)],
+                       pad_token_id=tokenizer.pad_token_id, **sampling_settings(args, tokenizer))
+    student.train(was_training)
+    return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
+
+
+def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer, model_vocab_size: int):
+    """Step 1 on the rollout server, for the rollout queue: (batch, epoch) -> each row's completion token ids,
+    from the weights the server holds (requests only: it runs in the queue's background thread)."""
+    def sample(batch: dict, epoch: int) -> list[list[int]]:
+        return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
+                                    seeds=row_seeds(args, batch, epoch), model_vocab_size=model_vocab_size,
+                                    **sampling_settings(args, tokenizer))
+    return sample
+
+
+def served_sequences(batch: dict, completions: list[list[int]], tokenizer,
+                     device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2 for served rollouts: the rows' completion token ids -> input_ids, attention_mask and labels."""
+    prompt_ids = batch["prompt_ids"].to(device)
+    prompt_mask = batch["prompt_attention_mask"].to(device)
+    out = completions_output(prompt_ids, completions, tokenizer.eos_token_id, tokenizer.pad_token_id)
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
 
@@ -252,22 +277,37 @@ def train(args: argparse.Namespace) -> None:
     with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
             run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server))
-    for epoch, window in run.windows():
+    # served rollouts: sampled --max_staleness steps ahead, in the background while the trainer trains
+    rollouts = None if server is None else RolloutQueue(
+        served_sampler(server, args, tokenizer, student.config.vocab_size), run.state, args.max_staleness,
+        overlap=bool(args.overlap))
+    for epoch, window, coming in run.windows_ahead(args.max_staleness):
         clock = PhaseClock(run.device)
         on_policy = on_policy_draw(args, epoch, run.step)  # step 1's coin, for the whole optimizer step
-        # the server samples from these weights (an off-policy step samples nothing: no sync until the next one)
-        if on_policy and weight_sync and weight_sync.due(run.step, args.sync_interval):
-            with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
-                weight_sync.push(run.raw_model, run.step, run.gathered_weights())
-            with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
-                agreement = weight_sync.verify(run.raw_model, run.autocast)
-                run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
-                run.metrics.total("sync_logprob_mean", agreement["mean"])
+        # the steps whose rollouts come from the current weights (this one with --max_staleness 0, the one S ahead
+        # otherwise): once the server is done with older weights, it gets these, verified, and starts sampling
+        jobs = [] if rollouts is None else rollouts.due(run.step, [(run.step, epoch, window), *coming],
+                                                        lambda e, s: on_policy_draw(args, e, s))
+        if jobs:
+            with clock("wait"), run.fail_together():  # the rollouts in flight, sampled from older weights
+                rollouts.wait()
+            if weight_sync.due(run.step, args.sync_interval):
+                with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
+                    weight_sync.push(run.raw_model, run.step, run.gathered_weights())
+                with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
+                    agreement = weight_sync.verify(run.raw_model, run.autocast)
+                    run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
+                    run.metrics.total("sync_logprob_mean", agreement["mean"])
+            rollouts.start(jobs, run.step)  # a failure is raised where they are waited for
         for i, batch in enumerate(window):
             with clock("gen"), run.fail_together(server is not None):  # steps 1-2: samples or the data's completions
-                if on_policy:
+                if on_policy and rollouts:  # the queue's, waited for when they are not there yet
+                    completions, version = rollouts.take(run.step, batch)
+                    input_ids, attention_mask, labels = served_sequences(batch, completions, tokenizer, run.device)
+                    run.metrics.rank_mean("staleness", run.step - version)
+                elif on_policy:
                     input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
-                                                                           epoch, run.device, run.autocast, server)
+                                                                           epoch, run.device, run.autocast)
                 else:
                     data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
                     input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
@@ -281,9 +321,15 @@ def train(args: argparse.Namespace) -> None:
                 run.backward(loss_sum, num_tokens)
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
+        if rollouts:  # seconds the trainer waited for rollouts, and the server sat idle between its jobs
+            for name, seconds in rollouts.timings().items():
+                run.metrics.rank_mean(name, seconds)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate"))
+        run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
+            if rollouts:  # the checkpoint keeps the rollouts sampled ahead (token ids): a resume needs them
+                with run.fail_together():
+                    rollouts.wait()
             run.save()
         with run.fail_together(teacher_server is not None):
             if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -192,13 +193,33 @@ class Run:
         accumulation_steps collated micro-batches (an epoch's last, shorter window is a step of its own). A resumed
         run starts in its checkpoint's epoch, after the samples it had consumed; one that is already complete
         yields nothing. Ends early only when the loop breaks (--max_steps, a stop signal)."""
+        for epoch, window, _ in self.windows_ahead(0):
+            yield epoch, window
+
+    def windows_ahead(self, count: int):
+        """As `windows`, with the next `count` steps too: (epoch, window, coming), `coming` the (step, epoch,
+        window) of the optimizer steps after this one, up to `count` of them and none beyond the run's last
+        (OPD's --max_staleness samples them ahead). The run's data position moves only as windows are yielded."""
+        stream, step = self._stream(), self.state.step
+        coming = list(itertools.islice(stream, count))
+        while True:
+            coming.extend(itertools.islice(stream, 1))  # one more, while the stream has any
+            if not coming:
+                return
+            epoch, window = coming.pop(0)
+            if epoch != self.state.epoch:  # the previous epoch is done: this one starts from its first sample
+                self.state.epoch, self.state.samples_in_epoch = epoch, 0
+            yield epoch, window, [(step + 1 + i, e, w) for i, (e, w) in enumerate(coming)
+                                  if step + 1 + i < self.total_steps]
+            step += 1
+
+    def _stream(self):
+        """(epoch, window) from the run's data position on, without moving it."""
         first_epoch = self.args.epochs if self.done else self.state.epoch
         for epoch in range(first_epoch, self.args.epochs):
             skip = 0
-            if epoch == self.state.epoch:
+            if epoch == first_epoch:
                 skip = batches_to_skip(self.state.samples_in_epoch, self.dist.world_size, self.args.batch_size)
-            else:
-                self.state.epoch, self.state.samples_in_epoch = epoch, 0
             sampler = EpochSampler(len(self.dataset), self.args.seed, epoch, self.dist.rank, self.dist.world_size)
             batches = SkipBatchSampler(sampler, self.args.batch_size, skip)
             loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,

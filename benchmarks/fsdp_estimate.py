@@ -1,0 +1,329 @@
+"""Each rank's GPU memory in one training step, estimated on the CPU with fake tensors (bench_fsdp.py --estimate).
+
+The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen
+teacher's forward without gradients (distillation), the student's forward to its final hidden states, the chunked
+loss through `lm_head.weight` (trainer/losses.py), the backward; then Run.optimizer_step's arithmetic (the
+gradients scaled by one foreach multiply, clipped by the global norm, AdamW, zero_grad). The models are built on
+the meta device and sharded by trainer/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder
+layer, the root; the layers gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage --
+under a fake process group of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts
+every tensor a rank would hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations,
+gradients, AdamW's moments and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
+
+What stands in for CUDA, and what is left out:
+- autocast: CPU bf16 autocast (this build has no CUDA). For the ops of this model it lowers what CUDA's lowers --
+  the linear layers, the loss's `hidden @ weight.T`, scaled_dot_product_attention -- and everything else is cast
+  explicitly in model/qwen3.py and trainer/losses.py, so the dtypes, hence the bytes, are CUDA's.
+- attention: the CPU flash kernel, which saves what CUDA's flash kernel saves (the output and the fp32
+  log-sum-exp) and takes grouped-query heads without expanding k and v.
+- AdamW: foreach=True, CUDA's default for these parameters (on the CPU torch would pick the per-tensor loop).
+- left out: the CUDA context, NCCL's buffers, the caching allocator's rounding and fragmentation, and kernels'
+  internal workspaces (cuBLAS, flash attention's backward accumulators): the reserve `RESERVE_GB` is for those.
+- the positions: every position of a row but the last predicts a label (the most `completion_hidden` can keep);
+  `completion_hidden` itself is not called, since its data-dependent gather has no fake shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._guards import active_fake_mode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from model import Qwen3Config, Qwen3ForCausalLM
+from trainer.losses import chunked_loss, chunked_sft_loss
+from trainer.sharding import shard
+from trainer.train_distillation import ce_and_kd
+
+# The public config.json of each Qwen/Qwen3-* model (huggingface.co/Qwen): hidden, intermediate, layers, attention
+# heads, key/value heads, tied embeddings; all have head_dim 128 and the 151,936-row vocabulary.
+QWEN3_SHAPES = {"Qwen3-0.6B": (1024, 3072, 28, 16, 8, True), "Qwen3-1.7B": (2048, 6144, 28, 16, 8, True),
+                "Qwen3-4B": (2560, 9728, 36, 32, 8, True), "Qwen3-8B": (4096, 12288, 36, 32, 8, False),
+                "Qwen3-14B": (5120, 17408, 40, 40, 8, False), "Qwen3-32B": (5120, 25600, 64, 64, 8, False)}
+PHASES = ("teacher", "forward", "backward", "optimizer")
+GPU_GB = 80.0
+# the CUDA context (~0.5 GB), NCCL's buffers, allocator rounding and fragmentation, kernel workspaces: none of
+# them is a tensor the tracker sees
+RESERVE_GB = 8.0
+
+
+def qwen3_config(name: str) -> Qwen3Config:
+    hidden, intermediate, layers, heads, kv_heads, tied = QWEN3_SHAPES[name]
+    return Qwen3Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128,
+                       tie_word_embeddings=tied)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One optimizer step: `window` micro-batches of `batch` rows x `seq` tokens, the loss `chunk` positions at a
+    time (--loss_chunk_size), with or without --gradient_checkpointing."""
+    batch: int = 2
+    seq: int = 2048
+    window: int = 2
+    chunk: int = 512
+    gradient_checkpointing: bool = False
+
+
+def build(config: Qwen3Config, world: int, trained: bool) -> Qwen3ForCausalLM:
+    """The model as the loops hold it on a GPU, on the meta device: sharded over `world` ranks (not for one rank),
+    a student with fp32 master weights, a teacher stored in bf16 and frozen (read_teacher on CUDA). `materialise`
+    then gives it this rank's tensors."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    if not trained:
+        # frozen as load_teacher freezes it, but for requires_grad: MemTracker's module hooks put a gradient hook
+        # on every parameter a forward uses and refuse frozen ones; under no_grad no graph, no byte, differs
+        model.to(torch.bfloat16).eval()
+    if world > 1:
+        shard(model, torch.bfloat16)
+    return model
+
+
+def materialise(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+    """Only this rank's shards, on the CPU, in the active tensor mode (fake or real); RoPE's fp32 buffer recomputed."""
+    return model.to_empty(device="cpu")
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """Run.make_optimizer's AdamW, foreach as CUDA picks it; its moments created by one step of zero gradients
+    (a later step's forward already holds them)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+class PhasePeaks:
+    """The most a memory counter saw within each phase, per occurrence (`peaks[phase]`: one entry per micro-batch,
+    or one for the optimizer). `current()` / `peak()` read the counter; `reset(phase)` starts a new running peak."""
+
+    def __init__(self, current: Callable[[], int], peak: Callable[[], int], reset: Callable[[str], None]):
+        self.current, self.peak, self.reset = current, peak, reset
+        self.peaks: dict[str, list[int]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.reset(name)
+        yield
+        self.peaks.setdefault(name, []).append(self.peak())
+
+
+def track_teacher(tracker: MemTracker, teacher: Qwen3ForCausalLM) -> None:
+    """Count the teacher's tensors (shards or whole weights, RoPE's buffer) from the start. FSDPMemTracker follows
+    one FSDP root, the student's; the teacher's own tensors are registered as "Inputs" (the one category of its own
+    that it takes from outside) -- the teacher's all-gathers and frees are seen like any op's."""
+    if not isinstance(tracker, FSDPMemTracker):
+        tracker.track_external(teacher)
+        return
+    tensors = [*teacher.parameters(), *teacher.buffers()]
+    tracker.track_inputs(tuple(t.to_local() if hasattr(t, "to_local") else t for t in tensors))
+
+
+class _RunningPeak:
+    """The trackers' running peak only: their own update also refreshes every active module's peak snapshot on
+    every op, a cost that grows with the number of modules (hours for a 32B teacher and a 14B student on two
+    cores); the estimate reads the peak per phase, not per module."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            self._peak_mem[dev] = max(self._peak_mem.get(dev, 0), snap["Total"])
+
+
+class RunningPeakFSDPTracker(_RunningPeak, FSDPMemTracker):
+    pass
+
+
+class RunningPeakTracker(_RunningPeak, MemTracker):
+    pass
+
+
+def tracker_phases(tracker: MemTracker) -> PhasePeaks:
+    """PhasePeaks over a RunningPeak tracker. Its running peak has no public reset: it is set to the
+    current total as the tracker's own __enter__ does. At a micro-batch's first phase, `reset_mod_stats` lets its
+    module hooks see the micro-batch's forwards (the trackers refuse a module's second forward otherwise; a
+    backward needs the stats of the forwards before it, the teacher's included)."""
+    last = [None]
+
+    def current() -> int:
+        return sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
+
+    def reset(phase: str) -> None:
+        if phase == "teacher" or phase == "forward" and last[0] != "teacher":
+            tracker.reset_mod_stats()
+        last[0] = phase
+        tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker.get_tracker_snapshot().items()}
+    return PhasePeaks(current, lambda: sum(tracker._peak_mem.values()), reset)
+
+
+def predicting(hidden: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) final hidden states -> the (B * (T - 1), H) positions that predict a label."""
+    return hidden[:, :-1].reshape(-1, hidden.shape[-1])
+
+
+def training_step(student: Qwen3ForCausalLM, teacher: Qwen3ForCausalLM | None, optimizer: torch.optim.Optimizer,
+                  shape: StepShape, phases: PhasePeaks, seed: int = 0) -> None:
+    """One optimizer step as train_sft.py (no teacher) / train_distillation.py take it, under CPU bf16 autocast
+    (standing in for CUDA's), each phase measured by `phases`."""
+    student.gradient_checkpointing = shape.gradient_checkpointing
+    generator = torch.Generator().manual_seed(seed)
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    vocab = student.config.vocab_size
+    for _ in range(shape.window):
+        ids = torch.randint(0, vocab, (shape.batch, shape.seq), generator=generator)
+        labels = ids[:, 1:].reshape(-1)
+        teacher_hidden = None
+        if teacher is not None:
+            with phases.phase("teacher"), torch.no_grad(), autocast():
+                teacher_hidden = predicting(teacher(ids, return_hidden=True).hidden_states)
+        with phases.phase("forward"), autocast():
+            hidden = predicting(student(ids, return_hidden=True).hidden_states)
+            if teacher is None:
+                loss, _ = chunked_sft_loss(hidden, student.lm_head.weight, labels, chunk_size=shape.chunk)
+            else:
+                ce, kd, _ = chunked_loss(functools.partial(ce_and_kd, temperature=1.0), hidden,
+                                         student.lm_head.weight, labels, teacher_hidden, teacher.lm_head.weight,
+                                         chunk_size=shape.chunk)
+                loss = 0.5 * ce + 0.5 * kd
+        with phases.phase("backward"):
+            loss.backward()
+        del hidden, loss, teacher_hidden  # as the loop's next micro-batch rebinds them
+    with phases.phase("optimizer"):
+        params = list(student.parameters())
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / (shape.batch * shape.seq))
+        clip_gradients(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """Run.optimizer_step's clip_grad_norm_. Under fake tensors the norm is taken of the local shards: there,
+    DTensor's norm of a sharded gradient is counted holding that gradient whole (an artefact: on real ranks the
+    same clip allocates nothing but the norms, --estimate_check), and the shards' norms and the in-place multiply
+    are the bytes the real clip allocates (a sharded run all-reduces the scalar in between)."""
+    if active_fake_mode() is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, torch.nn.utils.get_total_norm(grads))
+
+
+def estimate(student_config: Qwen3Config, teacher_config: Qwen3Config | None, world: int,
+             shape: StepShape) -> dict:
+    """One step at `world` fake ranks (rank 0's view; every rank holds the same) -> {"peaks": {phase: [bytes per
+    occurrence]}, "state": bytes held before the step (shards and AdamW's moments)}. Needs no process group: a fake
+    one is started, and destroyed afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        student = build(student_config, world, trained=True)  # the mesh is made from real tensors: outside
+        teacher = build(teacher_config, world, trained=False) if teacher_config else None
+        # meta tensors (the modules as built) are copied into fake ones by to_empty: hence non-fake inputs
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            materialise(student)
+            optimizer = adamw(student)
+            tracker = RunningPeakFSDPTracker(student, optimizer) if world > 1 else RunningPeakTracker()
+            if world == 1:
+                tracker.track_external(student, optimizer)
+            if teacher is not None:
+                track_teacher(tracker, materialise(teacher))
+            with tracker:
+                phases = tracker_phases(tracker)
+                state = phases.current()
+                training_step(student, teacher, optimizer, shape, phases)
+    finally:
+        dist.destroy_process_group()
+    return {"peaks": phases.peaks, "state": state}
+
+
+def by_depth(student_config: Qwen3Config, teacher_config: Qwen3Config | None, world: int, shape: StepShape,
+             base: int = 2) -> dict:
+    """`estimate` at the full depths, from three shallow ones: every decoder layer holds the same bytes (its shards,
+    its AdamW moments, its saved activations and gradients) whatever the depth, so each phase's peak and the state
+    are linear in each model's number of layers -- base and base + 1 layers of the student, then of the teacher,
+    give the slopes. The tracker's cost grows with the number of modules (a 64-layer teacher takes minutes per
+    estimate here); a depth extrapolated this way equals a direct estimate to the byte (tests/test_fsdp_estimate.py,
+    and 6 layers of 8B / 32B predicted from 2 and 3). -> {"peaks": {phase: the most over its occurrences},
+    "state"}."""
+    def at(student_layers: int, teacher_layers: int) -> dict[str, int]:
+        result = estimate(dataclasses.replace(student_config, num_hidden_layers=student_layers),
+                          teacher_config and dataclasses.replace(teacher_config, num_hidden_layers=teacher_layers),
+                          world, shape)
+        return {"state": result["state"], **{phase: max(values) for phase, values in result["peaks"].items()}}
+    low = at(base, base)
+    student_slope = {k: v - low[k] for k, v in at(base + 1, base).items()}
+    teacher_slope = {k: v - low[k] for k, v in at(base, base + 1).items()} if teacher_config else dict.fromkeys(low, 0)
+    extra_student = student_config.num_hidden_layers - base
+    extra_teacher = teacher_config.num_hidden_layers - base if teacher_config else 0
+    full = {k: low[k] + extra_student * student_slope[k] + extra_teacher * teacher_slope[k] for k in low}
+    return {"state": full.pop("state"), "peaks": full}
+
+
+def measured_step(config: Qwen3Config, shape: StepShape) -> dict:
+    """The same step on real tensors, in this process (of a gloo group under torchrun: sharded over its ranks): -> the same {"peaks", "state"}, counted by the CPU allocator itself -- torch.profiler's memory events,
+    every allocation and free the allocator makes, kernels' own buffers included -- on top of the bytes of the
+    tensors alive when the step starts (parameters, AdamW's moments, RoPE's buffer)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    student = materialise(build(config, dist.get_world_size() if dist.is_initialized() else 1, trained=True))
+    with torch.no_grad():
+        for p in student.parameters():
+            p.normal_(0.0, 0.02)  # to_empty leaves whatever the memory held: NaNs would be fine for bytes, not here
+    optimizer = adamw(student)
+    state = live_bytes(student, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        phases = PhasePeaks(lambda: 0, lambda: 0, lambda name: None)
+        phases.phase = marked_phase  # marks only; the peaks are read from the trace
+        training_step(student, None, optimizer, shape, phases)
+    return {"peaks": allocator_peaks(prof, state), "state": state}
+
+
+@contextlib.contextmanager
+def marked_phase(name: str) -> Iterator[None]:
+    """A record_function range for the trace, begun once every rank is there: a gloo worker thread can still be
+    freeing the last phase's collective buffers when the next phase starts, which would count them in its peak."""
+    from torch.profiler import record_function
+    if dist.is_initialized():
+        dist.barrier()
+    with record_function(name):
+        yield
+
+
+def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's storages held by the model (local shards) and the optimizer's state, each once."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def allocator_peaks(prof, start: int) -> dict[str, list[int]]:
+    """From a profile with memory events: the most bytes allocated within each occurrence of each phase's
+    record_function range, counting from `start` bytes at the profile's beginning."""
+    events = prof.profiler.kineto_results.events()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    ranges = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() in PHASES)
+    peaks: dict[str, list[int]] = {}
+    allocated, index = start, 0
+    for begin, end, name in ranges:
+        most = allocated
+        while index < len(memory) and memory[index][0] <= end:
+            allocated += memory[index][1]
+            if memory[index][0] >= begin:
+                most = max(most, allocated)
+            index += 1
+        peaks.setdefault(name, []).append(most)
+    return peaks
+

@@ -1,0 +1,44 @@
+"""bench_fsdp.py --estimate's fake-tensor estimate of a rank's memory against what the same step allocates for real."""
+import pytest
+import torch.distributed as dist
+
+from benchmarks import fsdp_estimate as fe
+from model import Qwen3Config
+
+MARGIN = 0.10  # the estimate within 10% of the CPU allocator's count, phase by phase
+
+
+def test_one_unsharded_rank_estimated_with_fake_tensors_allocates_what_the_real_step_does(tiny_config_path,
+                                                                                          one_thread):
+    """One rank (no sharding, MemTracker): the fake estimate of an SFT step of 3 micro-batches against the same
+    step on real tensors in this process, counted by the CPU allocator (torch.profiler's memory events), phase by
+    phase; and from the second micro-batch on each micro-batch's peak repeats (why --estimate's window of 2 stands
+    for any)."""
+    if dist.is_initialized():
+        pytest.skip("needs a process without a process group: the estimate starts a fake one")
+    config, shape = Qwen3Config.from_json(tiny_config_path), fe.StepShape(batch=2, seq=64, window=3, chunk=32)
+    fake, real = fe.estimate(config, None, 1, shape), fe.measured_step(config, shape)
+    assert abs(fake["state"] / real["state"] - 1.0) <= MARGIN, (fake["state"], real["state"])
+    assert fake["peaks"].keys() == real["peaks"].keys() == {"forward", "backward", "optimizer"}
+    for phase, values in fake["peaks"].items():
+        for estimate, measured in zip(values, real["peaks"][phase], strict=True):
+            assert abs(estimate / measured - 1.0) <= MARGIN, (phase, estimate, measured)
+    for phase in ("forward", "backward"):
+        first, *later = fake["peaks"][phase]
+        assert min(later) == max(later) > first, (phase, fake["peaks"][phase])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_estimate_at_full_depth_is_extrapolated_exactly_from_shallow_ones(tiny_config_path, one_thread, world):
+    """--estimate runs each real shape at 2 and 3 layers per model and extrapolates linearly (the tracker is too
+    slow for 64 layers on a CPU): a 5-layer student with a 4-layer teacher predicted that way equals the direct
+    estimate of that depth."""
+    if dist.is_initialized():
+        pytest.skip("needs a process without a process group: the estimate starts a fake one")
+    import dataclasses
+    config, shape = Qwen3Config.from_json(tiny_config_path), fe.StepShape(batch=2, seq=64, window=2, chunk=32)
+    student, teacher = (dataclasses.replace(config, num_hidden_layers=n) for n in (5, 4))
+    predicted = fe.by_depth(student, teacher, world, shape)
+    direct = fe.estimate(student, teacher, world, shape)
+    assert predicted["state"] == direct["state"]
+    assert predicted["peaks"] == {phase: max(values) for phase, values in direct["peaks"].items()}
