@@ -17,7 +17,7 @@ Two measurements:
             --teacher_topk 16 with the served teacher's top-K; served rollouts with --max_staleness 0 and 1), same
             flags otherwise; the median over the steps after the first of ms/step and of its phases from
             metrics.jsonl: gen (rollouts; with --max_staleness 1 only what is left to wait for when the step
-            trains), wait (the rollouts in flight finishing before the next push), sync (write the weights, the
+            trains), drain (the rollouts in flight finishing before the next push), sync (write the weights, the
             server loads them, prefix cache reset), verify (the probe's log-probs), teacher (its forward, or its
             log-probs from the server), train (student forward + backward); the optimizer step and logging are the
             rest of ms/step. Then the overlap's speed-up here, and what the serial phases give for a layout where
@@ -128,7 +128,7 @@ LAYOUTS = (  # (name, rollouts on the server, teacher on the server, loss, --max
     ("served rollouts, served teacher", True, True, "sampled_kl", 0),
     ("built-in rollouts, served teacher top-K", False, True, "jsd_topk", 0),
 )
-PHASES = ("gen_s", "wait_s", "sync_s", "verify_s", "teacher_s", "train_s")
+PHASES = ("gen_s", "drain_s", "sync_s", "verify_s", "teacher_s", "train_s")
 
 
 def opd_steps(args, student_dir: str, teacher_dir: str, rollout_url: str | None, teacher_url: str | None, loss: str,
@@ -169,7 +169,7 @@ def print_tables(args, rates: dict, layouts: list[tuple[str, dict]]) -> None:
     print("|---|---|---|---|")
     print(f"| generated tokens/s, median of {args.repeats} | {rates['built-in']:.0f} | {rates['server']:.0f} | "
           f"{rates['server'] / rates['built-in']:.2f}x |\n")
-    print(f"| OPD layout | ms/step (median of steps 2-{args.steps}) | rollouts | wait | weight sync | "
+    print(f"| OPD layout | ms/step (median of steps 2-{args.steps}) | rollouts | drain | weight sync | "
           f"verification | teacher | student fwd+bwd | rest |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, m in layouts:

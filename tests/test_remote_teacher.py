@@ -108,6 +108,9 @@ def test_served_log_probs_of_the_students_samples_equal_the_local_teachers(vllm_
 def test_opd_with_a_served_teacher_trains_as_with_the_local_one(vllm_servers, files, tmp_path):
     """Three steps, built-in rollouts: the same losses and weights (1e-5) with the teacher local or served; and the
     same again with the rollouts on one server and the teacher on another."""
+    # the server read the sharded export layout (tests/vllm_servers.py): an index and several files
+    index = json.loads(open(os.path.join(vllm_servers.teacher_dir, "model.safetensors.index.json")).read())
+    assert len(set(index["weight_map"].values())) >= 3
     train_opd(opd_args(files, tmp_path / "local", teacher_path=vllm_servers.teacher_dir, eval_interval=3,
                        eval_rows=4, eval_max_new_tokens=16))
     train_opd(opd_args(files, tmp_path / "served", teacher_url=vllm_servers.teacher.url, eval_interval=3,

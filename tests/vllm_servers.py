@@ -56,12 +56,13 @@ class VllmServers:
             stop_vllm(server.process)
 
 
-def save_tiny(path: str, seed: int, tied: bool, vocab_size: int = SERVED_CONFIG["vocab_size"]) -> str:
+def save_tiny(path: str, seed: int, tied: bool, vocab_size: int = SERVED_CONFIG["vocab_size"],
+              max_shard_bytes: int | None = None) -> str:
     from model import Qwen3Config, create_model, save_pretrained
     torch.manual_seed(seed)
     model = create_model(Qwen3Config.from_dict({**SERVED_CONFIG, "tie_word_embeddings": tied,
                                                 "vocab_size": vocab_size}))
-    save_pretrained(model, path)
+    save_pretrained(model, path, **({"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}))
     return path
 
 
@@ -70,7 +71,10 @@ def start_servers(folder: str) -> VllmServers:
     student_dir = save_tiny(os.path.join(folder, "student"), seed=1, tied=True)
     # the teacher's head has exactly the tokenizer's rows: a server normalises its log-probabilities over every row
     # of the head, the trainer over the tokenizer's, and a random model gives the padding rows real mass
-    teacher_dir = save_tiny(os.path.join(folder, "teacher"), seed=2, tied=False, vocab_size=TOKENIZER_SIZE)
+    # ... and it is exported in the sharded layout (model-0000x-of-0000y.safetensors + index) a large model's export
+    # has: every served-teacher test is then vLLM reading that layout, scores compared with the local teacher's
+    teacher_dir = save_tiny(os.path.join(folder, "teacher"), seed=2, tied=False, vocab_size=TOKENIZER_SIZE,
+                            max_shard_bytes=16 * 2**20)
     started = []
     try:
         for model_dir, name in ((student_dir, "student"), (teacher_dir, "teacher")):

@@ -289,7 +289,7 @@ def train(args: argparse.Namespace) -> None:
         jobs = [] if rollouts is None else rollouts.due(run.step, [(run.step, epoch, window), *coming],
                                                         lambda e, s: on_policy_draw(args, e, s))
         if jobs:
-            with clock("wait"), run.fail_together():  # the rollouts in flight, sampled from older weights
+            with clock("drain"), run.fail_together():  # the rollouts in flight, sampled from older weights, finish
                 rollouts.wait()
             if weight_sync.due(run.step, args.sync_interval):
                 with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
