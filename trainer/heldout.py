@@ -53,8 +53,9 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
         rows += len(texts)
         generated += int(out.completion_mask.sum())
         ended += int((out.completion_ids == tokenizer.eos_token_id).any(dim=1).sum())
-        sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
-                                    out.completion_mask)
+        if teacher is not None or teacher_topk:  # the divergence on these greedy completions
+            sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
+                                        out.completion_mask)
         if teacher is not None:
             with autocast():
                 kl, tokens = divergence_sum(student, teacher, *sequences, len(tokenizer), chunk_size, beta)

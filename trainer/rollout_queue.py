@@ -46,7 +46,7 @@ class RolloutQueue:
         self.running = False
         self.error: BaseException | None = None
         self.idle_since: float | None = None  # when the server's last job ended (None: no job yet)
-        self.waited = self.idle = 0.0         # seconds, since the last `timings()`
+        self.waited = self.idle = 0.0         # seconds, since the last `add_to()`
 
     def version(self, step: int) -> int:
         """The optimizer step whose weights sample step `step`'s rollouts."""
@@ -128,11 +128,12 @@ class RolloutQueue:
         record = self.state.rollouts[step]
         return [record["rows"][row["row_index"]] for row in batch["rows"]], record["version"]
 
-    def timings(self) -> dict[str, float]:
-        """Seconds the trainer waited for rollouts and the server sat idle between jobs, since the last call."""
-        out = {"wait_s": self.waited, "server_idle_s": self.idle}
+    def add_to(self, metrics) -> None:
+        """wait_s (seconds the trainer waited for rollouts) and server_idle_s (the server idle between its jobs)
+        since the last call, the mean over ranks, added to a trainer_utils.WindowMetrics."""
+        metrics.rank_mean("wait_s", self.waited)
+        metrics.rank_mean("server_idle_s", self.idle)
         self.waited = self.idle = 0.0
-        return out
 
 
 def merge_rollouts(per_rank: list[dict[int, dict]], from_step: int) -> dict[int, dict]:

@@ -9,6 +9,7 @@ import os
 from common.errors import refuse, refuse_first
 from common.http import ApiClient
 from serving.engine import CompletionServer, probe_token_ids
+from trainer.setup import print0
 
 SERVERS = {  # role -> (what messages call it, default --ROLE_model, what --ROLE_url does)
     "rollout": ("rollout server", "student",
@@ -121,6 +122,20 @@ def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> Compl
         if role == "teacher" and getattr(args, "teacher_topk", 0):
             server.check_topk(args.teacher_topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
     return server
+
+
+def say_servers(args: argparse.Namespace) -> None:
+    """One start-up line per server: what it does for the run."""
+    if args.rollout_url:
+        print0(f"rollouts on {args.rollout_url} ({args.rollout_model}): rank 0 pushes the student's weights every "
+               f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
+               f"against the server's log-probabilities of a probe before sampling"
+               + (f"; step s samples from the weights of step s-{args.max_staleness}, in the background while the "
+                  f"trainer trains" if args.max_staleness else ""))
+    if args.teacher_url:
+        what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
+                if args.teacher_topk else "its log-probabilities of the sampled tokens")
+        print0(f"teacher on {args.teacher_url} ({args.teacher_model}): {what}")
 
 
 def rollout_weights_path(args: argparse.Namespace) -> str:

@@ -53,7 +53,8 @@ from trainer.heldout import HeldoutEvaluator
 from trainer.rollout_queue import RolloutQueue
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs, sampled_token_kl_loss)
-from trainer.servers import add_server_args, connect_server, rollout_weights_path, validate_server_args
+from trainer.servers import (add_server_args, connect_server, rollout_weights_path, say_servers,
+                             validate_server_args)
 from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
                            load_teacher, print0, resolve_teacher_path, validate_common_args)
 from trainer.topk_divergence import chunked_topk_divergence
@@ -121,20 +122,6 @@ def validate_opd_args(args: argparse.Namespace) -> None:
          f"{a.temperature} --top_k 0 --top_p 1 (got --gen_temperature {a.gen_temperature} --top_k {a.top_k} "
          f"--top_p {a.top_p}: a biased estimate); --loss jsd samples any way"),
     ])
-
-
-def say_servers(args: argparse.Namespace) -> None:
-    """One start-up line per server: what it does for the run."""
-    if args.rollout_url:
-        print0(f"rollouts on {args.rollout_url} ({args.rollout_model}): rank 0 pushes the student's weights every "
-               f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
-               f"against the server's log-probabilities of a probe before sampling"
-               + (f"; step s samples from the weights of step s-{args.max_staleness}, in the background while the "
-                  f"trainer trains" if args.max_staleness else ""))
-    if args.teacher_url:
-        what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
-                if args.teacher_topk else "its log-probabilities of the sampled tokens")
-        print0(f"teacher on {args.teacher_url} ({args.teacher_model}): {what}")
 
 
 def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
@@ -322,8 +309,7 @@ def train(args: argparse.Namespace) -> None:
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
         if rollouts:  # seconds the trainer waited for rollouts, and the server sat idle between its jobs
-            for name, seconds in rollouts.timings().items():
-                run.metrics.rank_mean(name, seconds)
+            rollouts.add_to(run.metrics)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
