@@ -2,7 +2,7 @@
 that plans its work, keeps to a wall-clock budget and leaves what it measured when it is cut short.
 
     python benchmarks/bench_gpu.py --plan                 # the plan for one H200 (no GPU needed), then exit 0
-    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 6 minutes (--budget_s 360)
+    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 7 minutes (--budget_s 420)
     python benchmarks/bench_gpu.py --device cpu --tiny    # the same code paths on tiny shapes (a test runs it)
     python benchmarks/bench_gpu.py --out gpu.json         # the JSON (default bench_gpu.json); gpu.md, gpu.log beside
 
@@ -35,6 +35,10 @@ The phases:
                  keeps 8 bits of mantissa; a cross entropy of ~12 nats moves by ~0.1 between the two)
   OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
                  forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
+  decode compiled  greedy generation (batch 32 x 256 new tokens, bf16 autocast) with the eager decode step and
+                 with the compiled one (--use_compile 1's: torch.compile "reduce-overhead", one CUDA graph per
+                 decoding width): tokens/s of each, the compiled one's first call (compilation and capture), the
+                 share of identical tokens, and whether inductor skipped the CUDA graphs (it says why in the log)
   generate vs transformers   when transformers is installed: its generate and ours on the same bf16 weights and
                  prompts, greedy, same length
   weight sync    the bf16 weight-sync verification needs a vLLM server on the GPU machine, which this kit does not
@@ -71,8 +75,8 @@ from common.errors import Stopped  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from model import (Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir, generate,  # noqa: E402
-                   load_pretrained, load_tokenizer, save_pretrained)
+from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir,  # noqa: E402
+                   generate, load_pretrained, load_tokenizer, save_pretrained)
 from trainer.losses import chunked_loss, chunked_sft_loss, completion_hidden, distillation_loss, sft_loss  # noqa: E402
 from trainer.trainer_utils import autocast_context  # noqa: E402
 
@@ -96,8 +100,8 @@ SMOKE_VARIANTS = {  # phase -> (variant, the loops' flags), in priority order
     "smoke compile": ("compile", ["--dtype", "bfloat16", "--use_compile", "1"]),
 }
 WORKLOAD = {  # sft/kd: (batch, sequence, completion); opd: (batch, new tokens); steps timed after warm-up
-    "full": {"sft": (8, 2048, 1024), "opd": (32, 512), "steps": 3, "warmup": 1},
-    "tiny": {"sft": (2, 128, 64), "opd": (4, 16), "steps": 2, "warmup": 1},
+    "full": {"sft": (8, 2048, 1024), "opd": (32, 512), "decode": (32, 256), "steps": 3, "warmup": 1},
+    "tiny": {"sft": (2, 128, 64), "opd": (4, 16), "decode": (4, 16), "steps": 2, "warmup": 1},
 }
 # Expected seconds. "full": guesses for one H200 (no GPU has run this kit yet); "tiny": this project's 2-core CPU
 # machine, one thread. A smoke run costs "smoke run" (+ "compile" with --use_compile 1) + its save at
@@ -105,10 +109,10 @@ WORKLOAD = {  # sft/kd: (batch, sequence, completion); opd: (batch, new tokens);
 # on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others).
 COST_S = {
     "full": {"smoke models": 5.0, "smoke run": 8.0, "compile": 15.0, "cold compile": 60.0, "full models": 30.0,
-             "SFT step": 10.0, "KD step": 15.0, "bf16 vs fp32": 5.0, "OPD split": 35.0,
+             "SFT step": 10.0, "KD step": 15.0, "bf16 vs fp32": 5.0, "OPD split": 35.0, "decode compiled": 60.0,
              "generate vs transformers": 40.0, "weight sync": 0.0},
     "tiny": {"smoke models": 4.0, "smoke run": 10.0, "compile": 5.0, "cold compile": 110.0, "full models": 2.0,
-             "SFT step": 4.0, "KD step": 8.0, "bf16 vs fp32": 1.0, "OPD split": 7.0,
+             "SFT step": 4.0, "KD step": 8.0, "bf16 vs fp32": 1.0, "OPD split": 7.0, "decode compiled": 30.0,
              "generate vs transformers": 10.0, "weight sync": 0.0},
 }
 DISK_BYTES_PER_S = {"full": 1e9, "tiny": 3e8}  # written and fsynced; the smoke models phase measures it
@@ -125,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (what the test runs)")
     p.add_argument("--plan", action="store_true", help="print the plan and exit (no device needed)")
-    p.add_argument("--budget_s", type=float, default=360.0, help="wall-clock seconds; phases that do not fit skip")
+    p.add_argument("--budget_s", type=float, default=420.0, help="wall-clock seconds; phases that do not fit skip")
     p.add_argument("--out", default="bench_gpu.json", help="the JSON; the table (.md) and the loops' log (.log) beside")
     p.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s, for MFU")
     p.add_argument("--workdir", default=None, help="a new folder for models and runs, removed at the end "
@@ -219,6 +223,7 @@ def build_phases(shape: str) -> list[Phase]:
                Phase("KD step", costs["KD step"], lambda kit: step_throughput(kit, "kd"), "full models"),
                Phase("bf16 vs fp32", costs["bf16 vs fp32"], bf16_agrees_with_fp32, "full models"),
                Phase("OPD split", costs["OPD split"], opd_split, "full models"),
+               Phase("decode compiled", costs["decode compiled"], decode_compiled, "full models"),
                Phase("generate vs transformers", costs["generate vs transformers"] + sizes["generate folder"] / rate,
                      generate_against_transformers, "full models"),
                Phase("weight sync", costs["weight sync"], weight_sync)]
@@ -569,6 +574,41 @@ def opd_split(kit: Kit) -> tuple[str, str]:
     return "ok", f"generation {rate:,.0f} tokens/s"
 
 
+def decode_compiled(kit: Kit) -> tuple[str, str]:
+    """Greedy, every row `new_tokens` long (no EOS), the student's current weights in bf16 autocast: tokens/s of
+    the eager decode step and of the compiled one after one call of warm-up each (the compiled one's first call,
+    compilation and CUDA-graph capture, timed on its own), the share of identical tokens (bf16 near-ties may
+    differ), and inductor's count of skipped CUDA graphs (0: every step replayed one)."""
+    from torch._dynamo.utils import counters
+    device, shape = kit.args.device, kit.args.shape
+    batch_size, new_tokens = WORKLOAD[shape]["decode"]
+    student = kit.full_models[0].eval()
+    batch = opd_prompts(load_tokenizer(None), batch_size, device)
+    decoder = Decoder(compiled=True)
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    outputs = {}
+
+    def run(name: str, step_decoder: Decoder | None):
+        with autocast_context(device, "bfloat16"):
+            outputs[name] = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], new_tokens,
+                                     do_sample=False, decoder=step_decoder).completion_ids
+    start = time.perf_counter()
+    run("compiled", decoder)
+    synchronize(device)
+    first_s = time.perf_counter() - start
+    seconds = {"eager": timed_steps(shape, device, lambda: run("eager", None), 1),
+               "compiled": timed_steps(shape, device, lambda: run("compiled", decoder), 1)}
+    student.train()
+    tokens = batch_size * new_tokens
+    rates = {name: tokens / s for name, s in seconds.items()}
+    same = (outputs["eager"] == outputs["compiled"]).float().mean().item()
+    skips = counters["inductor"]["cudagraph_skips"] - skips_before
+    kit.report["decode"] = {"tokens_per_s": rates, "compiled_over_eager": rates["compiled"] / rates["eager"],
+                            "first_compiled_call_s": first_s, "identical_tokens": same, "cudagraph_skips": skips}
+    return "ok", (f"compiled {rates['compiled']:,.0f} vs eager {rates['eager']:,.0f} tokens/s "
+                  f"({rates['compiled'] / rates['eager']:.2f}x), first call {first_s:.0f} s")
+
+
 def generate_against_transformers(kit: Kit) -> tuple[str, str]:
     """Greedy, every row exactly `new_tokens` long (no EOS), bf16 on CUDA, the student's current weights: seconds
     of ours and of transformers', each after one call of warm-up. The folder both load from is removed after."""
@@ -659,6 +699,14 @@ def report_table(report: dict) -> str:
         lines += ["", f"OPD step ({batch} prompts x {new_tokens} new tokens): " + ", ".join(
             f"{phase} {ms:.0f} ms" for phase, ms in o["phases_ms"].items())
             + f"; generation {o['generation_tokens_per_s']:,.0f} tokens/s"]
+    if "decode" in report:
+        d = report["decode"]
+        batch, new_tokens = WORKLOAD[report["shape"]]["decode"]
+        rates = d["tokens_per_s"]
+        lines += ["", f"greedy decode ({batch} x {new_tokens} tokens, bf16): compiled {rates['compiled']:,.0f} "
+                      f"tokens/s, eager {rates['eager']:,.0f} ({d['compiled_over_eager']:.2f}x); first compiled call "
+                      f"{d['first_compiled_call_s']:.1f} s; identical tokens {d['identical_tokens']:.1%}; CUDA graphs "
+                      f"skipped {d['cudagraph_skips']}"]
     if "generate_vs_transformers" in report:
         g = report["generate_vs_transformers"]
         lines += ["", f"greedy generate, same weights: ours {g['ours']:.2f} s, transformers {g['transformers']:.2f} s "

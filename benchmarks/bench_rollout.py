@@ -8,10 +8,13 @@ against a served one, same weights, same machine, one run.
 
 Two measurements:
   rollout   train_opd.sample_completions itself (the loop's rollout) on --batch_size demo prompts, sampled at
-            temperature 1 with the loop's per-row seeds, built-in engine and server alternating (built-in, server,
-            built-in, ...) so that a slower moment of a shared machine hits both: generated tokens (through each
-            row's first EOS) per second, the median of --repeats after one warm-up each. The server holds the
-            student's weights (pushed and verified first).
+            temperature 1 with the loop's per-row seeds, by the built-in engine with the eager decode step, with
+            the compiled one (--use_compile 1's; it compiles in the warm-up) and by the server, alternating so
+            that a slower moment of a shared machine hits all three: generated tokens (through each row's first
+            EOS) per second, the median of --repeats after one warm-up each. The server holds the student's
+            weights (pushed and verified first). After each served rollout the benchmark waits 2 s: a vLLM CPU
+            server keeps a core busy for about a second after it answers, which slowed whichever engine ran next
+            by up to 2.8x on 2 cores. --rollouts_only stops here.
   OPD step  trainer/train_opd.py for --steps optimizer steps in each layout (rollouts built-in or served; teacher
             local or served: --loss sampled_kl for the layouts that compare teachers, and --loss jsd
             --teacher_topk 16 with the served teacher's top-K; served rollouts with --max_staleness 0 and 1), same
@@ -46,7 +49,7 @@ if ROOT not in sys.path:
 from dataset.collators import IGNORE_INDEX, PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from model import DTYPES, Qwen3Config, create_model, load_tokenizer, save_pretrained  # noqa: E402
+from model import DTYPES, Decoder, Qwen3Config, create_model, load_tokenizer, save_pretrained  # noqa: E402
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, vllm_python, wait_ready  # noqa: E402
 from serving.weight_sync import WeightSync  # noqa: E402
@@ -54,6 +57,7 @@ from trainer.trainer_utils import autocast_context  # noqa: E402
 from trainer.train_opd import sample_completions, served_sampler, served_sequences  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "model", "configs")
+SERVER_TAIL_S = 2.0  # the pause after each served rollout (see rollout_rates)
 OPD = os.path.join(ROOT, "trainer", "train_opd.py")
 
 
@@ -66,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="rollouts per engine (after one warm-up each)")
     p.add_argument("--steps", type=int, default=6, help="OPD steps per engine")
+    p.add_argument("--rollouts_only", action="store_true", help="the rollout table only, no OPD layouts")
     p.add_argument("--rollout_url", default=None, help="a running server of the student, served as `student` "
                                                        "(default: start one)")
     p.add_argument("--teacher_url", default=None, help="a running server of the teacher, served as `teacher` "
@@ -101,7 +106,8 @@ def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
     rows = RowDataset(ensure_demo_data()["opd_prompts"])
     batch = PromptCollator(tokenizer, 256, False)([rows[i] for i in range(args.batch_size)])
     loop_args = SimpleNamespace(seed=0, max_new_tokens=args.max_new_tokens, gen_temperature=1.0, top_k=0, top_p=1.0)
-    rates = {"built-in": [], "server": []}
+    rates = {"built-in": [], "built-in compiled": [], "server": []}
+    decoders = {"built-in": None, "built-in compiled": Decoder(compiled=True)}
     for repeat in range(args.repeats + 1):
         for engine in rates:
             start = time.perf_counter()
@@ -109,12 +115,15 @@ def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
                 completions = served_sampler(server, loop_args, tokenizer, student.config.vocab_size)(batch, repeat)
                 _, _, labels = served_sequences(batch, completions, tokenizer, args.device)
             else:
-                _, _, labels = sample_completions(student, loop_args, tokenizer, batch, repeat, args.device, autocast)
+                _, _, labels = sample_completions(student, loop_args, tokenizer, batch, repeat, args.device, autocast,
+                                                  decoders[engine])
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            if repeat:  # the first round warms both up
+            if repeat:  # the first round warms them up
                 rates[engine].append(int((labels != IGNORE_INDEX).sum()) / seconds)
+            if engine == "server":  # on a shared CPU: it keeps a core busy for about a second after it answers,
+                time.sleep(SERVER_TAIL_S)  # which would slow whichever engine ran next
     return {engine: statistics.median(values) for engine, values in rates.items()}
 
 
@@ -165,10 +174,14 @@ def step_medians(metrics_path: str) -> dict:
 def print_tables(args, rates: dict, layouts: list[tuple[str, dict]]) -> None:
     print(f"\n{args.batch_size} prompts x {args.max_new_tokens} new tokens, {args.device} {args.dtype}, "
           f"{os.path.basename(args.config)}, nproc {os.cpu_count()}\n")
-    print("| rollout (the loop's sample_completions) | built-in engine | vLLM server | server / built-in |")
-    print("|---|---|---|---|")
-    print(f"| generated tokens/s, median of {args.repeats} | {rates['built-in']:.0f} | {rates['server']:.0f} | "
-          f"{rates['server'] / rates['built-in']:.2f}x |\n")
+    print("| rollout (the loop's sample_completions) | built-in engine | built-in, compiled decode step | vLLM server "
+          "| built-in / server | compiled / server |")
+    print("|---|---|---|---|---|---|")
+    built_in, compiled, served = rates["built-in"], rates["built-in compiled"], rates["server"]
+    print(f"| generated tokens/s, median of {args.repeats} | {built_in:.0f} | {compiled:.0f} | {served:.0f} | "
+          f"{built_in / served:.2f}x | {compiled / served:.2f}x |\n")
+    if not layouts:
+        return
     print(f"| OPD layout | ms/step (median of steps 2-{args.steps}) | rollouts | drain | weight sync | "
           f"verification | teacher | student fwd+bwd | rest |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -201,8 +214,9 @@ def main(argv=None) -> None:
     folder = args.workdir or tempfile.mkdtemp(prefix="bench_rollout_")
     student_dir, teacher_dir = make_models(args, folder)
     started, urls = [], {"student": args.rollout_url, "teacher": args.teacher_url}
+    servers = [("student", student_dir)] + ([] if args.rollouts_only else [("teacher", teacher_dir)])
     try:
-        for offset, (name, model_dir) in enumerate((("student", student_dir), ("teacher", teacher_dir))):
+        for offset, (name, model_dir) in enumerate(servers):
             if urls[name] is None:
                 python = vllm_python()
                 if python is None:
@@ -215,10 +229,10 @@ def main(argv=None) -> None:
             wait_ready(process, port, log)
         server = CompletionServer(urls["student"], "student", what="rollout server")
         rates = rollout_rates(args, student_dir, server)
-        layouts = [(name, opd_steps(args, student_dir, teacher_dir, urls["student"] if served_rollouts else None,
-                                    urls["teacher"] if served_teacher else None, loss, staleness, folder,
-                                    f"layout{i}"))
-                   for i, (name, served_rollouts, served_teacher, loss, staleness) in enumerate(LAYOUTS)]
+        layouts = [] if args.rollouts_only else [
+            (name, opd_steps(args, student_dir, teacher_dir, urls["student"] if served_rollouts else None,
+                             urls["teacher"] if served_teacher else None, loss, staleness, folder, f"layout{i}"))
+            for i, (name, served_rollouts, served_teacher, loss, staleness) in enumerate(LAYOUTS)]
     finally:
         for (process, _), _ in started:
             stop_vllm(process)

@@ -52,7 +52,7 @@ from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from eval.grader import grade, wilson_interval  # noqa: E402
-from model import DTYPES, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
+from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.weight_sync import check_served_weights  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
@@ -112,9 +112,11 @@ def stop_token_ids(model: Qwen3ForCausalLM, tokenizer) -> list[int]:
 
 def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    max_new_tokens: int, temperature: float, top_p: float, seeds: Sequence[int],
-                   stop_ids: list[int], server: CompletionServer | None = None) -> list[Completion]:
-    """One batch of completions, from the model (one generate call over the left-padded batch) or from the server
-    that serves it (one request per row). temperature 0 is greedy. (Tests replace this function.)"""
+                   stop_ids: list[int], server: CompletionServer | None = None,
+                   decoder: Decoder | None = None) -> list[Completion]:
+    """One batch of completions, from the model (one generate call over the left-padded batch, `decoder`'s decode
+    step) or from the server that serves it (one request per row). temperature 0 is greedy. (Tests replace this
+    function.)"""
     sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
     if server is not None:
@@ -123,7 +125,8 @@ def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor,
     else:
         generators = [torch.Generator(prompt_ids.device).manual_seed(seed) for seed in seeds] if temperature > 0 \
             else None
-        out = generate(model, prompt_ids, prompt_mask, max_new_tokens, generator=generators, **sampling)
+        out = generate(model, prompt_ids, prompt_mask, max_new_tokens, generator=generators, decoder=decoder,
+                       **sampling)
     ended = torch.isin(out.completion_ids, torch.tensor(stop_ids, device=out.completion_ids.device)).any(dim=1)
     return [Completion(tokenizer.decode(ids[mask.bool()], skip_special_tokens=True), int(mask.sum()), bool(eos))
             for ids, mask, eos in zip(out.completion_ids, out.completion_mask, ended)]
@@ -216,12 +219,13 @@ def check_ground_truth(rows: Sequence[dict]) -> None:
 def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batch_size: int = 32,
                   max_new_tokens: int = 256, max_prompt_length: int = 512, enable_thinking: bool = False,
                   n_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  grade_timeout: float = 5.0, progress: bool = True,
-                  server: CompletionServer | None = None) -> tuple[dict, list[dict]]:
+                  grade_timeout: float = 5.0, progress: bool = True, server: CompletionServer | None = None,
+                  decoder: Decoder | None = None) -> tuple[dict, list[dict]]:
     """Generate n_samples completions per row, grade them, -> (summary, per-sample records in input order).
 
     `rows`: dicts with `messages` and `ground_truth` (RowDataset rows). The model is used as it is (device, dtype);
-    it is put in eval mode and left there. With a `server` (serving this model) the completions come from it.
+    it is put in eval mode and left there. With a `server` (serving this model) the completions come from it;
+    `decoder`: generate's decode step (default: eager).
     """
     check_sampling(n_samples, temperature, top_p)
     check_ground_truth(rows)
@@ -243,7 +247,8 @@ def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batc
         batch = collator([rows[i] for i, _ in batch_jobs])
         completions = complete_batch(model, tokenizer, batch["prompt_ids"].to(device),
                                      batch["prompt_attention_mask"].to(device), max_new_tokens, temperature, top_p,
-                                     [derived_seed(seed, i, s) for i, s in batch_jobs], stop_ids, server)
+                                     [derived_seed(seed, i, s) for i, s in batch_jobs], stop_ids, server,
+                                     decoder=decoder)
         for (i, s), completion in zip(batch_jobs, completions):
             results[i, s] = make_record(i, s, n_samples, tokenizer.decode(prompts[i]), completion,
                                         str(rows[i]["ground_truth"]), grade_timeout)
@@ -282,6 +287,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (sampling only)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the per-(row, sample) sampling generators")
+    parser.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
+                        help="1: torch.compile the decode step (CUDA graphs on CUDA): faster per token once compiled; "
+                             "the first batch of each decoding width pays the compilation")
     parser.add_argument("--server_url", default=None,
                         help="generate on this OpenAI-compatible server (vLLM) serving --model_path, e.g. "
                              "http://127.0.0.1:8000/v1; its log-probabilities are checked against the model's first")
@@ -306,6 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
     if not args.grade_timeout > 0:
         refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
+    if args.use_compile and args.server_url:
+        refuse("--use_compile compiles the built-in engine's decode step; with --server_url the server generates: "
+               "drop one of them")
     validate_model_args(args)
     return args
 
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      enable_thinking=bool(args.enable_thinking), n_samples=args.n_samples,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                      grade_timeout=args.grade_timeout, progress=not args.no_progress,
-                                     server=server)
+                                     server=server, decoder=Decoder(compiled=bool(args.use_compile)))
     summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args))
     write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     write_text(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

@@ -1,8 +1,11 @@
 """Batched KV-cache generation: the rollout engine of on-policy distillation, so it stays lean.
 
-One prefill over the left-padded prompts, then one token per step against a pre-allocated cache (the prefix is
-never recomputed). Rows stop independently at EOS and emit pad afterwards; once as many rows have stopped as still
-decode, the stopped ones leave the batch (their cache rows with them), and the loop ends when all rows stopped.
+One prefill over the left-padded prompts, then one token per step (`decode_step`) against a pre-allocated cache
+(the prefix is never recomputed): every row writes the same cache column, and its query sees the whole cache under
+a key mask, so no shape changes from step to step. Rows stop independently at EOS and emit pad afterwards; once
+as many rows have stopped as still decode, the batch narrows to a power of two (the rows still decoding, filled up
+with stopped ones), and the loop ends when all rows stopped. The step runs eagerly, or compiled (`Decoder`: on CUDA
+as CUDA graphs), one compiled graph per width.
 
 Sampling is one batched inverse-CDF draw per step: each row's uniforms for the whole rollout come from its own
 generator up front (one call per row per rollout, not per token), so a row's token depends only on its seed, its
@@ -97,16 +100,93 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Te
     return index.squeeze(1), residual.squeeze(1)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked (a compiled decode step takes these as constants)."""
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    vocab_size: int | None  # the tokenizer's: the embedding's padding rows beyond it are never picked
+
+
+def pick_token(logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens (the logits' padding rows are overwritten)."""
+    if sampling.vocab_size is not None:
+        logits[:, sampling.vocab_size:] = float("-inf")
+    return sample_next_token(logits, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p,
+                             uniforms)
+
+
+def decode_step(model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
+                key_mask: torch.Tensor, uniforms: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
+    """One token for every row of the decoding batch: the model on `token` (B,) at `position` (B, 1), its keys and
+    values written to the cache's column, its query seeing the cache positions `key_mask` (B, L) allows; then the
+    next token. No shape here changes from one step to the next."""
+    hidden = model(token[:, None], attention_mask=key_mask, position_ids=position, kv_cache=cache,
+                   return_hidden=True).hidden_states
+    return pick_token(next_token_logits(model, hidden[:, -1]), sampling, uniforms)
+
+
+class Decoder:
+    """The decode step of `generate`, eager or compiled.
+
+    Eager (the default), every rollout gets a cache of its own, exactly as long as it needs. Compiled (OPD's and
+    eval_math's --use_compile 1), the step runs under torch.compile with mode "reduce-overhead": on CUDA each shape
+    of the step is captured once as a CUDA graph and replayed as one launch per token (the eager step launches every
+    kernel of every layer from Python); on a CPU it runs as inductor's fused C++ kernels. A CUDA graph replays at
+    the addresses it captured, so the Decoder holds one cache storage from rollout to rollout (grown when a rollout
+    needs more rows or positions) and each rollout uses its leading rows and positions, its length rounded up to a
+    multiple of CACHE_BLOCK: few shapes, so few graphs, at the price of attending to at most CACHE_BLOCK - 1
+    masked positions more. The storage stays allocated between rollouts: layers x rows x KV heads x length x
+    head_dim x 2 (keys and values) x the autocast dtype's bytes."""
+
+    CACHE_BLOCK = 128
+
+    def __init__(self, compiled: bool = False):
+        self.compiled = compiled
+        self.compiled_step = torch.compile(decode_step, fullgraph=True, mode="reduce-overhead") if compiled else None
+        self.storage: KVCache | None = None
+
+    def cache(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        """An empty cache of `batch_size` rows and at least `length` positions."""
+        if not self.compiled:
+            return KVCache(config, batch_size, length, dtype, device)
+        length = -(-length // self.CACHE_BLOCK) * self.CACHE_BLOCK
+        held = self.storage
+        if held is None or len(held.keys[0]) < batch_size or held.max_length < length \
+                or held.keys[0].dtype != dtype or held.keys[0].device != device:
+            rows = max(batch_size, len(held.keys[0]) if held is not None else 0)
+            longest = max(length, held.max_length if held is not None else 0)
+            self.storage = None  # the old storage goes before the new one is allocated
+            self.storage = KVCache(config, rows, longest, dtype, device)
+        return self.storage.view(batch_size, length)
+
+    def __call__(self, model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
+                 key_mask: torch.Tensor, uniforms: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
+        if not self.compiled:
+            return decode_step(model, token, position, cache, key_mask, uniforms, sampling)
+        # the step writes the cache in place: marked as an input of fixed address, which a CUDA graph may write
+        # (it is skipped for a graph that mutates an ordinary input)
+        for buffer in cache.keys + cache.values:
+            torch._dynamo.mark_static_address(buffer)
+        torch.compiler.cudagraph_mark_step_begin()
+        # a CUDA graph's output lives in its pool and is overwritten by the next replay: the loop keeps a copy
+        return self.compiled_step(model, token, position, cache, key_mask, uniforms, sampling).clone()
+
+
 @torch.no_grad()
 def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
              max_new_tokens: int, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | Sequence[torch.Generator] | None = None,
-             vocab_size: int | None = None) -> GenerateOutput:
+             vocab_size: int | None = None, decoder: Decoder | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row. `generator`: one for the batch, or one per row (then a row's
     sample depends on its own seed alone). `vocab_size` (the tokenizer's) keeps the embedding's padding rows
-    (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled."""
+    (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled. `decoder`: a compiled Decoder to reuse
+    across calls (default: the eager step)."""
     model = getattr(model, "module", model)
+    decoder = decoder or Decoder()
     B, P = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -114,43 +194,46 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     eos_ids = torch.tensor([] if eos_token_id is None else
                            ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)), device=device)
     pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+    sampling = Sampling(do_sample, temperature, top_k, top_p, vocab_size)
     uniforms = draw_uniforms(generator, B, max_new_tokens, device) if do_sample else None
 
     # under autocast the keys and values come out in the autocast dtype: store them so, not in the fp32 master
     # dtype (half the memory, and attention does not re-cast the whole cache at every layer and token)
     cache_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
         else next(model.parameters()).dtype
-    cache = KVCache(model.config, B, P + max_new_tokens, cache_dtype, device)
-    mask = torch.cat([attention_mask.long(), attention_mask.new_zeros(B, max_new_tokens, dtype=torch.long)], dim=1)
-    next_position = positions_from_mask(attention_mask)[:, -1:] + 1
-    hidden = model(input_ids, attention_mask=mask[:, :P], kv_cache=cache, return_hidden=True).hidden_states
-    logits = next_token_logits(model, hidden[:, -1])
+    cache = decoder.cache(model.config, B, P + max_new_tokens, cache_dtype, device)
+    hidden = model(input_ids, attention_mask=attention_mask, kv_cache=cache, return_hidden=True).hidden_states
+    token = pick_token(next_token_logits(model, hidden[:, -1]), sampling, None if uniforms is None else uniforms[:, 0])
+    # from here the cache is written one column per step (prompts are left padded: the same column for every row),
+    # and a row's query sees its prompt's real tokens and every token generated so far
+    cache.column = torch.tensor([P], device=device)
+    key_mask = torch.zeros(B, cache.max_length, dtype=torch.bool, device=device)
+    key_mask[:, :P] = attention_mask.bool()
+    position = positions_from_mask(attention_mask)[:, -1:] + 1
 
     completion_ids = input_ids.new_full((B, max_new_tokens), pad_token_id)
-    rows = torch.arange(B, device=device)  # the batch rows still in the decoding batch, in order
+    rows = torch.arange(B, device=device)  # the batch rows in the decoding batch, in order
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # per row of the decoding batch
     steps = max_new_tokens
     for step in range(max_new_tokens):
-        if vocab_size is not None:
-            logits[:, vocab_size:] = float("-inf")
-        token = sample_next_token(logits, do_sample, temperature, top_k, top_p,
-                                  None if uniforms is None else uniforms[rows, step])
         completion_ids[rows, step] = token.masked_fill(finished, pad_token_id)
         finished = finished | torch.isin(token, eos_ids)
         done = int(finished.sum())
         if step == max_new_tokens - 1 or done == len(rows):
             steps = step + 1
             break
-        if 2 * done >= len(rows):  # stopped rows leave the batch once they are half of it: at most log2(B) copies
-            keep = (~finished).nonzero().squeeze(1)
-            rows, token, mask, next_position = rows[keep], token[keep], mask[keep], next_position[keep]
+        if 2 * done >= len(rows):  # stopped rows leave once they are half the batch: the width at least halves
+            # a power of two (the rows still decoding first, stopped ones filling up): few widths, so few
+            # compiled graphs; a stopped row that stays decodes on, its tokens never recorded
+            keep = finished.long().argsort(stable=True)[:1 << (len(rows) - done - 1).bit_length()]
+            rows, token, key_mask, position, finished = (rows[keep], token[keep], key_mask[keep], position[keep],
+                                                         finished[keep])
             cache.select_rows(keep)
-            finished = finished[keep]
-        mask[:, P + step] = 1
-        hidden = model(token[:, None], attention_mask=mask[:, :P + step + 1], position_ids=next_position,
-                       kv_cache=cache, return_hidden=True).hidden_states
-        logits = next_token_logits(model, hidden[:, -1])
-        next_position = next_position + 1
+        key_mask.index_fill_(1, cache.column, True)
+        step_uniforms = None if uniforms is None else uniforms[rows, step + 1]
+        token = decoder(model, token, position, cache, key_mask, step_uniforms, sampling)
+        position += 1
+        cache.column += 1
 
     completion_ids = completion_ids[:, :steps]
     return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
@@ -161,11 +244,12 @@ def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor) -> torch.Te
     """(B, H) final hidden states -> (B, V) logits, the lm_head that dominates a decoding step.
 
     On a CPU with hidden >= 512 and <= 8 rows, computed as (W @ h.T).T: the same products, but there CPU BLAS runs
-    the weight-stationary form 1.3-1.5x faster than F.linear's h @ W.T, at 1 and 2 threads alike
-    (`benchmarks/bench_model.py --only lm_head`, torch 2.13; at 16 rows it pays with 2 threads only). For narrower
-    rows (the demo models: hidden 64 and 128, 8-16 rows) F.linear is as fast or faster, by 1.2-2.5x counting the
-    contiguous copy sampling needs; on CUDA the two are the same GEMM. The weight-stationary result is a
-    transposed view: greedy's argmax reads it as it is."""
+    the weight-stationary form 1.4-1.6x faster than F.linear's h @ W.T, at 1 and 2 threads alike, eager and in the
+    compiled decode step (`benchmarks/bench_model.py --only lm_head`, torch 2.13; at 16 rows, once the contiguous
+    copy sampling needs is counted, 1.0-1.2x). For narrower rows (the demo models: hidden 64 and 128, 8-16 rows)
+    F.linear is as fast or faster counting that copy, and compiled the weight-stationary form is slower (0.7-0.95x);
+    on CUDA the two are the same GEMM. The weight-stationary result is a transposed view: greedy's argmax reads it
+    as it is."""
     weight = model.lm_head.weight
     if hidden.device.type == "cpu" and weight.shape[1] >= 512 and hidden.shape[0] <= 8:
         return (weight @ hidden.T).T

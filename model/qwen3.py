@@ -31,24 +31,59 @@ class CausalLMOutput:
 
 
 class KVCache:
-    """Pre-allocated key/value storage for all layers; `length` positions are filled."""
+    """Pre-allocated key/value storage for all layers, filled two ways:
+
+      * prefix (`column` None): a forward's T new positions follow the `length` filled ones, and its queries see
+        the filled prefix -- the prefill, and chat's one token at a time;
+      * column (`column` a 1-element long tensor, set by generate's decode step): the step's one new position goes
+        to that column, and its query sees the whole buffer under the key mask the forward gets as its
+        attention_mask. Every shape stays the same from token to token, so one compiled graph (on CUDA, one CUDA
+        graph) serves the whole rollout.
+
+    Zero-filled: the column form attends to unfilled positions under a mask, and a softmax weight of exactly 0 times
+    the NaN a torch.empty buffer may hold is still NaN."""
 
     def __init__(self, config: Qwen3Config, batch_size: int, max_length: int, dtype: torch.dtype,
                  device: torch.device | str):
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_length, config.head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        # one tensor per layer: a compiled step's in-place write then touches that layer's buffer alone
+        shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.length = 0
+        self.column: torch.Tensor | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer], self.values[layer]
+        if self.column is not None:
+            keys.index_copy_(2, self.column, k)
+            values.index_copy_(2, self.column, v)
+            return keys, values
         end = self.length + k.shape[2]
-        self.keys[layer, :, :, self.length:end] = k
-        self.values[layer, :, :, self.length:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        keys[:, :, self.length:end] = k
+        values[:, :, self.length:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    @property
+    def max_length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def view(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty cache over this one's first `batch_size` rows and `max_length` positions: the same storage, at
+        the same addresses."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[:batch_size, :, :max_length] for k in self.keys]
+        view.values = [v[:batch_size, :, :max_length] for v in self.values]
+        view.length, view.column = 0, None
+        return view
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep only the batch rows `index` (generation drops the rows that stopped): one copy of their cache."""
-        self.keys, self.values = self.keys[:, index], self.values[:, index]
+        """Keep only the batch rows `index` (generation drops the rows that stopped), moved to the leading rows of
+        the same storage: the addresses do not change, which a CUDA graph replaying the decode step needs."""
+        n = len(index)
+        for buffers in (self.keys, self.values):
+            for layer, buffer in enumerate(buffers):
+                buffer[:n] = buffer[index]  # indexing gathers a copy first: overlapping rows are safe
+                buffers[layer] = buffer[:n]
 
 
 class RMSNorm(nn.Module):
@@ -213,8 +248,11 @@ class Qwen3ForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, return_hidden: bool = False, logits_to_keep: int = 0,
                 kv_cache: KVCache | None = None) -> CausalLMOutput:
         """`return_hidden=True` skips the lm_head (losses project chunk by chunk); `logits_to_keep=K` projects only
-        the last K positions. With a `kv_cache`, `attention_mask` covers past + new tokens."""
-        past_len = kv_cache.length if kv_cache is not None else 0
+        the last K positions. With a `kv_cache`, `attention_mask` covers past + new tokens; in the cache's column
+        form (see KVCache) it is the key mask over the whole cache, and `position_ids` are required."""
+        # the column form reads no Python int off the cache: one compiled graph for every step of every rollout
+        column = kv_cache is not None and kv_cache.column is not None
+        past_len = kv_cache.length if kv_cache is not None and not column else 0
         T = input_ids.shape[1]
         if position_ids is None:
             if attention_mask is not None:
@@ -223,7 +261,10 @@ class Qwen3ForCausalLM(nn.Module):
                 position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
-        attn_mask = build_attention_mask(attention_mask, T, past_len)
+        if column:  # generate's decode step: attention_mask (B, L) marks the cache positions its query may see
+            attn_mask = attention_mask[:, None, None, :].bool()
+        else:
+            attn_mask = build_attention_mask(attention_mask, T, past_len)
         if attn_mask is None and past_len > 0:  # is_causal would align the causal band to the wrong corner
             attn_mask = torch.ones(1, 1, T, past_len + T, dtype=torch.bool, device=x.device).tril(past_len)
         for layer in self.model.layers:
@@ -231,7 +272,7 @@ class Qwen3ForCausalLM(nn.Module):
                 x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn_mask, kv_cache)
-        if kv_cache is not None:
+        if kv_cache is not None and not column:
             kv_cache.length += T
         x = self.model.norm(x)
         if return_hidden:

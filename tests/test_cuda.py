@@ -1,7 +1,7 @@
 # python -m pytest -m cuda tests/test_cuda.py        (on a machine with a CUDA device; elsewhere they skip)
-"""The CUDA paths a CPU machine cannot take: bf16 autocast numerics, the KV cache in the autocast dtype, each loop
-training in bf16 and in fp16 with a GradScaler. `benchmarks/bench_gpu.py` exercises the rest (compile, gradient
-checkpointing, throughput) in one command."""
+"""The CUDA paths a CPU machine cannot take: bf16 autocast numerics, the KV cache in the autocast dtype, the compiled
+decode step replayed as CUDA graphs, each loop training in bf16 and in fp16 with a GradScaler.
+`benchmarks/bench_gpu.py` exercises the rest (compile, gradient checkpointing, throughput) in one command."""
 import math
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 import model.generate as generate_module
 from loop_helpers import loop_args, metrics
-from model import Qwen3Config, create_model, generate, save_pretrained
+from model import Decoder, Qwen3Config, create_model, generate, save_pretrained
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
@@ -45,6 +45,38 @@ def test_generate_keeps_its_cache_in_the_autocast_dtype(tiny_model, monkeypatch)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = generate(tiny_model, ids, None, 4, do_sample=False)
     assert dtypes == [torch.bfloat16] and out.completion_ids.shape == (2, 4)
+
+
+def test_the_compiled_decode_step_replays_cuda_graphs_and_samples_the_eager_tokens(tiny_model):
+    """--use_compile 1's decode step on CUDA (torch.compile "reduce-overhead"): fp32 greedy and per-row seeded
+    top-4 samples with rows stopping at EOS (the width narrows) equal the eager step's tokens, over two rollouts, and
+    inductor skipped no CUDA graph (a mutated cache that is not static would make it skip, with the reason in its
+    log); then a bf16 autocast rollout runs through it too."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    skips = counters["inductor"]["cudagraph_skips"]
+    ids = torch.randint(0, 151669, (4, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    decoder = Decoder(compiled=True)
+    free = generate(tiny_model, ids, mask, 24, generator=[torch.Generator("cuda").manual_seed(s) for s in range(4)],
+                    top_k=4)
+    eos = [int(free.completion_ids[0, 3]), int(free.completion_ids[1, 5])]
+
+    def both(**kwargs):
+        def rollout(step_decoder):
+            generators = [torch.Generator("cuda").manual_seed(s) for s in range(4)]
+            return generate(tiny_model, ids, mask, 24, generator=generators, decoder=step_decoder,
+                            **kwargs).completion_ids
+        return rollout(None), rollout(decoder)
+    # top_k 4: 4 CDF boundaries for a rounding difference of the fused kernels to flip a draw at, not 151,669
+    for kwargs in (dict(do_sample=False), dict(eos_token_id=eos, top_k=4), dict(eos_token_id=eos, top_k=4)):
+        eager, compiled = both(**kwargs)
+        assert torch.equal(compiled, eager), kwargs
+    assert counters["inductor"]["cudagraph_skips"] == skips, "inductor ran the decode step without CUDA graphs"
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = generate(tiny_model, ids, mask, 8, do_sample=False, decoder=decoder)
+    assert out.completion_ids.shape == (4, 8)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

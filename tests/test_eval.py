@@ -137,7 +137,8 @@ def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
     right = {(0, 0), (1, 0), (1, 1), (1, 2), (1, 3)}  # c = 1, 4, 0
     by_seed = {derived_seed(7, i, s): (i, s) for i in range(3) for s in range(4)}
 
-    def complete_batch(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, seeds, stop, server):
+    def complete_batch(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, seeds, stop, server,
+                       decoder=None):
         jobs = [by_seed[seed] for seed in seeds]
         return [Completion(f"\\boxed{{{PROBLEMS[i][1] if (i, s) in right else 'x'}}}", 2, False) for i, s in jobs]
 
@@ -152,6 +153,25 @@ def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
         evaluate_math(setup["model"], setup["tokenizer"], rows_of(setup["data"]), n_samples=4, temperature=0.0)
     with pytest.raises(UserError, match="temperature > 0"):
         eval_math.parse_args(["--model_path", "x", "--n_samples", "4"])
+
+
+def test_use_compile_with_a_server_is_refused(setup):
+    with pytest.raises(UserError, match="--use_compile compiles the built-in engine's decode step"):
+        eval_math.parse_args(["--model_path", setup["model_dir"], "--use_compile", "1", "--server_url",
+                              "http://127.0.0.1:1/v1"])
+
+
+@pytest.mark.slow
+def test_use_compile_completes_what_the_eager_decode_step_completes(setup, tmp_path):
+    """--use_compile 1 (the decode step under inductor): the same greedy records as the eager step."""
+    runs = []
+    for compiled in ("0", "1"):
+        out = tmp_path / f"compiled{compiled}.jsonl"
+        eval_math.main(["--model_path", setup["model_dir"], "--data_path", setup["data"], "--batch_size", "2",
+                        "--max_new_tokens", "6", "--out", str(out), "--device", "cpu", "--no_progress",
+                        "--use_compile", compiled])
+        runs.append([json.loads(line) for line in out.read_text().splitlines()])
+    assert runs[0] == runs[1]
 
 
 def test_greedy_is_the_same_across_batch_sizes(setup):

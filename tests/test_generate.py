@@ -1,12 +1,17 @@
 # Run: python -m pytest tests/test_generate.py
 """KV-cache generation: greedy equals transformers' greedy generate on a left-padded batch with per-row EOS,
-seeded sampling is reproducible, top-k / top-p limits, vocab_size masking, and the cache equals a full recompute."""
+seeded sampling is reproducible, top-k / top-p limits, vocab_size masking, the cache equals a full recompute, stopped
+rows leave the batch in power-of-two widths, and the compiled decode step (--use_compile 1) samples exactly the eager
+step's tokens with one compiled graph per width, writing its cache at fixed, static-marked addresses."""
+import os
+
 import pytest
 import torch
 import transformers
 
 from model import KVCache, load_pretrained
-from model.generate import completion_mask_through_eos, generate
+from model.generate import Decoder, completion_mask_through_eos, generate
+from support import ROOT
 
 VOCAB = 1000
 PAD = 999
@@ -212,3 +217,75 @@ def test_kv_cache_equals_full_recompute(models):
             assert torch.equal(cached.argmax(-1), seq[:, P + t])
             cached = ours(seq[:, P + t:P + t + 1], attention_mask=full_mask[:, :P + t + 1], kv_cache=cache).logits[:, -1]
         assert cache.length == P + 10
+
+
+def test_stopped_rows_leave_in_power_of_two_widths_and_the_rest_sample_as_alone(models, monkeypatch):
+    """Six rows, three stopping early: the batch narrows to 4 (one stopped row decoding on, its tokens never kept),
+    then 2, 1; every row's tokens are the ones it samples alone."""
+    _, ours = models
+    ids, mask = prompts(lengths=(9, 4, 6, 1, 7, 3))
+    seeds = [5, 6, 7, 8, 9, 10]
+    free = generate(ours, ids, mask, 16, pad_token_id=PAD, generator=_per_row(seeds)).completion_ids
+    eos = [int(free[0, 1]), int(free[2, 2]), int(free[4, 3])]
+    widths = []
+    select_rows = KVCache.select_rows
+    monkeypatch.setattr(KVCache, "select_rows", lambda cache, index: widths.append(len(index))
+                        or select_rows(cache, index))
+    together = generate(ours, ids, mask, 16, pad_token_id=PAD, eos_token_id=eos, generator=_per_row(seeds))
+    assert widths and all(w & (w - 1) == 0 for w in widths) and widths == sorted(widths, reverse=True), widths
+    for r in range(6):
+        alone = generate(ours, ids[r:r + 1], mask[r:r + 1], 16, pad_token_id=PAD, eos_token_id=eos,
+                         generator=_per_row(seeds[r:r + 1])).completion_ids[0]
+        width = together.completion_ids.shape[1]
+        assert torch.equal(together.completion_ids[r], torch.nn.functional.pad(alone, (0, width - len(alone)),
+                                                                                value=PAD)), r
+
+
+def test_the_compiled_decode_step_samples_the_eager_steps_tokens(models, monkeypatch):
+    """torch.compile (inductor) of the decode step, as --use_compile 1 runs it: per-row seeded samples with rows
+    leaving at EOS, greedy, then a rollout of other prompt lengths: the eager step's tokens exactly; that last
+    rollout compiles nothing new (one graph serves every step and rollout of a width); and every call writes the
+    cache at the same addresses, marked static -- what lets a CUDA graph replay the step instead of skipping it."""
+    _, ours = models
+    torch._dynamo.reset()  # a fresh compile cache: no graph another test left
+    from torch._dynamo.utils import counters
+    decoder = Decoder(compiled=True)
+    calls = []  # per compiled call: (width, the layer-0 key buffer's address, whether it is marked static)
+    step = decoder.compiled_step
+    monkeypatch.setattr(decoder, "compiled_step", lambda model, token, position, cache, *rest: calls.append(
+        (len(token), cache.keys[0].data_ptr(), hasattr(cache.keys[0], "_dynamo_static_input_type")))
+        or step(model, token, position, cache, *rest))
+    ids, mask = prompts()
+    seeds = [11, 22, 33, 44]
+    free = generate(ours, ids, mask, 16, pad_token_id=PAD, generator=_per_row(seeds), top_k=4).completion_ids
+    eos = [int(free[0, 2]), int(free[1, 3])]  # rows 0 and 1 stop by step 3: widths 4 then 2
+    # top_k 4: a real draw, with 4 CDF boundaries for a rounding difference to flip instead of 1,000 (how often
+    # that happens is not what this test is about; bench_model.py prints the share of identical tokens)
+    sampled = lambda: dict(generator=_per_row(seeds), eos_token_id=eos, top_k=4)  # noqa: E731
+    for kwargs in (sampled, lambda: dict(do_sample=False)):
+        eager = generate(ours, ids, mask, 16, pad_token_id=PAD, **kwargs()).completion_ids
+        compiled = generate(ours, ids, mask, 16, pad_token_id=PAD, decoder=decoder, **kwargs()).completion_ids
+        assert torch.equal(compiled, eager)
+    graphs = counters["stats"]["unique_graphs"]
+    other_ids, other_mask = prompts(lengths=(3, 7, 2, 5), seed=1)
+    eager = generate(ours, other_ids, other_mask, 12, pad_token_id=PAD, generator=_per_row(seeds),
+                     top_k=4).completion_ids
+    compiled = generate(ours, other_ids, other_mask, 12, pad_token_id=PAD, generator=_per_row(seeds), top_k=4,
+                        decoder=decoder).completion_ids
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new rollout of a compiled width compiled again"
+    assert {w for w, _, _ in calls} == {4, 2} and all(marked for _, _, marked in calls)
+    assert len({address for _, address, _ in calls}) == 1, "the cache moved: a CUDA graph would record again"
+
+
+def test_the_compiled_decoders_cache_for_qwen3_0_6b_is_what_the_readme_says():
+    """The storage --use_compile 1 keeps allocated between rollouts, from the real shapes on the meta device:
+    Qwen3-0.6B (28 layers, 8 KV heads of 128) at 8 rows x 1,536 positions in bf16 is 1.31 GiB."""
+    from model import Qwen3Config
+    tiny = Qwen3Config.from_json(os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")).to_hf_dict()
+    config = Qwen3Config.from_dict({**tiny, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128})
+    cache = Decoder(compiled=True).cache(config, 8, 1536, torch.bfloat16, torch.device("meta"))
+    total = sum(buffer.nbytes for buffer in cache.keys + cache.values)
+    assert total == 28 * 8 * 8 * 1536 * 128 * 2 * 2  # layers x rows x KV heads x length x head_dim x (K, V) x bytes
+    assert f"{total / 2**30:.2f} GiB" == "1.31 GiB"

@@ -17,7 +17,7 @@ from dataset.collators import IGNORE_INDEX, PromptCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from eval.grader import grade_batch
-from model import generate
+from model import Decoder, generate
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs)
 from trainer.setup import DistInfo
@@ -30,12 +30,13 @@ SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
 @torch.no_grad()
 def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
                  autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
-                 teacher_server=None, seed: int = 0, teacher_topk: int = 0) -> dict[str, float]:
+                 teacher_server=None, seed: int = 0, teacher_topk: int = 0,
+                 decoder: Decoder | None = None) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
     generated tokens, rows that ended with EOS and, with a teacher, the generalized JSD at `beta` summed over the
     greedy completions' tokens and their number (with a teacher on a server: with `teacher_topk` K the top-K
     divergence on the same greedy completions, the loss OPD trains with; without, the sampled-token estimate on
-    the student's own samples of the prompts)."""
+    the student's own samples of the prompts). `decoder`: generate's decode step (default: eager)."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -44,7 +45,7 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
         with autocast():
             out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens,
                            do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                           vocab_size=len(tokenizer))
+                           vocab_size=len(tokenizer), decoder=decoder)
         texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                  for ids, mask in zip(out.completion_ids, out.completion_mask)]
         truths = [row.get("ground_truth") for row in batch["rows"]]
@@ -66,7 +67,7 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
         elif teacher_server is not None:
             kl, tokens = sampled_kl_sum(student, teacher_server, tokenizer, batch, max_new_tokens, autocast,
-                                        chunk_size, seed)
+                                        chunk_size, seed, decoder)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
     return {"correct": correct, "rows": rows, "generated": generated, "ended": ended, "kl_sum": kl_sum,
@@ -93,7 +94,7 @@ def heldout_metrics(sums: dict[str, float], teacher: bool, beta: float, teacher_
 
 
 def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_tokens: int, autocast, chunk_size: int,
-                   seed: int) -> tuple[float, int]:
+                   seed: int, decoder: Decoder | None = None) -> tuple[float, int]:
     """Sum over the student's sampled tokens y of log p_S(y) - log p_T(y) (a one-sample estimate of the reverse KL
     at each position), and their number. Row r of the held-out set always samples with seed (seed, -1, r): every
     evaluation draws with the same random numbers, so the change between evaluations is the model's."""
@@ -102,7 +103,8 @@ def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_toke
     with autocast():
         out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=True,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       generator=[torch.Generator(device).manual_seed(s) for s in seeds], vocab_size=len(tokenizer))
+                       generator=[torch.Generator(device).manual_seed(s) for s in seeds], vocab_size=len(tokenizer),
+                       decoder=decoder)
     input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
                                                         out.completion_ids, out.completion_mask)
     teacher_logprobs = teacher_server.completion_logprobs(input_ids, attention_mask,
@@ -149,8 +151,9 @@ class HeldoutEvaluator:
     rank in each forward) every rank evaluates all the prompts in step instead, as one process (greedy: the same
     completions, the same number of decoding steps), and nothing is reduced. Rank 0 logs."""
 
-    def __init__(self, args, tokenizer, info: DistInfo, start_step: int):
+    def __init__(self, args, tokenizer, info: DistInfo, start_step: int, decoder: Decoder | None = None):
         self.args, self.tokenizer, self.info = args, tokenizer, info
+        self.decoder = decoder  # generate's decode step: OPD's compiled one with --use_compile 1, else eager
         self.lockstep = bool(getattr(args, "fsdp", 0)) and info.enabled
         self.batches = self.load_batches() if args.eval_interval else []
         # a resumed run's checkpoint step was already evaluated (if due) by the run that wrote it
@@ -192,7 +195,7 @@ class HeldoutEvaluator:
 
         def work() -> dict[str, float]:
             return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, teacher, autocast,
-                                args.loss_chunk_size, beta, teacher_server, args.seed, topk)
+                                args.loss_chunk_size, beta, teacher_server, args.seed, topk, self.decoder)
         sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
         return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None, topk)
 

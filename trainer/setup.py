@@ -80,8 +80,11 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="autocast dtype on CUDA (fp16 adds a GradScaler); CPU always trains in fp32")
-    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
-    g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1])
+    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
+                   help="1: torch.compile each decoder layer (training); OPD also compiles the student's decode "
+                        "step (CUDA graphs on CUDA), which keeps its KV cache allocated between rollouts")
+    g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1],
+                   help="1: recompute each decoder layer's activations in the backward (less memory, one more forward)")
     g.add_argument("--fsdp", type=int, default=0, choices=[0, 1],
                    help="1: shard parameters, gradients and optimizer state over the ranks (FSDP2) and write "
                         "sharded checkpoints that any world size resumes (docs/architecture.md)")

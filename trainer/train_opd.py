@@ -44,7 +44,7 @@ from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from model import DTYPES, generate, load_tokenizer
+from model import DTYPES, Decoder, generate, load_tokenizer
 from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.console import PhaseClock
@@ -144,9 +144,9 @@ def sampling_settings(args: argparse.Namespace, tokenizer) -> dict:
 
 
 def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
-                       autocast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-2 on-policy with the built-in engine (KV cache, eval mode, no grad) -> input_ids, attention_mask and
-    labels on the completion through its first EOS."""
+                       autocast, decoder: Decoder | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-2 on-policy with the built-in engine (KV cache, eval mode, no grad; `decoder`'s decode step, eager by
+    default) -> input_ids, attention_mask and labels on the completion through its first EOS."""
     prompt_ids = batch["prompt_ids"].to(device)
     prompt_mask = batch["prompt_attention_mask"].to(device)
     was_training = student.training
@@ -154,7 +154,7 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
     with autocast():
         out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
                        generator=[torch.Generator(device).manual_seed(seed) for seed in row_seeds(args, batch, epoch)],
-                       pad_token_id=tokenizer.pad_token_id, **sampling_settings(args, tokenizer))
+                       pad_token_id=tokenizer.pad_token_id, decoder=decoder, **sampling_settings(args, tokenizer))
     student.train(was_training)
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
@@ -255,7 +255,10 @@ def train(args: argparse.Namespace) -> None:
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
+    # --use_compile 1: the decode step of the student's rollouts and held-out completions compiled too (on CUDA
+    # replayed as CUDA graphs); a sharded student (--fsdp 1) decodes eagerly, only in the held-out evaluation
+    decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder)  # each rank its share (--fsdp 1: all)
     weight_sync = None if server is None else WeightSync(
         server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
         active=info.is_main)
@@ -294,7 +297,7 @@ def train(args: argparse.Namespace) -> None:
                     run.metrics.rank_mean("staleness", run.step - version)
                 elif on_policy:
                     input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
-                                                                           epoch, run.device, run.autocast)
+                                                                           epoch, run.device, run.autocast, decoder)
                 else:
                     data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
                     input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
