@@ -101,6 +101,24 @@ def test_logged_loss_is_the_jsd_of_independently_computed_logits(tiny_config_pat
 
 
 @pytest.mark.slow
+def test_use_compile_trains_as_the_eager_run_to_rounding(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
+    """--use_compile 1: the layers compiled for training and the decode step of the rollouts and of the held-out
+    evaluation compiled (one Decoder, its graphs traced through the compiled layers) -- the eager run's numbers to
+    rounding. Top-4 samples: 4 CDF boundaries for a rounding difference to flip a draw at."""
+    runs = {}
+    for compiled in (0, 1):
+        train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / f"c{compiled}", teacher_dir, batch=2,
+                           max_steps=3, top_k=4, use_compile=compiled, eval_interval=3, eval_rows=4))
+        runs[compiled] = metrics(tmp_path / f"c{compiled}")
+    for eager, compiled in zip(runs[0], runs[1]):
+        assert eager.keys() == compiled.keys()
+        for key in ("loss", "tokens", "eval/reverse_kl", "eval/completion_len"):
+            if key in eager:
+                assert compiled[key] == pytest.approx(eager[key], rel=1e-4), key
+    assert max_weight_diff(weights(tmp_path / "c0"), weights(tmp_path / "c1")) <= 1e-5
+
+
+@pytest.mark.slow
 def test_lmbda_zero_is_kd_on_the_datasets_completions(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
     # OPD with beta=0 is KL(teacher || student) per token; KD with alpha=0 and T=1 is the same loss
     train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / "opd", teacher_dir, batch=4, max_steps=2, lmbda=0.0,
