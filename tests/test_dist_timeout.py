@@ -5,6 +5,7 @@ numbers of one process), a server request that could outlast the timeout and a c
 write within it are refused at start-up with one line."""
 import argparse
 import contextlib
+import math
 import os
 import subprocess
 import time
@@ -59,18 +60,24 @@ def test_a_timeout_shorter_than_rank_0_alone_fails_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_evaluate_a_minute_of_work_within_a_20_s_timeout(tiny_config_path, chat_jsonl, tmp_path):
-    """40 held-out prompts x 256 greedy tokens: about a minute for one process, more than --dist_timeout 20, so
+    """Held-out prompts x 320 greedy tokens, as many as make about 40 s for one process on this machine (timed on
+    one batch first: a fixed count was 60 s on one machine and 15 s on another), more than --dist_timeout 20, so
     rank 0 evaluating alone would fail the run (the test above). Split over 2 ranks, the run exits 0 and logs the
     numbers of one process."""
-    eval_data = write_chat_jsonl(tmp_path / "eval.jsonl", 40, seed=3)
-    argv = loop_args(tiny_config_path, chat_jsonl, tmp_path / "two", batch=4, max_steps=1, eval_interval=1,
-                     eval_data_path=eval_data, eval_rows=40, eval_max_new_tokens=256, dist_timeout=20)
-    args = sft_args(argv)
-    evaluator = HeldoutEvaluator(args, load_tokenizer(None), DistInfo(), 0)
-    model = build_model(args, "cpu", config_path=args.model_config)  # the script's model at step 0
-    start = time.perf_counter()
-    one = evaluator.evaluate(0, model, contextlib.nullcontext)
-    alone = time.perf_counter() - start
+    def setup(rows: int):
+        eval_data = write_chat_jsonl(tmp_path / f"eval{rows}.jsonl", rows, seed=3)
+        argv = loop_args(tiny_config_path, chat_jsonl, tmp_path / "two", batch=4, max_steps=1, eval_interval=1,
+                         eval_data_path=eval_data, eval_rows=rows, eval_max_new_tokens=320, dist_timeout=20)
+        return argv, HeldoutEvaluator(sft_args(argv), load_tokenizer(None), DistInfo(), 0)
+
+    def evaluated(evaluator, model) -> tuple[dict, float]:
+        start = time.perf_counter()
+        return evaluator.evaluate(0, model, contextlib.nullcontext), time.perf_counter() - start
+    argv, evaluator = setup(4)
+    model = build_model(sft_args(argv), "cpu", config_path=sft_args(argv).model_config)  # the script's, at step 0
+    _, batch_seconds = evaluated(evaluator, model)
+    argv, evaluator = setup(4 * min(40, max(8, math.ceil(40 / batch_seconds))))
+    one, alone = evaluated(evaluator, model)
     assert alone > 20, f"one process evaluated in {alone:.0f} s: too little work to show the timeout"
     started = time.perf_counter()
     run_command(torchrun_command(SFT, argv))
@@ -78,7 +85,7 @@ def test_two_ranks_evaluate_a_minute_of_work_within_a_20_s_timeout(tiny_config_p
           f"{time.perf_counter() - started:.0f} s")
     two = step_zero_eval(tmp_path / "two")
     assert two.keys() == one.keys() and all(abs(two[k] - one[k]) <= 1e-6 for k in one), (one, two)
-    assert two["eval/completion_len"] == 256  # every prompt was decoded to the budget: the work was done
+    assert two["eval/completion_len"] == 320  # every prompt was decoded to the budget: the work was done
 
 
 @pytest.mark.slow
