@@ -17,10 +17,9 @@ back from what the commands wrote:
   wall time  of each command, measured here (training + evaluation)
 with the date, `nproc`, the CPU and the commit above it. The README's table is this script's output, pasted.
 
-On this project's 2-core CPU machine the whole demo takes about 35 minutes (estimated from the README's last
-measured wall times: SFT 10.5 min, KD 13.5 min, OPD 6.8 min; each evaluation of 200 problems x 64 new tokens
-10 s to 1 min, the longest for models that never stop; the random init a few seconds). The printed table carries
-the times actually measured.
+On this project's 2-core CPU machine the whole demo took 10.3 minutes with nothing else running (2026-12-02: SFT
+2.2 min, KD 4.7 min, OPD 2.7 min, each evaluation of 200 problems x 64 new tokens 8-11 s), and 40 minutes with
+other jobs on the same cores. The printed table carries the times actually measured.
 
 The training scripts refuse to start over a run of the same name (`--from_resume 1` / `--start_over 1`), and a new
 table must not mix an old run's files with new ones: if checkpoints/ already holds a run named random, sft, kd or
