@@ -134,12 +134,12 @@ class Decoder:
     Eager (the default), every rollout gets a cache of its own, exactly as long as it needs. Compiled (OPD's and
     eval_math's --use_compile 1), the step runs under torch.compile with mode "reduce-overhead": on CUDA each shape
     of the step is captured once as a CUDA graph and replayed as one launch per token (the eager step launches every
-    kernel of every layer from Python); on a CPU it runs as inductor's fused C++ kernels. A CUDA graph replays at
-    the addresses it captured, so the Decoder holds one cache storage from rollout to rollout (grown when a rollout
-    needs more rows or positions) and each rollout uses its leading rows and positions, its length rounded up to a
-    multiple of CACHE_BLOCK: few shapes, so few graphs, at the price of attending to at most CACHE_BLOCK - 1
-    masked positions more. The storage stays allocated between rollouts: layers x rows x KV heads x length x
-    head_dim x 2 (keys and values) x the autocast dtype's bytes."""
+    kernel of every layer from Python; not yet run on a GPU: tests/test_cuda.py checks it there); on a CPU it runs as
+    inductor's fused C++ kernels. A CUDA graph replays at the addresses it captured, so the Decoder holds one cache
+    storage from rollout to rollout (grown when a rollout needs more rows or positions) and each rollout uses its
+    leading rows and positions, its length rounded up to a multiple of CACHE_BLOCK: few shapes, so few graphs, at the
+    price of attending to at most CACHE_BLOCK - 1 masked positions more. The storage stays allocated between
+    rollouts: layers x rows x KV heads x length x head_dim x 2 (keys and values) x the autocast dtype's bytes."""
 
     CACHE_BLOCK = 128
 

@@ -255,9 +255,7 @@ def train(args: argparse.Namespace) -> None:
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
-    # --use_compile 1: the decode step of the student's rollouts and held-out completions compiled too (on CUDA
-    # replayed as CUDA graphs); a sharded student (--fsdp 1) decodes eagerly, only in the held-out evaluation
-    decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)
+    decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step (CUDA graphs on CUDA)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder)  # each rank its share (--fsdp 1: all)
     weight_sync = None if server is None else WeightSync(
         server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
