@@ -8,6 +8,7 @@ validated before any model is built -> models, built directly on the rank's devi
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import datetime
 import math
@@ -208,7 +209,17 @@ def init_distributed_mode(device: str, timeout: float = DEFAULT_DIST_TIMEOUT) ->
         device = f"cuda:{local_rank}"
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
                             timeout=datetime.timedelta(seconds=timeout))
+    atexit.register(leave_process_group)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def leave_process_group() -> None:
+    """At exit, for a run that stops on an error (a failed server, a refusal after the start): the finished run's
+    close() has given the group back already. A process that exits holding a group it has used may abort in gloo's
+    teardown ("terminate called without an active exception", exit -6 instead of its own code; a quarter of 2-rank
+    runs here). Local, no collective: the other ranks may be gone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def die_with_launcher() -> None:
