@@ -215,10 +215,11 @@ def init_distributed_mode(device: str, timeout: float = DEFAULT_DIST_TIMEOUT) ->
 
 def leave_process_group() -> None:
     """At exit, for a run that stops on an error (a failed server, a refusal after the start): the finished run's
-    close() has given the group back already. A process that exits holding a group it has used may abort in gloo's
-    teardown ("terminate called without an active exception", exit -6 instead of its own code; a quarter of 2-rank
-    runs here). Local, no collective: the other ranks may be gone."""
-    if dist.is_initialized():
+    close() has given the group back already. A process that exits holding a gloo group it has used may abort in
+    its teardown ("terminate called without an active exception", exit -6 instead of its own code; a quarter of
+    2-rank runs here); gloo's destroy is local, so it is safe while other ranks are gone or still waiting. An NCCL
+    group is left to PyTorch's own teardown: destroying its communicators can wait for peers that never come."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
 
