@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import pytest
+import torch.distributed as dist
 
 from common.errors import UserError, run_script
 from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, metrics, run_command, script_exit,
@@ -19,7 +20,7 @@ from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from support import ROOT, write_chat_jsonl
 from trainer.heldout import HeldoutEvaluator
 from trainer.servers import server_wait_seconds
-from trainer.setup import DistInfo, build_model, check_save_time
+from trainer.setup import DistInfo, build_model, check_save_time, leave_process_group
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import parse_args as sft_args
@@ -153,6 +154,22 @@ def test_a_rank_that_exits_on_an_error_gives_back_its_process_group(tmp_path):
                                      "print(f'group held after the exit handlers: {dist.is_initialized()}', flush=True)\n")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("group held after the exit handlers: False") == 2, result.stdout
+
+
+def test_the_exit_handler_leaves_a_group_that_is_not_gloo_to_pytorch():
+    """The NCCL side of leave_process_group, on a CPU: a group of another backend (PyTorch's "fake" one, standing in
+    for NCCL, whose destroy can wait for peers that never come) is left as it is; a gloo one is given back."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    held = {}
+    for backend, store, world_size in (("fake", FakeStore(), 2), ("gloo", dist.HashStore(), 1)):
+        dist.init_process_group(backend, store=store, rank=0, world_size=world_size)
+        try:
+            leave_process_group()
+            held[backend] = dist.is_initialized()
+        finally:  # nothing left for the next test in this process
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert held == {"fake": True, "gloo": False}
 
 
 def test_a_server_wait_longer_than_the_timeout_is_refused(tiny_config_path, chat_jsonl, tmp_path, capsys,
