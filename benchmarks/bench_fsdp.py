@@ -134,7 +134,7 @@ def one_step_bytes(config_path: str, mode: str) -> dict[str, int]:
     if mode == "DDP":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
-        shard(model)
+        shard(model, "cpu")
     raw = model.module if mode == "DDP" else model
     optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-4)
     gradients = 0
@@ -186,7 +186,8 @@ def measure_load(args) -> None:
     cast to that dtype (read whole by safetensors itself: not our loader), to --out/ROLE-RANK.json."""
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
-    flags = argparse.Namespace(fsdp=1, dtype="bfloat16", seed=0, teacher_path=args.model_dir, replicate_teacher=0)
+    flags = argparse.Namespace(fsdp=1, dtype="float32", teacher_dtype="auto", seed=0, teacher_path=args.model_dir,
+                               replicate_teacher=0)
     load = {"student": lambda: build_model(flags, "cpu", path=args.model_dir),
             "teacher": lambda: read_teacher(flags, "cpu")}[args.load_case]
     model, growth = load_growth(load)
@@ -256,7 +257,7 @@ def precision_case(config_path: str, mode: str) -> tuple[float, torch.Tensor]:
     config = Qwen3Config.from_json(config_path)
     model = create_model(config, seed=0)
     if mode == "FSDP":
-        shard(model, torch.bfloat16)
+        shard(model, "cpu", torch.bfloat16)
     elif mode == "FSDP all-bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:

@@ -82,7 +82,7 @@ def build(config: Qwen3Config, world: int, trained: bool) -> Qwen3ForCausalLM:
         # on every parameter a forward uses and refuse frozen ones; under no_grad no graph, no byte, differs
         model.to(torch.bfloat16).eval()
     if world > 1:
-        shard(model, torch.bfloat16)
+        shard(model, "cpu", torch.bfloat16)
     return model
 
 

@@ -53,6 +53,7 @@ from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from eval.grader import grade, wilson_interval  # noqa: E402
 from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
+from model.precision import inference_dtype  # noqa: E402
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.weight_sync import check_served_weights  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
@@ -66,13 +67,6 @@ class Completion:
 
 
 # ------------------------------------------------------------------------------------------------- model loading
-
-def resolve_dtype(device: str, dtype_name: str | None) -> torch.dtype:
-    """bf16 on CUDA, fp32 on CPU unless asked: CPU bf16 matmuls are slow, and fp32 is the reference numerics."""
-    if dtype_name is None:
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return DTYPES[dtype_name]
-
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--model_path, --device, --dtype: how eval_math.py and chat.py pick the checkpoint they load."""
@@ -93,7 +87,7 @@ def load_for_inference(model_path: str, device: str, dtype_name: str | None):
     """-> (model in eval mode, its tokenizer). The tokenizer comes from the model folder (save_pretrained writes it)."""
     try:
         tokenizer = load_tokenizer(model_path)
-        model = load_pretrained(model_path, dtype=resolve_dtype(device, dtype_name), device=device)
+        model = load_pretrained(model_path, dtype=inference_dtype(device, dtype_name), device=device)
     except UserError:
         raise  # it names the file and what to do already
     except (FileNotFoundError, ValueError, SafetensorError) as error:  # a missing or damaged file of the folder

@@ -13,12 +13,13 @@ step and its logits -- not on its batch-mates, and a resumed run draws exactly w
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from model.precision import cache_dtype
 from model.qwen3 import KVCache, Qwen3ForCausalLM, positions_from_mask
 
 # vocabulary block of the two-level inverse CDF (see inverse_cdf_sample): ~150 blocks for Qwen3's 151,936 tokens,
@@ -180,11 +181,15 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
              max_new_tokens: int, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | Sequence[torch.Generator] | None = None,
-             vocab_size: int | None = None, decoder: Decoder | None = None) -> GenerateOutput:
+             vocab_size: int | None = None, decoder: Decoder | None = None,
+             all_stopped: Callable[[bool], bool] | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row. `generator`: one for the batch, or one per row (then a row's
     sample depends on its own seed alone). `vocab_size` (the tokenizer's) keeps the embedding's padding rows
     (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled. `decoder`: a compiled Decoder to reuse
-    across calls (default: the eager step)."""
+    across calls (default: the eager step). `all_stopped`: for processes that must run every forward together (a
+    sharded model all-gathers each layer's weights in it), whether this process's rows have all stopped -> whether
+    every process's have; until then a process whose rows stopped decodes on, one stopped row wide, its tokens
+    never recorded."""
     model = getattr(model, "module", model)
     decoder = decoder or Decoder()
     B, P = input_ids.shape
@@ -197,11 +202,7 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     sampling = Sampling(do_sample, temperature, top_k, top_p, vocab_size)
     uniforms = draw_uniforms(generator, B, max_new_tokens, device) if do_sample else None
 
-    # under autocast the keys and values come out in the autocast dtype: store them so, not in the fp32 master
-    # dtype (half the memory, and attention does not re-cast the whole cache at every layer and token)
-    cache_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
-        else next(model.parameters()).dtype
-    cache = decoder.cache(model.config, B, P + max_new_tokens, cache_dtype, device)
+    cache = decoder.cache(model.config, B, P + max_new_tokens, cache_dtype(model, device), device)
     hidden = model(input_ids, attention_mask=attention_mask, kv_cache=cache, return_hidden=True).hidden_states
     token = pick_token(next_token_logits(model, hidden[:, -1]), sampling, None if uniforms is None else uniforms[:, 0])
     # from here the cache is written one column per step (prompts are left padded: the same column for every row),
@@ -214,18 +215,19 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     completion_ids = input_ids.new_full((B, max_new_tokens), pad_token_id)
     rows = torch.arange(B, device=device)  # the batch rows in the decoding batch, in order
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # per row of the decoding batch
-    steps = max_new_tokens
+    steps = max_new_tokens  # the completions' width: up to the step where this process's rows had all stopped
     for step in range(max_new_tokens):
         completion_ids[rows, step] = token.masked_fill(finished, pad_token_id)
         finished = finished | torch.isin(token, eos_ids)
         done = int(finished.sum())
-        if step == max_new_tokens - 1 or done == len(rows):
-            steps = step + 1
+        if done == len(rows):
+            steps = min(steps, step + 1)
+        if step == max_new_tokens - 1 or (all_stopped or bool)(done == len(rows)):
             break
         if 2 * done >= len(rows):  # stopped rows leave once they are half the batch: the width at least halves
             # a power of two (the rows still decoding first, stopped ones filling up): few widths, so few
             # compiled graphs; a stopped row that stays decodes on, its tokens never recorded
-            keep = finished.long().argsort(stable=True)[:1 << (len(rows) - done - 1).bit_length()]
+            keep = finished.long().argsort(stable=True)[:1 << max(len(rows) - done - 1, 0).bit_length()]
             rows, token, key_mask, position, finished = (rows[keep], token[keep], key_mask[keep], position[keep],
                                                          finished[keep])
             cache.select_rows(keep)

@@ -54,6 +54,9 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer], self.values[layer]
+        # under autocast k and v need not share a dtype (k leaves RMSNorm as fp32 weight x bf16 activation, which
+        # autocast does not lower; v leaves a lowered matmul): both are stored in the cache's
+        k, v = k.to(keys.dtype), v.to(values.dtype)
         if self.column is not None:
             keys.index_copy_(2, self.column, k)
             values.index_copy_(2, self.column, v)
@@ -238,11 +241,6 @@ class Qwen3ForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.tie_weights()
-
-    def reset_rope(self) -> None:
-        """Recompute the non-persistent RoPE buffer (needed after building the module on the meta device)."""
-        rope = self.model.rotary_emb
-        rope.inv_freq = rope.compute_inv_freq(device=self.lm_head.weight.device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, return_hidden: bool = False, logits_to_keep: int = 0,

@@ -42,6 +42,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def cuda_hidden(request, monkeypatch):
+    """Every test but those marked `cuda` sees no CUDA device, in its own process and in those it starts
+    (torchrun ranks, scripts): on a GPU host the CPU suite stays the CPU suite -- the loops' --device default would
+    otherwise be cuda, and a 2-rank test would pick a second GPU that a one-GPU machine does not have."""
+    if "cuda" in request.keywords:
+        yield
+        return
+    import torch
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower

@@ -17,7 +17,7 @@ from trainer.sharding import sharded_random_model  # noqa: E402
 
 def main(config_path: str, seed: str, out_dir: str, max_bytes: str) -> None:
     dist.init_process_group("gloo")
-    model = sharded_random_model(Qwen3Config.from_json(config_path), int(seed), "cpu", "float32")
+    model = sharded_random_model(Qwen3Config.from_json(config_path), int(seed), "cpu")
     save_pretrained(model, out_dir, write=dist.get_rank() == 0, max_shard_bytes=int(max_bytes))
     dist.barrier()
     dist.destroy_process_group()

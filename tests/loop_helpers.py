@@ -18,7 +18,8 @@ from support import ROOT
 # float summation-order noise; at 1e-4 that noise stays below 1e-6 while a wrong normalisation (a window mean of
 # micro-batch means) moves weights by ~1e-4. The pre-clip grad norm is compared as well: it sees the gradient itself.
 def loop_args(config, data, save_dir, name="run", batch=2, accumulation=1, **extra) -> list[str]:
-    args = {"model_config": config, "data_path": data, "save_dir": str(save_dir), "save_weight": name,
+    # --device cpu: on a GPU host the default would be cuda, and these tests prove the CPU numerics
+    args = {"device": "cpu", "model_config": config, "data_path": data, "save_dir": str(save_dir), "save_weight": name,
             "batch_size": batch, "accumulation_steps": accumulation, "max_length": 96, "max_prompt_length": 32,
             "learning_rate": 1e-4, "log_interval": 1, "seed": 7, **extra}
     return [item for key, value in args.items() if value is not None for item in (f"--{key}", str(value))]

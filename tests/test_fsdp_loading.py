@@ -62,3 +62,40 @@ def test_the_streamed_export_of_a_sharded_model_is_the_sharded_hf_layout(tied, t
     ids = torch.tensor([[151644, 872, 198, 9707, 11, 1879]])
     with torch.no_grad():
         assert torch.allclose(theirs(ids).logits, ours(ids).logits, atol=1e-5)
+
+
+def test_every_fully_shard_call_gets_a_mesh_of_the_runs_device_type(tiny_config_path, tmp_path, monkeypatch):
+    """fully_shard without a mesh takes the machine's accelerator type (not torch.cuda.is_available, which a
+    patch could hide): `--device cpu --fsdp 1` on a GPU host would shard over a CUDA mesh and a gloo group. A spy
+    on fully_shard sees every call the loops make -- the student from a config and from an HF folder, the sharded
+    teacher -- on two fake ranks, and each one receives a CPU mesh."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import trainer.sharding as sharding
+    from model import save_pretrained
+    from trainer.setup import build_model, read_teacher
+
+    meshes, original = [], sharding.fully_shard
+
+    def spy(module, *args, **kwargs):
+        meshes.append(kwargs.get("mesh"))
+        return original(module, *args, **kwargs)
+    monkeypatch.setattr(sharding, "fully_shard", spy)
+    folder = str(tmp_path / "hf")
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=0), folder)
+    args = argparse.Namespace(fsdp=1, dtype="bfloat16", teacher_dtype="auto", seed=0, replicate_teacher=0,
+                              teacher_path=folder)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        build_model(args, "cpu", config_path=tiny_config_path)
+        build_model(args, "cpu", path=folder)
+        read_teacher(args, "cpu")
+    finally:
+        dist.destroy_process_group()
+    # per layer the layer and its 4 norms; the final norm; the root
+    units = 5 * TINY_CONFIG["num_hidden_layers"] + 2
+    assert len(meshes) == 3 * units
+    assert all(mesh is not None and mesh.device_type == "cpu" for mesh in meshes)

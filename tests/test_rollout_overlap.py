@@ -72,6 +72,13 @@ def test_overlapped_rollouts_equal_the_serial_delayed_reference(reference, vllm_
     assert [m["loss"] for m in on_policy][1:] != [m["loss"] for m in rows][1:]
 
 
+def test_staleness_is_logged_per_optimizer_step_under_accumulation(vllm_servers, files, tmp_path):
+    """With 2 micro-batches a step, the lag is still the steps between the weights trained and those sampled
+    from (it was summed over the window once: 2 for rollouts one step stale)."""
+    train_opd(staleness_args(files, vllm_servers, tmp_path, batch=2, accumulation=2, max_steps=3))
+    assert [m["staleness"] for m in metrics(tmp_path)] == [0, 1, 1]
+
+
 # rollout 5: as step 5's rollouts are requested (while step 4 trains, after the checkpoint of step 2); backward 4:
 # training step 4, the rollouts of step 5 in flight; export 2: writing the checkpoint of step 4
 @pytest.mark.parametrize("what, at", [("rollout", 5), ("backward", 4), ("export", 2)])

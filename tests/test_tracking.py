@@ -38,7 +38,7 @@ def test_local_dashboard_shows_every_logged_series_and_the_effective_config(tiny
                                                                              monkeypatch, one_thread):
     monkeypatch.delenv("SWANLAB_LOG_DIR", raising=False)  # swanlab's local mode sets it for the process; undo that
     train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, name="sft", batch=4, max_steps=3, device="cpu",
-                        dtype="bfloat16", use_swanlab=1, swanlab_mode="local", eval_interval=2,
+                        dtype="auto", use_swanlab=1, swanlab_mode="local", eval_interval=2,
                         eval_data_path=chat_jsonl, eval_rows=2, eval_max_new_tokens=4))
     logged = metrics(tmp_path, "sft")
     train = [m for m in logged if "loss" in m]
@@ -57,14 +57,15 @@ def test_local_dashboard_shows_every_logged_series_and_the_effective_config(tiny
         assert {point["index"]: point["data"] for point in series} == {m["step"]: m[name] for m in records}, name
 
     config = {key: item["value"] for key, item in api(client, f"experiment/{experiment_id}")["config"].items()}
-    assert config["dtype"] == "float32" and config["requested_dtype"] == "bfloat16"
+    assert config["dtype"] == "float32" and config["requested_dtype"] == "auto"  # auto resolved: fp32 on a CPU
     assert config["device"] == "cpu" and config["world_size"] == 1
     assert config["model_path"] == "none"  # a None flag, which swanlab would show as {}
     assert config["data_path"] == os.path.abspath(chat_jsonl)  # what was read, as the run resolved it
     assert not [key for key, value in config.items() if value in ({}, None)], config
 
 
-@pytest.mark.parametrize("device, requested, expected", [("cpu", "bfloat16", "float32"),
+@pytest.mark.parametrize("device, requested, expected", [("cpu", "auto", "float32"), ("cpu", "bfloat16", "bfloat16"),
+                                                         ("cuda:1", "auto", "bfloat16"),
                                                          ("cuda:1", "bfloat16", "bfloat16"),
                                                          ("cuda", "float16", "float16")])
 def test_config_records_the_dtype_the_run_trained_in(device, requested, expected, monkeypatch):

@@ -25,6 +25,7 @@ from common.errors import UserError
 from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
 from common.seeds import derived_seed, seed_everything
 from model import save_pretrained
+from model.precision import resolve_precision
 from trainer.rollout_queue import merge_rollouts
 from trainer.setup import DistInfo, check_run_name, print0, resume_change_names
 from trainer.sharding import is_sharded, load_shards, remove_other_shards, save_shards
@@ -46,6 +47,7 @@ class RunState:
     step: int = 0                    # optimizer steps done
     samples_in_epoch: int = 0        # global samples consumed in the current epoch (a multiple of the global batch)
     swanlab_run_id: str | None = None
+    skipped_steps: int = 0           # --dtype float16: steps the GradScaler skipped (their gradients overflowed)
     # OPD --max_staleness: served rollouts sampled for coming steps from weights older than these (this rank's, and
     # after a resume every rank's): step -> {"version", "rows": {row_index: completion token ids}}
     rollouts: dict[int, dict] = field(default_factory=dict)
@@ -173,7 +175,8 @@ class Checkpoints:
             "scaler": scaler.state_dict(),
             "epoch": state.epoch, "step": state.step, "samples_in_epoch": state.samples_in_epoch,
             "global_batch": global_batch, "world_size": self.dist.world_size,
-            "swanlab_run_id": state.swanlab_run_id, "args": vars(self.args), "rng": rng,
+            "swanlab_run_id": state.swanlab_run_id, "skipped_steps": state.skipped_steps, "args": vars(self.args),
+            "dtype": resolve_precision(self.dist.device, self.args.dtype).name, "rng": rng,
             "rollouts": rollouts,
         }
 
@@ -211,7 +214,8 @@ class Checkpoints:
             optimizer.load_state_dict(checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
-                         checkpoint["swanlab_run_id"], checkpoint.get("rollouts") or {})
+                         checkpoint["swanlab_run_id"], checkpoint.get("skipped_steps", 0),
+                         checkpoint.get("rollouts") or {})
         if state.samples_in_epoch >= (dataset_size // self.dist.world_size) * self.dist.world_size:
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
         restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, state.step)
@@ -250,8 +254,11 @@ def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, mode
     if checkpoint["model_config"] != model.config.to_hf_dict():
         raise UserError(f"{path} was written for another model configuration; resume with the same "
                         f"--model_path/--model_config, or use another --save_weight")
-    saved, accepted = checkpoint["args"], resume_change_names(args)
-    changed = {k: (saved.get(k), v) for k, v in vars(args).items()
+    # --dtype compared as it resolves (auto is bf16 on CUDA, fp32 elsewhere): what the forwards computed in
+    saved = {**checkpoint["args"], "dtype": trained_dtype(checkpoint)}
+    current = {**vars(args), "dtype": resolve_precision(args.device, args.dtype).name}
+    accepted = resume_change_names(args)
+    changed = {k: (saved.get(k), v) for k, v in current.items()
                if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
     refused = {k: change for k, change in changed.items() if k not in accepted}
     if refused:
@@ -266,6 +273,15 @@ def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, mode
         raise UserError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
                         f"now {global_batch}; keep the global batch to continue the same sample stream")
     return checkpoint
+
+
+def trained_dtype(checkpoint: dict) -> str:
+    """The dtype a checkpoint's run computed in. Files written before the precision rule was device-independent
+    do not record it: then CUDA autocast ran in --dtype and the CPU in fp32 whatever --dtype said."""
+    if "dtype" in checkpoint:
+        return checkpoint["dtype"]
+    args = checkpoint["args"]
+    return args["dtype"] if str(args["device"]).startswith("cuda") else "float32"
 
 
 def collect_rng_states(info: DistInfo) -> list[dict] | None:

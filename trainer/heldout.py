@@ -31,12 +31,13 @@ SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
 def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
                  autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
                  teacher_server=None, seed: int = 0, teacher_topk: int = 0,
-                 decoder: Decoder | None = None) -> dict[str, float]:
+                 decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
     generated tokens, rows that ended with EOS and, with a teacher, the generalized JSD at `beta` summed over the
     greedy completions' tokens and their number (with a teacher on a server: with `teacher_topk` K the top-K
     divergence on the same greedy completions, the loss OPD trains with; without, the sampled-token estimate on
-    the student's own samples of the prompts). `decoder`: generate's decode step (default: eager)."""
+    the student's own samples of the prompts). `decoder`: generate's decode step (default: eager). `all_stopped`:
+    generate's, for ranks that decode in lockstep."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -45,7 +46,7 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
         with autocast():
             out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens,
                            do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                           vocab_size=len(tokenizer), decoder=decoder)
+                           vocab_size=len(tokenizer), decoder=decoder, all_stopped=all_stopped)
         texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
                  for ids, mask in zip(out.completion_ids, out.completion_mask)]
         truths = [row.get("ground_truth") for row in batch["rows"]]
@@ -67,7 +68,7 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
         elif teacher_server is not None:
             kl, tokens = sampled_kl_sum(student, teacher_server, tokenizer, batch, max_new_tokens, autocast,
-                                        chunk_size, seed, decoder)
+                                        chunk_size, seed, decoder, all_stopped)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
     return {"correct": correct, "rows": rows, "generated": generated, "ended": ended, "kl_sum": kl_sum,
@@ -94,7 +95,8 @@ def heldout_metrics(sums: dict[str, float], teacher: bool, beta: float, teacher_
 
 
 def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_tokens: int, autocast, chunk_size: int,
-                   seed: int, decoder: Decoder | None = None) -> tuple[float, int]:
+                   seed: int, decoder: Decoder | None = None,
+                   all_stopped: Callable[[bool], bool] | None = None) -> tuple[float, int]:
     """Sum over the student's sampled tokens y of log p_S(y) - log p_T(y) (a one-sample estimate of the reverse KL
     at each position), and their number. Row r of the held-out set always samples with seed (seed, -1, r): every
     evaluation draws with the same random numbers, so the change between evaluations is the model's."""
@@ -104,7 +106,7 @@ def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_toke
         out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=True,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        generator=[torch.Generator(device).manual_seed(s) for s in seeds], vocab_size=len(tokenizer),
-                       decoder=decoder)
+                       decoder=decoder, all_stopped=all_stopped)
     input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
                                                         out.completion_ids, out.completion_mask)
     teacher_logprobs = teacher_server.completion_logprobs(input_ids, attention_mask,
@@ -148,13 +150,16 @@ class HeldoutEvaluator:
     The prompts are cut into the batches one process would use, and rank r evaluates batches r, r + W, ...: each
     batch computes exactly what it computes in one process, the all-reduced sums are one process's (up to float64
     summation order), and the ranks' shares differ by at most one batch. With --fsdp 1 (a sharded model needs every
-    rank in each forward) every rank evaluates all the prompts in step instead, as one process (greedy: the same
-    completions, the same number of decoding steps), and nothing is reduced. Rank 0 logs."""
+    rank in each forward) every rank evaluates all the prompts in step instead, as one process, and nothing is
+    reduced; the ranks stop decoding together (`stop_together`): greedy gives every rank the same completions only
+    up to rounding, and one rank leaving generation while the others wait in its all-gathers would hang them for
+    --dist_timeout. Rank 0 logs."""
 
     def __init__(self, args, tokenizer, info: DistInfo, start_step: int, decoder: Decoder | None = None):
         self.args, self.tokenizer, self.info = args, tokenizer, info
         self.decoder = decoder  # generate's decode step: OPD's compiled one with --use_compile 1, else eager
-        self.lockstep = bool(getattr(args, "fsdp", 0)) and info.enabled
+        self.lockstep = bool(args.fsdp) and info.enabled
+        self.all_stopped = stop_together(info.device) if self.lockstep else None
         self.batches = self.load_batches() if args.eval_interval else []
         # a resumed run's checkpoint step was already evaluated (if due) by the run that wrote it
         self.evaluated_step = start_step if start_step > 0 else -1
@@ -195,7 +200,8 @@ class HeldoutEvaluator:
 
         def work() -> dict[str, float]:
             return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, teacher, autocast,
-                                args.loss_chunk_size, beta, teacher_server, args.seed, topk, self.decoder)
+                                args.loss_chunk_size, beta, teacher_server, args.seed, topk, self.decoder,
+                                self.all_stopped)
         sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
         return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None, topk)
 
@@ -216,3 +222,13 @@ class HeldoutEvaluator:
         if values[-1].item():
             raise RuntimeFailure("the held-out evaluation failed on another rank (its message is above)")
         return dict(zip(SUMS, values.tolist()))
+
+
+def stop_together(device: str) -> Callable[[bool], bool]:
+    """generate's `all_stopped` for ranks decoding in lockstep: whether this rank's rows have all stopped -> whether
+    every rank's have (one all-reduce of a flag per decoding step)."""
+    def all_stopped(stopped: bool) -> bool:
+        flag = torch.tensor([float(stopped)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+    return all_stopped

@@ -26,9 +26,10 @@ from common.files import check_writable
 from dataset.collators import SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model.precision import DTYPE_CHOICES, resolve_precision
 from model.tokenizer import QwenTokenizer
-from trainer.sharding import compute_dtype, shard, sharded_random_model
+from trainer.sharding import shard, sharded_random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
@@ -79,8 +80,9 @@ def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     g.add_argument("--eval_max_new_tokens", type=int, default=64, help="completion budget of the evaluation")
     g = parser.add_argument_group("system")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                   help="autocast dtype on CUDA (fp16 adds a GradScaler); CPU always trains in fp32")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="autocast dtype over fp32 master weights, on any device (float16 adds a GradScaler); auto: "
+                        "bfloat16 on CUDA, float32 (no autocast) elsewhere (model/precision.py)")
     g.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
                    help="1: torch.compile each decoder layer (training); OPD also compiles the student's decode "
                         "step (CUDA graphs on CUDA), which keeps its KV cache allocated between rollouts")
@@ -146,7 +148,7 @@ def validate_common_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path and not os.path.exists(path):
             refuse(f"--{flag} {path} does not exist")
-    if args.fsdp and args.device.startswith("cuda") and args.dtype == "float16":
+    if args.fsdp and resolve_precision(args.device, args.dtype).scaled:
         refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
                "--dtype bfloat16")
     unknown = sorted(resume_change_names(args) - vars(args).keys())
@@ -254,15 +256,16 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
     """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed. With
     --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards."""
     sharded = sharding_ranks(args)
+    precision = resolve_precision(device, args.dtype)
     if path:
         print0(f"loading {path} on {device}" + (" (each rank its shards)" if sharded else ""))
-        return load_pretrained(path, dtype=torch.float32, device=device,
-                               shard=(lambda m: shard(m, compute_dtype(device, args.dtype))) if sharded else None)
+        return load_pretrained(path, dtype=precision.master, device=device,
+                               shard=(lambda m: shard(m, precision.device_type, precision.compute)) if sharded else None)
     config_path = config_path or DEFAULT_MODEL_CONFIG
     print0(f"random weights from {os.path.relpath(config_path)} on {device}")
     config, seed = Qwen3Config.from_json(config_path), args.seed if seed is None else seed
     if sharded:
-        return sharded_random_model(config, seed, device, args.dtype)
+        return sharded_random_model(config, seed, device, precision.compute)
     return create_model(config, seed=seed, device=device)
 
 
@@ -299,6 +302,9 @@ def add_teacher_args(parser: argparse.ArgumentParser) -> None:
                    help="with --fsdp 1: 1 keeps a whole teacher on every rank (faster when it fits) instead of "
                         "sharding it")
     g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the distillation loss")
+    g.add_argument("--teacher_dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="the teacher's weights; auto: the --dtype autocast computes in, except with float16 "
+                        "(a real Qwen3 may overflow fp16): bfloat16 where the device has it, else float32")
 
 
 def resolve_teacher_path(args: argparse.Namespace) -> None:
@@ -313,7 +319,7 @@ def resolve_teacher_path(args: argparse.Namespace) -> None:
 
 
 def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
-    """The teacher, frozen, in eval mode; in the autocast dtype on CUDA (it never needs an fp32 master copy).
+    """The teacher, frozen, in eval mode; in the precision rule's teacher dtype (it never needs an fp32 master copy).
 
     Token-level distillation compares distributions position by position, so student and teacher must mean the same
     thing by every id: their tokenizers' vocabularies are compared and a difference is refused at start-up.
@@ -334,11 +340,13 @@ def load_teacher(args: argparse.Namespace, tokenizer, student: torch.nn.Module, 
 
 
 def read_teacher(args: argparse.Namespace, device: str) -> torch.nn.Module:
-    """The teacher's weights straight in the autocast dtype (it never needs an fp32 master copy). With --fsdp 1 on
+    """The teacher's weights straight in their dtype (model/precision.py: the autocast dtype, bf16 under fp16, or
+    --teacher_dtype). With --fsdp 1 on
     several ranks sharded, each rank reading only its own rows (its shards are gathered layer by layer for the
     forward), unless --replicate_teacher 1: then whole on every rank, read once."""
-    dtype = compute_dtype(device, args.dtype)
+    precision = resolve_precision(device, args.dtype, args.teacher_dtype)
+    dtype = precision.teacher
     sharded = sharding_ranks(args) and not args.replicate_teacher
     print0(f"loading the teacher {args.teacher_path} on {device}" + (" (each rank its shards)" if sharded else ""))
     return load_pretrained(args.teacher_path, dtype=dtype, device=device,
-                           shard=(lambda m: shard(m, dtype)) if sharded else None)
+                           shard=(lambda m: shard(m, precision.device_type, dtype)) if sharded else None)

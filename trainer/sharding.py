@@ -33,18 +33,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from common.files import fsync_directory, temporary_name
-from model import DTYPES, Qwen3Config, Qwen3ForCausalLM
+from model import Qwen3Config, Qwen3ForCausalLM
 from model.qwen3 import RMSNorm
-from trainer.tracking import trained_dtype
 
 
-def shard(model: Qwen3ForCausalLM, compute_dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+def shard(model: Qwen3ForCausalLM, device_type: str, compute_dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     """fully_shard each RMSNorm, each decoder layer, then the root (in place; the module's class becomes
-    FSDP<class>); works on a model on the meta device (then `to_empty` and fill it).
+    FSDP<class>), over a mesh of all ranks on `device_type` (the run's: "cuda" or "cpu"); works on a model on the
+    meta device (then `to_empty` and fill it). The mesh is explicit because fully_shard without one takes the
+    machine's accelerator type: `--device cpu` on a GPU host would shard over a CUDA mesh and a gloo group.
 
     Precision as DDP under autocast: the decoder layers' weights are gathered in `compute_dtype` (what autocast
     casts them to for the matmuls) and their gradients reduced in fp32; the norms, the embedding and the head are
@@ -53,28 +55,25 @@ def shard(model: Qwen3ForCausalLM, compute_dtype: torch.dtype = torch.float32) -
     # cast_forward_inputs=False: FSDP would cast a layer's inputs (the residual stream, RoPE's cos/sin) to bf16;
     # autocast already lowers what the matmuls take, as under DDP
     lowered = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            fully_shard(module)  # its own unit: the default policy keeps its stored dtype
+            fully_shard(module, mesh=mesh)  # its own unit: the default policy keeps its stored dtype
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=lowered)
-    fully_shard(model)  # embedding + head: stored dtype (tied, they are one weight)
+        fully_shard(layer, mesh=mesh, mp_policy=lowered)
+    fully_shard(model, mesh=mesh)  # embedding + head: stored dtype (tied, they are one weight)
     return model
 
 
-def compute_dtype(device: str, dtype_name: str) -> torch.dtype:
-    """The dtype autocast computes the matmuls in: --dtype on CUDA, fp32 on CPU (trainer_utils.autocast_context)."""
-    return DTYPES[trained_dtype(device, dtype_name)]
-
-
-def sharded_random_model(config: Qwen3Config, seed: int, device: str, dtype_name: str) -> Qwen3ForCausalLM:
+def sharded_random_model(config: Qwen3Config, seed: int, device: str,
+                         compute_dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     """The seeded random model `create_model(config, seed)` gives, sharded, each rank holding only its shards: built
     on the meta device, sharded, then initialised in create_model's order -- each tensor drawn whole on the CPU
     (so the numbers are the same), one at a time, and only this rank's rows kept (DTensor's implicit replication:
     a plain tensor copied into a sharded one is sliced)."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    shard(model, compute_dtype(device, dtype_name))
+    shard(model, torch.device(device).type, compute_dtype)
     model.to_empty(device=device)  # recomputes RoPE's buffer on `device`
     with torch.no_grad(), implicit_replication():
         model.init_weights(seed)

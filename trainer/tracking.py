@@ -1,12 +1,14 @@
 """Experiment tracking: swanlab on rank 0, or a stand-in that does nothing, so the loop has no `if use_swanlab`.
 
-The logged config is what the run actually used: the flags, with `dtype` as trained (fp32 on CPU, the autocast
-dtype on CUDA), the device and the world size, and no None placeholders (swanlab shows None as `{}`; here it is
-"none"). See README.md, "swanlab", for the versions whose local dashboard shows every series."""
+The logged config is what the run actually used: the flags, with `dtype` as trained (--dtype auto resolved:
+bfloat16 on CUDA, float32 elsewhere), the device and the world size, and no None placeholders (swanlab shows None
+as `{}`; here it is "none"). See README.md, "swanlab", for the versions whose local dashboard shows every series."""
 from __future__ import annotations
 
 import argparse
 import os
+
+from model.precision import resolve_precision
 
 
 class NullTracker:
@@ -31,18 +33,12 @@ class SwanlabTracker:
         self.swanlab.finish()
 
 
-def trained_dtype(device: str, dtype_name: str) -> str:
-    """The precision the forward passes really run in: autocast only on CUDA, plain fp32 on CPU (the rule
-    trainer_utils.autocast_context applies)."""
-    return dtype_name if str(device).startswith("cuda") else "float32"
-
-
 def tracker_config(args: argparse.Namespace, effective: dict | None = None) -> dict:
     """The config swanlab records: every flag, overridden by the effective settings (device, world_size, dtype),
     None written as "none". Without `effective` they are derived from the flags and the torchrun environment."""
     derived = {"device": args.device, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     derived.update(effective or {})
-    derived.setdefault("dtype", trained_dtype(derived["device"], args.dtype))
+    derived.setdefault("dtype", resolve_precision(derived["device"], args.dtype).name)
     config = {**vars(args), **derived}
     config["requested_dtype"] = args.dtype
     return {key: "none" if value is None else value for key, value in config.items()}

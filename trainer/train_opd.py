@@ -44,7 +44,7 @@ from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from model import DTYPES, Decoder, generate, load_tokenizer
+from model import Decoder, generate, load_tokenizer
 from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.console import PhaseClock
@@ -58,7 +58,6 @@ from trainer.servers import (add_server_args, connect_server, rollout_weights_pa
 from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
                            load_teacher, print0, resolve_teacher_path, validate_common_args)
 from trainer.topk_divergence import chunked_topk_divergence
-from trainer.tracking import trained_dtype
 from trainer.trainer_utils import Run
 
 
@@ -258,7 +257,7 @@ def train(args: argparse.Namespace) -> None:
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step (CUDA graphs on CUDA)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder)  # each rank its share (--fsdp 1: all)
     weight_sync = None if server is None else WeightSync(
-        server, rollout_weights_path(args), probe_token_ids(tokenizer), DTYPES[trained_dtype(info.device, args.dtype)],
+        server, rollout_weights_path(args), probe_token_ids(tokenizer), run.precision.compute,
         active=info.is_main)
     say_servers(args)
 
@@ -292,7 +291,8 @@ def train(args: argparse.Namespace) -> None:
                 if on_policy and rollouts:  # the queue's, waited for when they are not there yet
                     completions, version = rollouts.take(run.step, batch)
                     input_ids, attention_mask, labels = served_sequences(batch, completions, tokenizer, run.device)
-                    run.metrics.rank_mean("staleness", run.step - version)
+                    # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
+                    run.metrics.ratio("staleness", run.step - version, 1)
                 elif on_policy:
                     input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
                                                                            epoch, run.device, run.autocast, decoder)

@@ -33,14 +33,14 @@ from torch.utils.data import DataLoader
 
 from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped
 from common.seeds import derived_seed, seed_everything
-from model import DTYPES
+from model.precision import resolve_precision
 from trainer.checkpoint import Checkpoints, RunState, rank0_save_bytes
 from trainer.console import Progress, StepTimer, console_line, format_metric, format_seconds
 from trainer.guard import RunLock, StopRequest
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
 from trainer.setup import DistInfo, check_save_time, print0
 from trainer.sharding import full_weights, is_sharded
-from trainer.tracking import init_tracker, trained_dtype
+from trainer.tracking import init_tracker
 from trainer.window_metrics import WindowMetrics, all_reduce_sum
 
 
@@ -56,9 +56,8 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> flo
 
 
 def autocast_context(device: str, dtype_name: str):
-    """bf16/fp16 autocast on CUDA; on CPU we train in plain fp32 (CPU autocast is slow and rarely what you want)."""
-    dtype = trained_dtype(device, dtype_name)
-    return contextlib.nullcontext() if dtype == "float32" else torch.autocast("cuda", dtype=DTYPES[dtype])
+    """The forwards' autocast context for a device and --dtype (model/precision.py's rule)."""
+    return resolve_precision(device, dtype_name).autocast()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,6 +86,7 @@ class Run:
         # generators at all, it is a function of (seed, epoch) in EpochSampler
         seed_everything(derived_seed(args.seed, info.rank))
         self.dataset, self.collate_fn = dataset, collate_fn
+        self.precision = resolve_precision(self.device, args.dtype)
         self.raw_model, self.model = model, self.wrap(model)  # checkpointing, compile, DDP (FSDP: sharded already)
         self.optimizer, self.scaler = self.make_optimizer()
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
@@ -118,12 +118,11 @@ class Run:
                                        if self.device.startswith("cuda") else None)
 
     def make_optimizer(self) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler]:
-        """AdamW over the fp32 master weights, and a GradScaler that is active for fp16 on CUDA only."""
+        """AdamW over the fp32 master weights, and a GradScaler that is active for fp16 only (on any device)."""
         args = self.args
         optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.learning_rate,
                                       weight_decay=args.weight_decay, betas=(0.9, 0.95))
-        use_fp16 = self.device.startswith("cuda") and args.dtype == "float16"
-        return optimizer, torch.amp.GradScaler("cuda", enabled=use_fp16)
+        return optimizer, self.precision.scaler()
 
     def schedule(self) -> tuple[int, int, int]:
         """(global batch, optimizer steps of the run, warm-up steps)."""
@@ -167,7 +166,7 @@ class Run:
         info = self.dist
         tracker = init_tracker(self.args, self.state, info.is_main,
                                effective={"device": info.device, "world_size": info.world_size,
-                                          "dtype": trained_dtype(info.device, self.args.dtype),
+                                          "dtype": self.precision.name,
                                           "data_path": os.path.abspath(self.dataset.path)})
         metrics_file = open_metrics(self.checkpoints.metrics_path, self.state.step) if info.is_main else None
         return tracker, metrics_file
@@ -269,7 +268,7 @@ class Run:
 
     def autocast(self):
         """Context for the forward passes only (backward under autocast is not recommended by PyTorch)."""
-        return autocast_context(self.device, self.args.dtype)
+        return self.precision.autocast()
 
     def backward(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int) -> None:
         """Backward a micro-batch's *summed* loss; its sum and token count join the window's metrics (no device
@@ -297,12 +296,23 @@ class Run:
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: the global norm
-        if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
-            raise RuntimeFailure(f"step {state.step + 1}: non-finite gradient norm ({grad_norm}); stopping "
-                                 f"before it reaches the weights. Lower --learning_rate or check the data.")
+        # a non-finite loss is the data's or the model's, never fp16's range (the loss is summed in fp32): it stops
+        # the run under a scaler too, which would otherwise skip every step from here on
+        if not math.isfinite(values["loss"]) or (not math.isfinite(grad_norm) and not self.scaler.is_enabled()):
+            raise RuntimeFailure(f"step {state.step + 1}: non-finite loss ({values['loss']}) or gradient norm "
+                                 f"({grad_norm}); stopping before it reaches the weights. Lower --learning_rate "
+                                 f"or check the data.")
+        # fp16: GradScaler skips the step exactly when an unscaled gradient is inf or NaN, i.e. the norm is
+        skipped = self.scaler.is_enabled() and not math.isfinite(grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if skipped:
+            state.skipped_steps += 1
+            if self.dist.is_main:
+                self.progress.write(f"step {state.step + 1}: fp16 gradients overflowed, the step was skipped and "
+                                    f"the loss scale lowered to {self.scaler.get_scale():g} ({state.skipped_steps} "
+                                    f"skipped in this run)")
 
         state.step += 1
         state.samples_in_epoch += self.global_batch  # nominal for a short tail window: the epoch ends there
@@ -310,7 +320,8 @@ class Run:
         # epochs counted from 1 wherever a person reads them: metrics.jsonl, the tracker, the console
         return {"step": state.step, "epoch": state.epoch + 1, "loss": values.pop("loss"), "lr": lr,
                 "grad_norm": grad_norm, "tokens": int(values.pop("tokens")),
-                "tokens_per_s": self.timer.tokens_per_s(), "step_ms": elapsed * 1000.0, **values}
+                "tokens_per_s": self.timer.tokens_per_s(), "step_ms": elapsed * 1000.0,
+                **({"skipped_steps": state.skipped_steps} if self.scaler.is_enabled() else {}), **values}
 
     # -- logging --------------------------------------------------------------------------------------------------
 
