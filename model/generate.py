@@ -13,6 +13,7 @@ step and its logits -- not on its batch-mates, and a resumed run draws exactly w
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -140,7 +141,15 @@ class Decoder:
     storage from rollout to rollout (grown when a rollout needs more rows or positions) and each rollout uses its
     leading rows and positions, its length rounded up to a multiple of CACHE_BLOCK: few shapes, so few graphs, at the
     price of attending to at most CACHE_BLOCK - 1 masked positions more. The storage stays allocated between
-    rollouts: layers x rows x KV heads x length x head_dim x 2 (keys and values) x the autocast dtype's bytes."""
+    rollouts: layers x rows x KV heads x length x head_dim x 2 (keys and values) x the autocast dtype's bytes.
+
+    Compiled under autocast, the steps run a twin of the model whose linear layers' weights are held in the autocast
+    dtype, refreshed in place once per rollout (`step_model`): eager autocast casts each fp32 weight once per rollout
+    (its cast cache lives as long as the autocast context), but a compiled graph cannot keep that cache and would
+    cast every weight at every token (3x the weight traffic of reading bf16 weights, and on CUDA the casts held in
+    the graphs' memory pool). The twin computes what autocast computes (the same casts, made ahead), and shares the
+    embedding and the norms, which autocast leaves in fp32. It stays allocated between rollouts too: 2 bytes per
+    parameter of the linear layers (the head's own copy included when it is tied to the embedding)."""
 
     CACHE_BLOCK = 128
 
@@ -148,6 +157,8 @@ class Decoder:
         self.compiled = compiled
         self.compiled_step = torch.compile(decode_step, fullgraph=True, mode="reduce-overhead") if compiled else None
         self.storage: KVCache | None = None
+        self.twin: Qwen3ForCausalLM | None = None
+        self.twin_of: weakref.ref | None = None  # the model the twin copies
 
     def cache(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         """An empty cache of `batch_size` rows and at least `length` positions."""
@@ -163,6 +174,24 @@ class Decoder:
             self.storage = KVCache(config, rows, longest, dtype, device)
         return self.storage.view(batch_size, length)
 
+    def step_model(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+        """The model one rollout's decode steps run: `model` itself, or compiled under an autocast whose dtype its
+        linear weights do not have, the low-precision twin (see the class docstring), its weights copied from
+        `model` now."""
+        device_type = model.lm_head.weight.device.type
+        if not (self.compiled and torch.is_autocast_enabled(device_type)):
+            return model
+        dtype = torch.get_autocast_dtype(device_type)
+        if model.lm_head.weight.dtype == dtype:
+            return model
+        if self.twin is None or self.twin_of() is not model or self.twin.lm_head.weight.dtype != dtype:
+            self.twin, self.twin_of = None, None  # the old twin goes before the new one is allocated
+            self.twin, self.twin_of = low_precision_twin(model, dtype), weakref.ref(model)
+        else:  # in place: a CUDA graph replays at the addresses it captured
+            for twin_linear, linear in linear_pairs(self.twin, model):
+                twin_linear.weight.copy_(linear.weight)
+        return self.twin
+
     def __call__(self, model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
                  key_mask: torch.Tensor, uniforms: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
         if not self.compiled:
@@ -174,6 +203,24 @@ class Decoder:
         torch.compiler.cudagraph_mark_step_begin()
         # a CUDA graph's output lives in its pool and is overwritten by the next replay: the loop keeps a copy
         return self.compiled_step(model, token, position, cache, key_mask, uniforms, sampling).clone()
+
+
+def low_precision_twin(model: Qwen3ForCausalLM, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """A frozen Qwen3ForCausalLM whose linear layers hold copies of `model`'s weights in `dtype` and whose
+    embedding, norms and RoPE buffer are `model`'s own tensors (nothing else is allocated)."""
+    with torch.device("meta"):
+        twin = Qwen3ForCausalLM(model.config)
+    for twin_module, module in zip(twin.modules(), model.modules()):
+        if isinstance(module, torch.nn.Linear):  # the head too: tied or not, its own copy in `dtype`
+            twin_module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        elif hasattr(module, "weight"):  # embedding and RMSNorms: shared, in their stored dtype
+            twin_module.weight = module.weight
+    twin.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq
+    return twin.eval()
+
+
+def linear_pairs(twin: Qwen3ForCausalLM, model: Qwen3ForCausalLM):
+    return [(a, b) for a, b in zip(twin.modules(), model.modules()) if isinstance(b, torch.nn.Linear)]
 
 
 @torch.no_grad()
@@ -208,6 +255,7 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     # from here the cache is written one column per step (prompts are left padded: the same column for every row),
     # and a row's query sees its prompt's real tokens and every token generated so far
     cache.column = torch.tensor([P], device=device)
+    step_model = decoder.step_model(model)
     key_mask = torch.zeros(B, cache.max_length, dtype=torch.bool, device=device)
     key_mask[:, :P] = attention_mask.bool()
     position = positions_from_mask(attention_mask)[:, -1:] + 1
@@ -233,7 +281,7 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
             cache.select_rows(keep)
         key_mask.index_fill_(1, cache.column, True)
         step_uniforms = None if uniforms is None else uniforms[rows, step + 1]
-        token = decoder(model, token, position, cache, key_mask, step_uniforms, sampling)
+        token = decoder(step_model, token, position, cache, key_mask, step_uniforms, sampling)
         position += 1
         cache.column += 1
 

@@ -44,6 +44,15 @@ def top2_margins(model, sequences: torch.Tensor, mask: torch.Tensor, prompt_len:
     return top[..., 0] - top[..., 1]
 
 
+def assert_equal_until_a_close_call(tokens: torch.Tensor, reference: torch.Tensor, margins: torch.Tensor) -> None:
+    """Each row's tokens equal the reference's up to its first position whose reference margin is below MARGIN."""
+    for row in range(len(tokens)):
+        close = (margins[row] < MARGIN).nonzero()
+        agree_until = int(close[0]) if len(close) else tokens.shape[1]
+        assert torch.equal(tokens[row, :agree_until], reference[row, :agree_until]), \
+            f"row {row} differs before position {agree_until}, where the reference's margin is >= {MARGIN}"
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("stored", ["fp32 student", "bf16 teacher"])
 def test_greedy_under_bf16_autocast_follows_fp32_within_rounding(models, stored, compiled):
@@ -56,15 +65,39 @@ def test_greedy_under_bf16_autocast_follows_fp32_within_rounding(models, stored,
         out = generate(model, ids, mask, NEW_TOKENS, do_sample=False, decoder=Decoder(compiled=compiled))
     assert out.completion_ids.shape == (len(ids), NEW_TOKENS)
 
-    margins = top2_margins(fp32, reference, mask, P)
-    for row in range(len(ids)):
-        close = (margins[row] < MARGIN).nonzero()
-        agree_until = int(close[0]) if len(close) else NEW_TOKENS
-        assert torch.equal(out.completion_ids[row, :agree_until], reference[row, P:P + agree_until]), \
-            f"row {row} differs from fp32 before position {agree_until}, where fp32's margin is >= {MARGIN}"
+    assert_equal_until_a_close_call(out.completion_ids, reference[:, P:], top2_margins(fp32, reference, mask, P))
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = completion_logprobs(model, out.sequences, mask, P)
     high = completion_logprobs(fp32, out.sequences, mask, P)
     diff = (low - high).abs()
     assert diff.max() < MAX_LOGPROB_DIFF and diff.mean() < MEAN_LOGPROB_DIFF, (diff.max(), diff.mean())
+
+
+@pytest.mark.slow
+def test_the_compiled_step_under_autocast_reads_bf16_weights_refreshed_once_per_rollout(models):
+    """The compiled step runs a twin whose linear weights are bf16 copies, made once per rollout at fixed addresses
+    (a compiled graph would otherwise cast every fp32 weight at every token): its tokens are eager autocast's (up to
+    a close call: inductor's fused kernels round differently), and after the weights change (a training step) the
+    next rollout decodes with the new ones, at the same addresses."""
+    _, fp32 = models
+    model = bf16_copy(fp32).float()  # a model of its own: this test changes its weights
+    ids, mask = prompts()
+    decoder = Decoder(compiled=True)
+    for change in (None, 1.05):
+        if change:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.mul_(change)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled = generate(model, ids, mask, NEW_TOKENS, do_sample=False, decoder=decoder).completion_ids
+            eager = generate(model, ids, mask, NEW_TOKENS, do_sample=False).sequences
+        P = ids.shape[1]
+        assert_equal_until_a_close_call(compiled, eager[:, P:], top2_margins(model, eager, mask, P))
+        twin = decoder.twin
+        if change is None:
+            first, addresses = twin, [p.data_ptr() for p in twin.parameters()]
+        assert twin is first and [p.data_ptr() for p in twin.parameters()] == addresses
+        linears = [(a, b) for a, b in zip(twin.modules(), model.modules()) if isinstance(b, torch.nn.Linear)]
+        assert all(torch.equal(a.weight, b.weight.to(torch.bfloat16)) for a, b in linears)
+        assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight  # fp32, shared, as autocast reads it
