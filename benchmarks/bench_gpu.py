@@ -1,28 +1,33 @@
 """First contact with a GPU: every CUDA path of the loops run once, and the numbers users care about, one command
-that plans its work, keeps to a wall-clock budget and leaves what it measured when it is cut short.
+that plans its work, keeps each phase to a time limit and the whole to a wall-clock budget, and leaves what it
+measured when it is cut short.
 
     python benchmarks/bench_gpu.py --plan                 # the plan for one H200 (no GPU needed), then exit 0
     python benchmarks/bench_gpu.py                        # one CUDA GPU: about 7 minutes (--budget_s 420)
     python benchmarks/bench_gpu.py --device cpu --tiny    # the same code paths on tiny shapes (a test runs it)
     python benchmarks/bench_gpu.py --out gpu.json         # the JSON (default bench_gpu.json); gpu.md, gpu.log beside
+    python benchmarks/bench_gpu.py --phase_limit_s "smoke compile=300"   # one phase's limit (SECONDS: every phase's)
 
 Without a CUDA device (and without --device cpu) it says so and exits 0. Otherwise it prints its plan (the phases in
-order with their estimated seconds, the smoke runs, the peak disk), then runs the phases in that order, which is
-their priority: a phase whose estimate does not fit in what is left of --budget_s is skipped with a note. After
-every phase the JSON (--out) and the table (--out as .md) are rewritten and a progress line goes to stderr, so a
-kill leaves what was measured. On CUDA every phase runs with SDPA restricted to the fused kernels (flash,
-memory-efficient, cuDNN): an attention only the math kernel can take is an error in that phase's row, not a low
-MFU. Its working folder (--workdir, a new folder, or a temporary one) is removed at the end, also after a SIGTERM.
-The phases:
+order with their estimated seconds and limits, the smoke runs, the peak disk), then runs the phases in that order,
+which is their priority: a phase whose estimate does not fit in what is left of --budget_s is skipped with a note.
+A phase that runs past its limit (--phase_limit_s; by default twice its estimate, at least 60 s) is stopped where
+it is (SIGALRM raises PhaseOverrun in it), its row says "timeout", and the next phases run: the kit can end past
+--budget_s by at most the last phase's limit. After every phase the JSON (--out) and the table (--out as .md) are
+rewritten and a progress line goes to stderr, so a kill leaves what was measured. On CUDA every phase runs with
+SDPA restricted to the fused kernels (flash, memory-efficient, cuDNN): an attention only the math kernel can take
+is an error in that phase's row, not a low MFU. Its working folder (--workdir, a new folder, or a temporary one) is
+removed at the end, also after a SIGTERM. It exits 1 when a phase failed, raised or overran its limit. The phases,
+in order: the bf16 smoke runs first (cheap, and what a broken bf16 autocast path would crash), then the full-shape
+measurements users care about most, then the other smoke runs and the rest:
   smoke models   HF folders of random weights with the real width and the real 151,936-row vocabulary of
                  Qwen3-0.6B (the student: hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072, tied) and Qwen3-1.7B
                  (the teacher: hidden 2048, MLP 6144), 2 layers each (--tiny: hidden 64 / 128)
-  smoke ...      the three loops' main() for 2 steps each: in bf16 (and one SFT resume, 2 more steps with
-                 --from_resume 1), in fp16 (a GradScaler), with --gradient_checkpointing 1, with --use_compile 1;
-                 each must finish with finite losses (the loops' output: --out as .log). The loops always save a
-                 run's last step; each run saves into a folder of its own, removed when it ends (the bf16 SFT run's
-                 when its resume has read it), so at most one run's save is on disk at a time (two while the
-                 resume writes its own)
+  smoke bf16     the three loops' main() for 2 steps each in bf16, and one SFT resume (2 more steps with
+                 --from_resume 1); each must finish with finite losses (the loops' output: --out as .log). The
+                 loops always save a run's last step; each run saves into a folder of its own, removed when it ends
+                 (the bf16 SFT run's when its resume has read it), so at most one run's save is on disk at a time
+                 (two while the resume writes its own)
   full models    the 28-layer Qwen3-0.6B and Qwen3-1.7B shapes, built on the device (not written to disk)
   SFT / KD step  batch 8 x 2,048 tokens (labels on the last 1,024), bf16 autocast, fp32 master weights and AdamW,
                  the loops' chunked losses: tokens/s (all 16,384 tokens of a step), model FLOPs utilisation and
@@ -31,31 +36,44 @@ The phases:
                  layers x heads x head_dim x sequence length (attention scores and values, forward and backward);
                  a KD step adds the teacher's forward, 2 x N_teacher + 4 x layers x ... x sequence. The peak is
                  known for H100/H200 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
-  bf16 vs fp32   the first SFT loss of the same row and weights in bf16 autocast and in fp32 agree within 2% (bf16
-                 keeps 8 bits of mantissa; a cross entropy of ~12 nats moves by ~0.1 between the two)
   OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
                  forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
+  bf16 vs fp32   the first SFT loss of the same row and weights in bf16 autocast and in fp32 agree within 2% (bf16
+                 keeps 8 bits of mantissa; a cross entropy of ~12 nats moves by ~0.1 between the two)
+  smoke ...      the same runs as smoke bf16 (without the resume) in fp16 (a GradScaler), with
+                 --gradient_checkpointing 1, with --use_compile 1 (the first compiled run pays a cold compile)
+  weight sync    serving/weight_sync.py's bf16 criterion (mean |d log p| over the probe <= 4e-3, max <= 5e-2) was
+                 calibrated on the CPU (benchmarks/bench_sync.py); measured here against a bf16 vLLM server on this
+                 device, started when one can be (on CUDA: this interpreter imports vllm, or --vllm_python; on the
+                 CPU only with --vllm_python), its log beside --out as .vllm.log. The server starts from the full
+                 student's weights; the kit then syncs a copy with its norm weights drawn around 1 (as
+                 bench_sync.random_model does: bf16 represents exactly 1, never a trained norm) through the loops'
+                 own push (WeightSync), and records the figures next to the tolerance: the correct sync's (must
+                 pass: the row's status) and those of a sync that missed one AdamW step at lr 1e-5 (shown, caught
+                 or not). Without a server: skipped, the note saying how to enable it
   decode compiled  greedy generation (batch 32 x 256 new tokens, bf16 autocast) with the eager decode step and
                  with the compiled one (--use_compile 1's: torch.compile "reduce-overhead", one CUDA graph per
                  decoding width): tokens/s of each, the compiled one's first call (compilation and capture), the
                  share of identical tokens, and whether inductor skipped the CUDA graphs (it says why in the log)
   generate vs transformers   when transformers is installed: its generate and ours on the same bf16 weights and
                  prompts, greedy, same length
-  weight sync    the bf16 weight-sync verification needs a vLLM server on the GPU machine, which this kit does not
-                 start: skipped with a note (benchmarks/bench_sync.py measures the criterion on a CPU server)
 The "full" estimates are guesses until a GPU has run the kit: the JSON's seconds per phase are what to put in COST_S.
+A phase is stopped between two Python bytecodes: one blocked inside a single C call (a hung CUDA synchronize) is
+stopped when that call returns.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
+import copy
+import gc
 import importlib.util
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -70,6 +88,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import bench_sync  # noqa: E402
 from benchmarks.bench_opd import opd_step  # noqa: E402
 from common.errors import Stopped  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
@@ -77,8 +96,11 @@ from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir,  # noqa: E402
                    generate, load_pretrained, load_tokenizer, save_pretrained)
+from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
+from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, wait_ready  # noqa: E402
+from serving.weight_sync import TOLERANCE, WeightSync, own_logprobs, sync_statistics, within  # noqa: E402
 from trainer.losses import chunked_loss, chunked_sft_loss, completion_hidden, distillation_loss, sft_loss  # noqa: E402
-from trainer.trainer_utils import autocast_context  # noqa: E402
+from model.precision import resolve_precision  # noqa: E402
 
 SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep their width, with SMOKE_LAYERS
     "full": ({"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -93,7 +115,7 @@ SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep
 SMOKE_LAYERS = 2  # every code path of a deeper model; a save is mostly the 151,936-row embedding anyway
 SMOKE_STEPS = 2   # per smoke run; the resume adds as many again
 RESUME_FLAGS = ["--from_resume", "1", "--resume_changes", "max_steps"]  # a longer run than the one saved: on purpose
-SMOKE_VARIANTS = {  # phase -> (variant, the loops' flags), in priority order
+SMOKE_VARIANTS = {  # phase -> (variant, the loops' flags); build_phases places them in the kit's order
     "smoke bf16": ("bf16", ["--dtype", "bfloat16"]),
     "smoke fp16": ("fp16 + GradScaler", ["--dtype", "float16"]),
     "smoke checkpointing": ("gradient checkpointing", ["--dtype", "bfloat16", "--gradient_checkpointing", "1"]),
@@ -106,14 +128,15 @@ WORKLOAD = {  # sft/kd: (batch, sequence, completion); opd: (batch, new tokens);
 # Expected seconds. "full": guesses for one H200 (no GPU has run this kit yet); "tiny": this project's 2-core CPU
 # machine, one thread. A smoke run costs "smoke run" (+ "compile" with --use_compile 1) + its save at
 # DISK_BYTES_PER_S; the first compiled run pays "cold compile" once more (inductor's caches serve the later ones:
-# on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others).
+# on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others). "weight sync": when it
+# starts a vLLM server (a guess on CUDA, its compilation and CUDA graphs included; 2-5 minutes on 2 CPU cores).
 COST_S = {
     "full": {"smoke models": 5.0, "smoke run": 8.0, "compile": 15.0, "cold compile": 60.0, "full models": 30.0,
              "SFT step": 10.0, "KD step": 15.0, "bf16 vs fp32": 5.0, "OPD split": 35.0, "decode compiled": 60.0,
-             "generate vs transformers": 40.0, "weight sync": 0.0},
+             "generate vs transformers": 40.0, "weight sync": 120.0},
     "tiny": {"smoke models": 4.0, "smoke run": 10.0, "compile": 5.0, "cold compile": 110.0, "full models": 2.0,
              "SFT step": 4.0, "KD step": 8.0, "bf16 vs fp32": 1.0, "OPD split": 7.0, "decode compiled": 30.0,
-             "generate vs transformers": 10.0, "weight sync": 0.0},
+             "generate vs transformers": 10.0, "weight sync": 300.0},
 }
 DISK_BYTES_PER_S = {"full": 1e9, "tiny": 3e8}  # written and fsynced; the smoke models phase measures it
 RESUME_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments
@@ -121,6 +144,11 @@ EXPORT_BYTES_PER_PARAM = 4   # the HF export of the fp32 master weights
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 BF16_TOLERANCE = 0.02
 VOCAB = 151669  # the tokenizer's tokens (the embedding has 151,936 rows)
+# A phase's default limit: twice its estimate (the estimates are guesses), never under a minute (a slow start-up,
+# a loaded machine's import, must not read as an overrun)
+LIMIT_FACTOR, LIMIT_FLOOR_S = 2.0, 60.0
+SYNC_LR = 1e-5  # the missed step of the weight-sync phase: AdamW at Qwen3-0.6B's learning rate (as bench_sync's)
+SYNC_SERVER_FLAGS = {"cuda": ["--gpu-memory-utilization", "0.3"], "cpu": []}  # on CUDA it shares the GPU with us
 FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
 
@@ -130,11 +158,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (what the test runs)")
     p.add_argument("--plan", action="store_true", help="print the plan and exit (no device needed)")
     p.add_argument("--budget_s", type=float, default=420.0, help="wall-clock seconds; phases that do not fit skip")
+    p.add_argument("--phase_limit_s", type=phase_limit, action="append", default=[], metavar="[PHASE=]SECONDS",
+                   help="stop a phase that runs longer, its row saying so: SECONDS for every phase, PHASE=SECONDS "
+                        "for one (repeatable); default: each phase's, max(2 x its estimate, 60 s)")
     p.add_argument("--out", default="bench_gpu.json", help="the JSON; the table (.md) and the loops' log (.log) beside")
     p.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s, for MFU")
     p.add_argument("--workdir", default=None, help="a new folder for models and runs, removed at the end "
                                                    "(default: a temporary one)")
-    return p.parse_args(argv)
+    p.add_argument("--vllm_python", default=None, help="a Python with vLLM, to start the weight-sync phase's server "
+                                                       "(default on CUDA: this one, when it imports vllm)")
+    args = p.parse_args(argv)
+    args.phase_limit_s = dict(args.phase_limit_s)  # {phase or None (every phase): seconds}; the last one given wins
+    return args
+
+
+def phase_limit(text: str) -> tuple[str | None, float]:
+    """--phase_limit_s's value: SECONDS (every phase) or PHASE=SECONDS (that phase); more than 0 (a timer of 0 is
+    none)."""
+    name, _, seconds = text.rpartition("=")
+    if not float(seconds) > 0:
+        raise ValueError(text)  # argparse: "invalid phase_limit value"
+    return name.strip() or None, float(seconds)
 
 
 # ----------------------------------------------------------------------------------------------------------- plan
@@ -193,9 +237,11 @@ def disk_sizes(shape: str) -> dict[str, int]:
     student, teacher = (model_config(sizes, SMOKE_LAYERS) for sizes in SHAPES[shape])
     smoke_student, smoke_teacher = parameter_count(student), parameter_count(teacher)
     tokenizer = tokenizer_bytes()
+    full_student = parameter_count(model_config(SHAPES[shape][0]))
     return {"smoke models": 4 * (smoke_student + smoke_teacher) + 2 * tokenizer,
             "run save": (RESUME_BYTES_PER_PARAM + EXPORT_BYTES_PER_PARAM) * smoke_student + tokenizer,
-            "generate folder": 2 * parameter_count(model_config(SHAPES[shape][0])) + tokenizer}  # bf16
+            "generate folder": 2 * full_student + tokenizer,    # bf16
+            "sync folder": 4 * full_student + tokenizer}        # the served folder and the pushed file, bf16
 
 
 def group_bytes(group: list[SmokeRun], save: int) -> int:
@@ -209,36 +255,52 @@ def run_estimate(run: SmokeRun, shape: str, save: int) -> float:
         + save / DISK_BYTES_PER_S[shape]
 
 
-def build_phases(shape: str) -> list[Phase]:
-    """Every phase in priority order (smoke, the step measurements, the rest) with its estimated seconds."""
+def build_phases(shape: str, sync_server: bool = False) -> list[Phase]:
+    """Every phase in priority order with its estimated seconds: the bf16 smoke runs (cheap, and what a broken bf16
+    path crashes), the full-shape step measurements and the OPD split, the other smoke runs, then the rest.
+    `sync_server`: whether the weight-sync phase can start a vLLM server (otherwise it only says how to)."""
     costs, sizes, rate = COST_S[shape], disk_sizes(shape), DISK_BYTES_PER_S[shape]
-    phases = [Phase("smoke models", costs["smoke models"] + sizes["smoke models"] / rate, write_smoke_models)]
-    for name in SMOKE_VARIANTS:
-        groups = smoke_groups(name)
-        estimate = sum(run_estimate(run, shape, sizes["run save"]) for group in groups for run in group) \
-            + (costs["cold compile"] if "--use_compile" in SMOKE_VARIANTS[name][1] else 0.0)
-        phases.append(Phase(name, estimate, lambda kit, g=groups: smoke(kit, g), "smoke models", groups))
-    phases += [Phase("full models", costs["full models"], build_full_models),
-               Phase("SFT step", costs["SFT step"], lambda kit: step_throughput(kit, "sft"), "full models"),
-               Phase("KD step", costs["KD step"], lambda kit: step_throughput(kit, "kd"), "full models"),
-               Phase("bf16 vs fp32", costs["bf16 vs fp32"], bf16_agrees_with_fp32, "full models"),
-               Phase("OPD split", costs["OPD split"], opd_split, "full models"),
-               Phase("decode compiled", costs["decode compiled"], decode_compiled, "full models"),
-               Phase("generate vs transformers", costs["generate vs transformers"] + sizes["generate folder"] / rate,
-                     generate_against_transformers, "full models"),
-               Phase("weight sync", costs["weight sync"], weight_sync)]
-    return phases
+    smoke_phases = {name: smoke_phase(name, shape, sizes["run save"]) for name in SMOKE_VARIANTS}
+    sync_estimate = costs["weight sync"] + sizes["sync folder"] / rate if sync_server else 0.0
+    return [Phase("smoke models", costs["smoke models"] + sizes["smoke models"] / rate, write_smoke_models),
+            smoke_phases["smoke bf16"],
+            Phase("full models", costs["full models"], build_full_models),
+            Phase("SFT step", costs["SFT step"], lambda kit: step_throughput(kit, "sft"), "full models"),
+            Phase("KD step", costs["KD step"], lambda kit: step_throughput(kit, "kd"), "full models"),
+            Phase("OPD split", costs["OPD split"], opd_split, "full models"),
+            Phase("bf16 vs fp32", costs["bf16 vs fp32"], bf16_agrees_with_fp32, "full models"),
+            smoke_phases["smoke fp16"], smoke_phases["smoke checkpointing"], smoke_phases["smoke compile"],
+            Phase("weight sync", sync_estimate, weight_sync, "full models"),
+            Phase("decode compiled", costs["decode compiled"], decode_compiled, "full models"),
+            Phase("generate vs transformers", costs["generate vs transformers"] + sizes["generate folder"] / rate,
+                  generate_against_transformers, "full models")]
 
 
-def make_plan(shape: str, budget_s: float) -> dict:
-    """What the kit will do, before it starts: phases with estimates and expected start, smoke runs with their
-    saves, and the peak disk (the smoke models, kept to the end, plus the largest run folder or the generate
-    folder, whichever is larger: one of them exists at a time)."""
-    phases, sizes = build_phases(shape), disk_sizes(shape)
+def smoke_phase(name: str, shape: str, save: int) -> Phase:
+    """A smoke phase: its runs' estimates, and the cold compile for the first compiled one."""
+    groups = smoke_groups(name)
+    estimate = sum(run_estimate(run, shape, save) for group in groups for run in group) \
+        + (COST_S[shape]["cold compile"] if "--use_compile" in SMOKE_VARIANTS[name][1] else 0.0)
+    return Phase(name, estimate, lambda kit: smoke(kit, groups), "smoke models", groups)
+
+
+def limit_s(phase: Phase, limits: dict[str | None, float]) -> float:
+    """The phase's time limit: --phase_limit_s PHASE=S, else --phase_limit_s S, else max(2 x estimate, 60 s) in
+    whole seconds."""
+    return limits.get(phase.name, limits.get(None, math.ceil(max(LIMIT_FACTOR * phase.estimate_s, LIMIT_FLOOR_S))))
+
+
+def make_plan(shape: str, budget_s: float, limits: dict[str | None, float] | None = None,
+              sync_server: bool = False) -> dict:
+    """What the kit will do, before it starts: phases with estimates, limits (--phase_limit_s) and expected start,
+    smoke runs with their saves, and the peak disk (the smoke models, kept to the end, plus the largest run folder,
+    the weight-sync folder or the generate folder, whichever is largest: one of them exists at a time)."""
+    phases, sizes = build_phases(shape, sync_server), disk_sizes(shape)
     rows, clock, fitting = [], 0.0, set()
     for phase in phases:
         fits = clock + phase.estimate_s <= budget_s and (phase.needs is None or phase.needs in fitting)
-        rows.append({"name": phase.name, "estimate_s": round(phase.estimate_s, 1), "expected_start_s": round(clock, 1),
+        rows.append({"name": phase.name, "estimate_s": round(phase.estimate_s, 1),
+                     "limit_s": round(limit_s(phase, limits or {}), 2), "expected_start_s": round(clock, 1),
                      "fits": fits})
         if fits:
             clock, fitting = clock + phase.estimate_s, fitting | {phase.name}
@@ -246,7 +308,8 @@ def make_plan(shape: str, budget_s: float) -> dict:
     largest_folder = max(run["folder_bytes"] for run in runs)
     return {"shape": shape, "budget_s": budget_s, "phases": rows, "expected_s": round(clock, 1), "runs": runs,
             "disk_bytes": {**sizes, "largest run folder": largest_folder,
-                           "peak": sizes["smoke models"] + max(largest_folder, sizes["generate folder"])}}
+                           "peak": sizes["smoke models"] + max(largest_folder, sizes["sync folder"],
+                                                               sizes["generate folder"])}}
 
 
 def plan_group(phase: str, group: list[SmokeRun], shape: str) -> list[dict]:
@@ -263,10 +326,11 @@ def print_plan(plan: dict) -> None:
     gib = 2 ** 30
     disk = plan["disk_bytes"]
     print(f"plan ({plan['shape']} shapes, budget {plan['budget_s']:.0f} s): phases in priority order, estimated "
-          f"seconds; one that does not fit in what is left of the budget is skipped")
+          f"seconds and limits; one that does not fit in what is left of the budget is skipped, one that runs past "
+          f"its limit is stopped")
     for row in plan["phases"]:
-        print(f"  {row['expected_start_s']:6.0f} s  {row['name']:<26} ~{row['estimate_s']:5.0f} s"
-              + ("" if row["fits"] else "  (would be skipped if the estimates hold)"))
+        print(f"  {row['expected_start_s']:6.0f} s  {row['name']:<26} ~{row['estimate_s']:5.0f} s  limit "
+              f"{row['limit_s']:5g} s" + ("" if row["fits"] else "  (would be skipped if the estimates hold)"))
     print(f"  {plan['expected_s']:6.0f} s  end")
     print(f"smoke runs ({len(plan['runs'])}), each saving its last step into a folder of its own (the loops always "
           f"save it), {disk['run save'] / gib:.2f} GiB a save (resume {RESUME_BYTES_PER_PARAM} B/param + export "
@@ -276,8 +340,9 @@ def print_plan(plan: dict) -> None:
         print(f"  {run['phase']:<20} {run['loop'] + ' ' + run['variant']:<38} {run['max_steps']} steps  ~"
               f"{run['estimate_s']:3.0f} s  folder {run['folder_bytes'] / gib:.2f} GiB  {kept}")
     print(f"disk: smoke models {disk['smoke models'] / gib:.2f} GiB (to the end) + the largest run folder "
-          f"{disk['largest run folder'] / gib:.2f} GiB or the generate folder {disk['generate folder'] / gib:.2f} "
-          f"GiB (one at a time): peak {disk['peak'] / gib:.2f} GiB")
+          f"{disk['largest run folder'] / gib:.2f} GiB, the weight-sync folder {disk['sync folder'] / gib:.2f} GiB or "
+          f"the generate folder {disk['generate folder'] / gib:.2f} GiB (one at a time): peak {disk['peak'] / gib:.2f} "
+          f"GiB")
 
 
 # -------------------------------------------------------------------------------------------------------- running
@@ -315,7 +380,47 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+class PhaseOverrun(BaseException):
+    """Raised in the main thread when a phase runs past its limit (time_limit). A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on its way (the loops', torch's) takes it for an ordinary failure; and neither
+    a KeyboardInterrupt nor a Stopped, which the project's scripts take for a user's stop (common/errors.py's
+    run_script, trainer/guard.py): only run_loop and run_phases catch it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """PhaseOverrun in the main thread once `seconds` have passed (SIGALRM: nothing else in this process sets it;
+    eval/grader.py's is in its worker process). The timer is one-shot; it is disarmed and the previous handler
+    restored however the block ends."""
+    def overrun(signum, frame):
+        raise PhaseOverrun(f"past its limit of {seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, overrun)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:  # reached even when the alarm fires just before the line above: it fires once
+            signal.signal(signal.SIGALRM, previous)
+
+
+def release_after_overrun(kit: Kit) -> None:
+    """What a phase stopped mid-way leaves for the next ones, given back: torch.compile's state (dynamo's caches,
+    inductor's CUDA-graph trees, maybe half-built), gradients on the full student (a step stopped before its
+    zero_grad) and the memory of the phase's tensors (garbage once the exception is gone). Its folders are removed
+    by its own finally blocks, its server stopped; the loops give back their signal handlers (trainer/guard.py);
+    they run without a process group (no RANK in the kit's environment), so none is left."""
+    torch._dynamo.reset()
+    if kit.full_models:
+        kit.full_models[0].zero_grad(set_to_none=True)
+    gc.collect()
+    if kit.args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def run_phases(kit: Kit, phases: list[Phase]) -> None:
+    """Each phase in order, within the budget and its limit; its row in the report."""
     done = set()
     for phase in phases:
         elapsed = time.perf_counter() - kit.started
@@ -327,17 +432,23 @@ def run_phases(kit: Kit, phases: list[Phase]) -> None:
             row.update(status="skipped", note=f"budget: {elapsed:.0f} s elapsed + {phase.estimate_s:.0f} s "
                                               f"estimated > {kit.args.budget_s:.0f} s")
         else:
-            kit.progress(f"{phase.name} (estimate {phase.estimate_s:.0f} s)")
+            limit = limit_s(phase, kit.args.phase_limit_s)
+            row["limit_s"] = round(limit, 2)
+            kit.progress(f"{phase.name} (estimate {phase.estimate_s:.0f} s, limit {limit:g} s)")
             start = time.perf_counter()
             try:
-                with fused_attention(kit.args.device):
+                with time_limit(limit), fused_attention(kit.args.device):
                     status, note = phase.run(kit)
             except (Stopped, KeyboardInterrupt):
                 row.update(status="interrupted", seconds=round(time.perf_counter() - start, 1))
                 raise
+            except PhaseOverrun:
+                status, note = "timeout", f"stopped at its limit of {limit:g} s (--phase_limit_s)"
             except Exception as error:  # a phase that fails is a row of the report, not the end of the kit
                 status, note = "error", one_line(error)
             row.update(status=status, seconds=round(time.perf_counter() - start, 1), note=note)
+            if status == "timeout":  # here, not in the except block: there the exception still holds its frames
+                release_after_overrun(kit)
             done |= {phase.name} if status == "ok" else set()
         kit.progress(f"{phase.name}: {row['status']}" + (f" in {row['seconds']:.0f} s" if "seconds" in row else "")
                      + (f" ({row['note']})" if row.get("note") else ""))
@@ -397,7 +508,6 @@ def smoke(kit: Kit, groups: list[list[SmokeRun]]) -> tuple[str, str]:
                         "--log_interval", "1", "--save_interval", str(run.max_steps + 1), "--max_steps",
                         str(run.max_steps), *(RESUME_FLAGS if run.resumes else [])]
                 records.append(run_loop(kit, main, argv, folder, run))
-                kit.report["smoke"].append(records[-1])
                 write_outputs(kit)  # the compiled runs are long: what ran before one stays if it is killed
                 kit.progress(f"  {run.loop} {run.variant}: {'ok' if records[-1]['ok'] else 'FAILED'} "
                              f"({records[-1]['seconds']:.0f} s)")
@@ -408,16 +518,18 @@ def smoke(kit: Kit, groups: list[list[SmokeRun]]) -> tuple[str, str]:
 
 
 def run_loop(kit: Kit, main, argv: list[str], folder: str, run: SmokeRun) -> dict:
+    """One loop's run -> its record, in the report from the start: a run the kit stops says so in its row."""
     start = time.perf_counter()
     record = {"loop": run.loop, "variant": run.variant, "ok": False}
+    kit.report["smoke"].append(record)
     try:
         with open(kit.path(".log"), "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             print(f"\n=== {run.loop} {run.variant}: {' '.join(argv)}", flush=True)
             main(argv)
-    except (Stopped, KeyboardInterrupt):
-        raise
     except BaseException as error:  # a failed run is a row of the report, not the end of the check
         record.update(error=one_line(error), seconds=time.perf_counter() - start)
+        if isinstance(error, (Stopped, KeyboardInterrupt, PhaseOverrun)):  # the kit's own stops end the phase
+            raise
         return record
     with open(os.path.join(folder, f"{run.name}_metrics.jsonl")) as f:
         losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
@@ -503,9 +615,9 @@ def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
 
     def step():
         if loss == "kd":
-            with torch.no_grad(), autocast_context(device, "bfloat16"):
+            with torch.no_grad(), resolve_precision(device, "bfloat16").autocast():
                 teacher_hidden, _ = completion_hidden(teacher, ids, mask, labels)
-        with autocast_context(device, "bfloat16"):
+        with resolve_precision(device, "bfloat16").autocast():
             hidden, targets = completion_hidden(student, ids, mask, labels)
             if loss == "kd":
                 loss_sum, tokens = chunked_loss(
@@ -538,7 +650,7 @@ def bf16_agrees_with_fp32(kit: Kit) -> tuple[str, str]:
     ids, labels = sft_batch(kit.args.shape, kit.args.device, 1)
     losses = {}
     for dtype in ("bfloat16", "float32"):
-        with torch.no_grad(), autocast_context(kit.args.device, dtype):
+        with torch.no_grad(), resolve_precision(kit.args.device, dtype).autocast():
             hidden, targets = completion_hidden(student, ids, torch.ones_like(ids), labels)
             loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
         losses[dtype] = float(loss_sum) / int(tokens)
@@ -589,16 +701,18 @@ def decode_compiled(kit: Kit) -> tuple[str, str]:
     outputs = {}
 
     def run(name: str, step_decoder: Decoder | None):
-        with autocast_context(device, "bfloat16"):
+        with resolve_precision(device, "bfloat16").autocast():
             outputs[name] = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], new_tokens,
                                      do_sample=False, decoder=step_decoder).completion_ids
-    start = time.perf_counter()
-    run("compiled", decoder)
-    synchronize(device)
-    first_s = time.perf_counter() - start
-    seconds = {"eager": timed_steps(shape, device, lambda: run("eager", None), 1),
-               "compiled": timed_steps(shape, device, lambda: run("compiled", decoder), 1)}
-    student.train()
+    try:
+        start = time.perf_counter()
+        run("compiled", decoder)
+        synchronize(device)
+        first_s = time.perf_counter() - start
+        seconds = {"eager": timed_steps(shape, device, lambda: run("eager", None), 1),
+                   "compiled": timed_steps(shape, device, lambda: run("compiled", decoder), 1)}
+    finally:  # however the phase ends (stopped at its limit too), the student is left in training mode
+        student.train()
     tokens = batch_size * new_tokens
     rates = {name: tokens / s for name, s in seconds.items()}
     same = (outputs["eager"] == outputs["compiled"]).float().mean().item()
@@ -644,18 +758,87 @@ def generate_against_transformers(kit: Kit) -> tuple[str, str]:
     return "ok", f"transformers / ours {ratio:.2f}x"
 
 
+def sync_python(args: argparse.Namespace) -> str | None:
+    """The Python the weight-sync phase starts vLLM with: --vllm_python; without it, on CUDA, this one when it has
+    vllm (find_spec: without importing it). No other is looked for: the environment serving/setup_vllm_cpu.sh makes
+    is a CPU build, and on the CPU benchmarks/bench_sync.py has measured the criterion."""
+    if args.vllm_python or not args.device.startswith("cuda"):
+        return args.vllm_python
+    return sys.executable if importlib.util.find_spec("vllm") else None
+
+
 def weight_sync(kit: Kit) -> tuple[str, str]:
-    """The bf16 weight-sync verification numbers need a vLLM server beside the trainer; starting one (minutes) is
-    not this kit's: skipped, saying what is missing. find_spec: whether vLLM is installed, without importing it."""
-    if not kit.args.device.startswith("cuda"):
-        note = "needs CUDA and a vLLM install (benchmarks/bench_sync.py measures the criterion on a CPU server)"
-    elif importlib.util.find_spec("vllm") is None:
-        note = "needs a vLLM install on the GPU machine"
-    else:
-        note = (f"vLLM {importlib.metadata.version('vllm')} is installed, but this kit starts no vLLM server: "
-                f"measure the sync separately")
-    kit.report["weight_sync"] = {"skipped": note}
-    return "skipped", note
+    """serving/weight_sync.py's bf16 criterion on this device: a bf16 vLLM server starts from the full student's
+    weights, a copy with its norms drawn around 1 is pushed into it (WeightSync.push, the loops' own), and |d log p|
+    over the probe, max and mean, is recorded next to the tolerance: against that copy under bf16 autocast (the
+    correct sync, which must pass: the row's status) and against the copy after one more AdamW step (a missed step,
+    shown caught or not: it moved bench_sync.py's models by 6.9e-3 on average at 2 layers, 5e-2 at 28, and the
+    tiny shapes' by less than the tolerance). Without a vLLM to start: skipped, saying how to enable it."""
+    python = sync_python(kit.args)
+    if python is None:
+        if kit.args.device.startswith("cuda"):
+            note = "needs vLLM in this Python environment, or --vllm_python (a Python with vLLM)"
+        else:
+            note = ("on the CPU only with --vllm_python (a Python with vLLM; benchmarks/bench_sync.py measured the "
+                    "criterion on CPU servers)")
+        kit.report["weight_sync"] = {"skipped": note}
+        return "skipped", note
+    device = kit.args.device
+    tokenizer = load_tokenizer(None)
+    probe = probe_token_ids(tokenizer)
+    folder = os.path.join(kit.folder, "sync")
+    model = copy.deepcopy(kit.full_models[0])
+    try:
+        save_pretrained(model, os.path.join(folder, "served"), dtype=torch.bfloat16)
+        bench_sync.norms_around_one(model, seed=0)  # and so the pushed weights differ from those the server starts with
+        served = served_after_push(kit, python, folder, model, probe)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    batch = {key: value.to(device) for key, value in bench_sync.sft_batch(tokenizer).items()}
+    missed = bench_sync.stepped(model, batch, SYNC_LR)
+    autocast = resolve_precision(device, "bfloat16").autocast
+    stats = {"correct_sync": sync_statistics(served, own_logprobs(model, probe, autocast)),
+             "missed_step": sync_statistics(served, own_logprobs(missed, probe, autocast))}
+    tolerance = TOLERANCE[torch.bfloat16]
+    for case in stats.values():
+        case["passes"] = within(case, tolerance)
+    kit.report["weight_sync"] = {"server": f"vLLM, bf16, on {device}", "probe_tokens": len(probe) - 1,
+                                 "tolerance": {"mean": tolerance.mean, "max": tolerance.max}, **stats}
+    correct, missed_step = stats["correct_sync"], stats["missed_step"]
+    return ("ok" if correct["passes"] else "failed"), (
+        f"|d log p| mean / max: correct sync {correct['mean']:.1e} / {correct['max']:.1e} "
+        f"{'passes' if correct['passes'] else 'FAILS'}, 1 step missed {missed_step['mean']:.1e} / "
+        f"{missed_step['max']:.1e} {'NOT caught' if missed_step['passes'] else 'caught'} (tolerance "
+        f"{tolerance.mean:g} / {tolerance.max:g})")
+
+
+def served_after_push(kit: Kit, python: str, folder: str, model: torch.nn.Module, probe: list[int]) -> torch.Tensor:
+    """A bf16 vLLM server started from `folder`/served, `model` pushed into it (WeightSync.push, the loops' own) ->
+    the server's log-probs of the probe. The server's log goes beside --out (.vllm.log); it is stopped however this
+    ends."""
+    device = kit.args.device
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the server takes its share (SYNC_SERVER_FLAGS) of what is free on the GPU
+    port, log = free_port(), kit.path(".vllm.log")
+    process, server = None, None
+    try:
+        process = start_vllm(vllm_command(python, os.path.join(folder, "served"), "student", port, "bfloat16",
+                                          extra=SYNC_SERVER_FLAGS[torch.device(device).type]), log)
+        wait_ready(process, port, log)
+        server = CompletionServer(f"http://127.0.0.1:{port}/v1", "student", what="weight-sync server")
+        WeightSync(server, os.path.join(folder, "push", "model.safetensors"), probe, torch.bfloat16).push(model, 0)
+        return server.prompt_logprobs([probe])[0]
+    finally:
+        if server is not None:
+            server.close()
+        if process is not None:
+            stop_vllm(process)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------------------- report
@@ -671,10 +854,12 @@ def report_table(report: dict) -> str:
     """The report as markdown: the phases, then what each measured (only what ran)."""
     lines = [f"{report['device_name']} | torch {report['torch']} | shapes {report['shape']} | budget "
              f"{report['budget_s']:.0f} s | {report['seconds']:.0f} s so far", "",
-             "| phase | status | estimate s | seconds | note |", "|---|---|---|---|---|"]
+             "| phase | status | estimate s | limit s | seconds | note |", "|---|---|---|---|---|---|"]
     for p in report["phases"]:
+        limit = f"{p['limit_s']:g}" if "limit_s" in p else "-"
         seconds = f"{p['seconds']:.0f}" if "seconds" in p else "-"
-        lines.append(f"| {p['name']} | {p['status']} | {p['estimate_s']:.0f} | {seconds} | {p.get('note', '')} |")
+        lines.append(f"| {p['name']} | {p['status']} | {p['estimate_s']:.0f} | {limit} | {seconds} | "
+                     f"{p.get('note', '')} |")
     if report["smoke"]:
         lines += ["", "| smoke run | ok | last loss | seconds |", "|---|---|---|---|"]
         for r in report["smoke"]:
@@ -707,6 +892,13 @@ def report_table(report: dict) -> str:
                       f"tokens/s, eager {rates['eager']:,.0f} ({d['compiled_over_eager']:.2f}x); first compiled call "
                       f"{d['first_compiled_call_s']:.1f} s; identical tokens {d['identical_tokens']:.1%}; CUDA graphs "
                       f"skipped {d['cudagraph_skips']}"]
+    if "correct_sync" in report.get("weight_sync", {}):
+        w = report["weight_sync"]
+        cells = {case: f"{w[case]['mean']:.2e} / {w[case]['max']:.2e} ({'passes' if w[case]['passes'] else 'fails'})"
+                 for case in ("correct_sync", "missed_step")}  # the correct one must pass, the missed one should fail
+        lines += ["", f"bf16 weight sync ({w['server']}; |d log p| over {w['probe_tokens']} probe tokens, mean / max; "
+                      f"tolerance {w['tolerance']['mean']:g} / {w['tolerance']['max']:g}): correct sync "
+                      f"{cells['correct_sync']}, one AdamW step missed {cells['missed_step']}"]
     if "generate_vs_transformers" in report:
         g = report["generate_vs_transformers"]
         lines += ["", f"greedy generate, same weights: ours {g['ours']:.2f} s, transformers {g['transformers']:.2f} s "
@@ -717,7 +909,14 @@ def report_table(report: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.shape = "tiny" if args.tiny else "full"
-    plan = make_plan(args.shape, args.budget_s)
+    sync_server = sync_python(args) is not None
+    phases = build_phases(args.shape, sync_server)
+    unknown = set(args.phase_limit_s) - {None} - {phase.name for phase in phases}
+    if unknown:
+        print(f"error: --phase_limit_s: no phase {', '.join(sorted(unknown))} (the phases: "
+              f"{', '.join(phase.name for phase in phases)})", file=sys.stderr)
+        return 2
+    plan = make_plan(args.shape, args.budget_s, args.phase_limit_s, sync_server)
     if args.plan:
         print_plan(plan)
         return 0
@@ -740,7 +939,7 @@ def main(argv=None) -> int:
         log.write(f"the training loops' output, run by run ({args.shape} shapes on {args.device})\n")
     stop_on_sigterm()
     try:
-        run_phases(kit, build_phases(args.shape))
+        run_phases(kit, phases)
     except (Stopped, KeyboardInterrupt) as error:
         kit.progress(f"interrupted ({one_line(error)}): {args.out} holds what was measured")
         return error.exit_code if isinstance(error, Stopped) else 130
@@ -749,7 +948,7 @@ def main(argv=None) -> int:
         write_outputs(kit)
     print("\n" + report_table(report))
     print(f"{report['seconds']:.0f} s in all; wrote {args.out} and {kit.path('.md')}")
-    return 1 if any(p["status"] in ("failed", "error") for p in report["phases"]) else 0
+    return 1 if any(p["status"] in ("failed", "error", "timeout") for p in report["phases"]) else 0
 
 
 if __name__ == "__main__":

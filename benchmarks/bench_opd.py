@@ -39,7 +39,6 @@ sample_completions' set-up and its build_sequences concatenation.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import os
 import statistics
@@ -55,11 +54,11 @@ if ROOT not in sys.path:
 from dataset.collators import IGNORE_INDEX, PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from model import DTYPES, Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
+from model import Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
 from trainer.losses import chunked_generalized_jsd_loss, completion_hidden  # noqa: E402
 from trainer.train_opd import sample_completions  # noqa: E402
 from trainer.console import PhaseClock  # noqa: E402
-from trainer.trainer_utils import autocast_context  # noqa: E402
+from model.precision import DTYPE_CHOICES, resolve_precision  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "model", "configs")
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
@@ -75,9 +74,9 @@ def sync(device: str) -> None:
 # set-up
 
 def load_models(args):
-    """Student: fp32 master weights, train mode. Teacher: frozen, eval mode, in the autocast dtype on CUDA
-    (as trainer_utils.load_teacher does)."""
-    teacher_dtype = DTYPES[args.dtype] if args.device.startswith("cuda") else torch.float32
+    """Student: fp32 master weights, train mode. Teacher: frozen, eval mode, in the precision rule's teacher dtype
+    (as trainer/setup.py's read_teacher loads it)."""
+    teacher_dtype = resolve_precision(args.device, args.dtype).teacher
     if args.student_path:
         student = load_pretrained(args.student_path, dtype=torch.float32, device=args.device)
     else:
@@ -106,8 +105,8 @@ def prompt_batch(args, tokenizer) -> dict:
 def rollout(args, student, tokenizer, batch, step: int):
     """train_opd.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
     -> input_ids, attention_mask, labels."""
-    autocast = functools.partial(autocast_context, args.device, args.dtype)  # what Run.autocast returns
-    return sample_completions(student, args, tokenizer, batch, step, args.device, autocast)
+    return sample_completions(student, args, tokenizer, batch, step, args.device,
+                              resolve_precision(args.device, args.dtype).autocast)  # what Run.autocast returns
 
 
 def decode_steps(input_ids: torch.Tensor, batch: dict) -> int:
@@ -118,16 +117,17 @@ def decode_steps(input_ids: torch.Tensor, batch: dict) -> int:
 def opd_step(args, student, teacher, optimizer, tokenizer, batch, step: int) -> tuple[dict, dict]:
     clock = PhaseClock(args.device)
     vocab_size = len(tokenizer)
+    precision = resolve_precision(args.device, args.dtype)  # Run.autocast and Run.teacher_autocast
     with clock("generation"):
         input_ids, attention_mask, labels = rollout(args, student, tokenizer, batch, step)
     with clock("teacher forward"):
-        with torch.no_grad(), autocast_context(args.device, args.dtype):
+        with torch.no_grad(), precision.teacher_autocast():
             teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
     with clock("student forward"):
-        with autocast_context(args.device, args.dtype):
+        with precision.autocast():
             student_hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
     with clock("loss forward"):
-        with autocast_context(args.device, args.dtype):
+        with precision.autocast():
             loss_sum, num_tokens = chunked_generalized_jsd_loss(
                 student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, targets,
                 beta=args.beta, temperature=args.temperature, chunk_size=args.loss_chunk_size, vocab_size=vocab_size)
@@ -278,7 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--learning_rate", type=float, default=1e-5)
     g = parser.add_argument_group("run")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="autocast dtype on CUDA; CPU is fp32")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="as the loops' --dtype (auto: bf16 autocast on CUDA, fp32 elsewhere)")
     g.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     g.add_argument("--steps", type=int, default=5, help="timed steps (median per phase)")
     g.add_argument("--breakdown_runs", type=int, default=3, help="instrumented generate calls to average (0 = off)")
@@ -307,7 +308,7 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.learning_rate, betas=(0.9, 0.95))
     batch = prompt_batch(args, tokenizer)
     s_cfg, t_cfg = student.config, teacher.config
-    print(f"OPD step on {args.device} ({args.dtype + ' autocast' if args.device.startswith('cuda') else 'fp32'}, "
+    print(f"OPD step on {args.device} ({resolve_precision(args.device, args.dtype).name}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}): "
           f"student {student.num_parameters() / 1e6:.1f}M (hidden {s_cfg.hidden_size}, {s_cfg.num_hidden_layers} "
           f"layers), teacher {teacher.num_parameters() / 1e6:.1f}M (hidden {t_cfg.hidden_size}, "

@@ -53,7 +53,7 @@ from model import DTYPES, Decoder, Qwen3Config, create_model, load_tokenizer, sa
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, vllm_python, wait_ready  # noqa: E402
 from serving.weight_sync import WeightSync  # noqa: E402
-from trainer.trainer_utils import autocast_context  # noqa: E402
+from model.precision import resolve_precision  # noqa: E402
 from trainer.train_opd import sample_completions, served_sampler, served_sequences  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "model", "configs")
@@ -98,7 +98,7 @@ def rollout_rates(args, student_dir: str, server: CompletionServer) -> dict:
     tokenizer = load_tokenizer(None)
     dtype = DTYPES[args.dtype]
     student = load_pretrained(student_dir, dtype=torch.float32, device=args.device)
-    autocast = lambda: autocast_context(args.device, args.dtype)  # noqa: E731
+    autocast = resolve_precision(args.device, args.dtype).autocast
     sync = WeightSync(server, os.path.join(os.path.dirname(student_dir), "sync", "model.safetensors"),
                       probe_token_ids(tokenizer), dtype)
     sync.push(student, 0)

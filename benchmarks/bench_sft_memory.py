@@ -49,7 +49,7 @@ from benchmarks.bench_losses import current_rss_bytes, peak_rss_bytes  # noqa: E
 from dataset.collators import IGNORE_INDEX  # noqa: E402
 from model import Qwen3Config, create_model  # noqa: E402
 from trainer.losses import chunked_sft_loss, completion_hidden, sft_loss  # noqa: E402
-from trainer.trainer_utils import autocast_context  # noqa: E402
+from model.precision import DTYPE_CHOICES, resolve_precision  # noqa: E402
 
 GIB = 1024 ** 3
 VARIANTS = ("chunked", "sliced", "full")
@@ -150,7 +150,7 @@ def _setup_worker(name: str, args: argparse.Namespace) -> None:
     batch = make_batch(args, config.vocab_size, device)
     # Warm up on a toy slice (kernels, thread pool, autograd engine: a few hundred MB unrelated to the loss).
     tiny = {k: v[:1, -16:] for k, v in batch.items()}
-    with autocast_context(args.device, args.dtype):
+    with resolve_precision(args.device, args.dtype).autocast():
         STEPS[name](model, tiny, args)[0].backward()
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -174,7 +174,7 @@ def timed_step() -> dict:
             torch.cuda.synchronize()
         return time.perf_counter()
     start = now()
-    with autocast_context(args.device, args.dtype):
+    with resolve_precision(args.device, args.dtype).autocast():
         loss_sum, num_tokens = STEPS[w["name"]](model, w["batch"], args)
     middle = now()
     loss_sum.backward()
@@ -214,8 +214,8 @@ def main() -> None:
     parser.add_argument("--loss_chunk_size", type=int, default=512, help="positions per lm_head chunk (ours)")
     # run
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="autocast dtype on CUDA (as the trainers); CPU always runs fp32")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="as the trainers' --dtype (auto: bf16 autocast on CUDA, fp32 elsewhere)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0 = torch's default); 1 gives steadier times on a shared machine")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per variant (median reported)")
@@ -233,7 +233,7 @@ def main() -> None:
 
     config = model_config(args)
     B, T, V = args.batch_size, args.seq_len, config.vocab_size
-    dtype = args.dtype if args.device.startswith("cuda") else "float32"
+    dtype = resolve_precision(args.device, args.dtype).name
     print(f"SFT step (forward + loss + backward), batch {B} x {T} tokens ({args.completion_len} completion, "
           f"{B * args.completion_len} loss tokens), vocab {V}, hidden {config.hidden_size}, "
           f"{config.num_hidden_layers} layers, {args.device} {dtype}, "

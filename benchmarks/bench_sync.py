@@ -62,12 +62,18 @@ def random_model(layers: int) -> Qwen3ForCausalLM:
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
         "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645})
     model = create_model(config, seed=layers)
-    generator = torch.Generator().manual_seed(layers)
+    norms_around_one(model, seed=layers)
+    return model
+
+
+def norms_around_one(model: torch.nn.Module, seed: int) -> None:
+    """Every norm weight drawn around 1, in place (see random_model: bf16 represents exactly 1, never a trained
+    model's norms, and rounding them is part of what a bf16 sync differs by)."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if "norm" in name:
-                weight.add_(0.1 * torch.randn(weight.shape, generator=generator))
-    return model
+                weight.add_(0.1 * torch.randn(weight.shape, generator=generator).to(weight.device))
 
 
 def bf16_autocast():

@@ -16,6 +16,7 @@ the rule decides, for a device and the --dtype / --teacher_dtype flags:
   * the teacher's dtype: it needs no master copy, so it is loaded in the compute dtype -- except under fp16, where
     a real Qwen3's activations can overflow fp16's range (max 65,504) without the fp32 weights and residual stream
     the student keeps: then bf16 where the device has it, fp32 otherwise; --teacher_dtype overrides;
+    its forwards compute in that dtype too (`teacher_autocast`), not under the student's autocast;
   * generation's KV-cache dtype (`cache_dtype`): the autocast dtype when autocast is on, else the weights'.
 """
 from __future__ import annotations
@@ -53,6 +54,17 @@ class Precision:
         if self.compute == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.compute)
+
+    def teacher_autocast(self):
+        """The context of a frozen teacher's forwards: it computes in its own dtype, not the student's. Under fp16
+        the teacher is bf16 so that its activations keep bf16's range -- inside the run's fp16 autocast its matmuls
+        would be lowered to fp16 again (a layer's activations past 65,504 give inf, then NaN). A teacher in the
+        forwards' dtype (every run but fp16 or --teacher_dtype) runs under the run's own autocast."""
+        if self.teacher == self.compute:
+            return self.autocast()
+        if self.teacher == torch.float32:
+            return torch.autocast(self.device_type, enabled=False)  # also inside the student's autocast
+        return torch.autocast(self.device_type, dtype=self.teacher)
 
     def scaler(self) -> torch.amp.GradScaler:
         return torch.amp.GradScaler(self.device_type, enabled=self.scaled)

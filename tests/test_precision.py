@@ -1,8 +1,8 @@
 # Run: python -m pytest tests/test_precision.py
 """The precision rule (model/precision.py), one for every device: --dtype auto, the CPU running CUDA's recipe when
 asked (fp32 masters under CPU autocast, fp16 with the CPU GradScaler), the teacher's dtype, fp16's skipped steps
-counted and said, a non-finite loss stopping the run under the scaler too, and a resume that would change the
-dtype the run computes in refused."""
+counted and said, a non-finite loss stopping the run under the scaler too, a teacher computing in its own dtype,
+and a resume that would change the dtype the run computes in refused."""
 import math
 
 import pytest
@@ -47,6 +47,28 @@ def test_the_cpu_autocast_is_cpus_and_the_cache_takes_its_dtype(tiny_config_path
         assert cache_dtype(model, torch.device("cpu")) == torch.bfloat16
     with resolve_precision("cpu", "auto").autocast():
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_teacher_computes_in_its_own_dtype_inside_the_students_autocast(tiny_config_path):
+    """--dtype float16 loads the teacher in bf16 for bf16's range: its forwards must not then be lowered to fp16 by
+    the student's autocast. A teacher whose first MLP's activations reach ~1e6 (real Qwen3s have such outliers) is
+    finite under its own context and NaN under the student's fp16 one; --teacher_dtype float32 computes in fp32."""
+    from model import Qwen3Config, create_model
+    teacher = create_model(Qwen3Config.from_json(tiny_config_path), seed=0)
+    with torch.no_grad():
+        teacher.model.layers[0].post_attention_layernorm.weight.fill_(3000.0)
+    ids = torch.arange(100, 110)[None]
+    precision = resolve_precision("cpu", "float16")
+    with torch.no_grad(), precision.autocast():
+        bf16 = teacher.to(precision.teacher)
+        with precision.teacher_autocast():
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            assert torch.isfinite(bf16(ids).logits).all()
+        assert not torch.isfinite(bf16(ids).logits).all()  # the student's fp16: what the teacher must not get
+        with resolve_precision("cpu", "float16", "float32").teacher_autocast():
+            assert not torch.is_autocast_enabled("cpu")
+    with resolve_precision("cpu", "bfloat16").teacher_autocast():  # a teacher in the forwards' dtype: theirs
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def test_fsdp_with_fp16_is_refused_on_the_cpu_as_on_cuda(tiny_config_path, chat_jsonl, tmp_path):

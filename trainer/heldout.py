@@ -31,13 +31,15 @@ SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
 def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
                  autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
                  teacher_server=None, seed: int = 0, teacher_topk: int = 0,
-                 decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None) -> dict[str, float]:
+                 decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None,
+                 teacher_autocast=contextlib.nullcontext) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
     generated tokens, rows that ended with EOS and, with a teacher, the generalized JSD at `beta` summed over the
     greedy completions' tokens and their number (with a teacher on a server: with `teacher_topk` K the top-K
     divergence on the same greedy completions, the loss OPD trains with; without, the sampled-token estimate on
     the student's own samples of the prompts). `decoder`: generate's decode step (default: eager). `all_stopped`:
-    generate's, for ranks that decode in lockstep."""
+    generate's, for ranks that decode in lockstep. `autocast`: the student's forward context; `teacher_autocast`: the
+    local teacher's (in its own dtype: Run.teacher_autocast)."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -59,8 +61,8 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
             sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
                                         out.completion_mask)
         if teacher is not None:
-            with autocast():
-                kl, tokens = divergence_sum(student, teacher, *sequences, len(tokenizer), chunk_size, beta)
+            kl, tokens = divergence_sum(student, teacher, *sequences, len(tokenizer), chunk_size, beta, autocast,
+                                        teacher_autocast)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
         if teacher_server is not None and teacher_topk:
             kl, tokens = served_topk_sum(student, teacher_server, *sequences, teacher_topk, len(tokenizer),
@@ -133,12 +135,17 @@ def served_topk_sum(student, teacher_server, input_ids, attention_mask, labels, 
 
 
 def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_size: int, chunk_size: int,
-                   beta: float) -> tuple[float, int]:
-    student_hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
-    teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
-    kl, tokens = chunked_generalized_jsd_loss(student_hidden, student.lm_head.weight, teacher_hidden,
-                                              teacher.lm_head.weight, targets, beta=beta, chunk_size=chunk_size,
-                                              vocab_size=vocab_size)
+                   beta: float, autocast=contextlib.nullcontext,
+                   teacher_autocast=contextlib.nullcontext) -> tuple[float, int]:
+    # the teacher's forward in its own context, outside the student's: under fp16 the student's autocast would
+    # lower a bf16 teacher's matmuls to fp16 (model/precision.py)
+    with teacher_autocast():
+        teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
+    with autocast():
+        student_hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
+        kl, tokens = chunked_generalized_jsd_loss(student_hidden, student.lm_head.weight, teacher_hidden,
+                                                  teacher.lm_head.weight, targets, beta=beta, chunk_size=chunk_size,
+                                                  vocab_size=vocab_size)
     return float(kl), int(tokens)
 
 
@@ -188,11 +195,12 @@ class HeldoutEvaluator:
         return step % self.args.eval_interval == 0 or last
 
     def evaluate(self, step: int, student, autocast, teacher=None, beta: float = 1.0,
-                 teacher_server=None) -> dict[str, float]:
+                 teacher_server=None, teacher_autocast=contextlib.nullcontext) -> dict[str, float]:
         """Greedy completions of the held-out prompts: accuracy, length, EOS share; with a teacher also the
         student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta);
         with a teacher on a server, its top-K divergence there (--teacher_topk K) or the sampled-token reverse-KL
-        estimate. Every rank returns the same numbers."""
+        estimate. Every rank returns the same numbers. `autocast` / `teacher_autocast`: the student's and the local
+        teacher's forward contexts (Run.autocast, Run.teacher_autocast)."""
         self.evaluated_step = step
         args = self.args
         # a served teacher's top-K divergence needs the server's K; a local teacher gives the exact divergence
@@ -201,7 +209,7 @@ class HeldoutEvaluator:
         def work() -> dict[str, float]:
             return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, teacher, autocast,
                                 args.loss_chunk_size, beta, teacher_server, args.seed, topk, self.decoder,
-                                self.all_stopped)
+                                self.all_stopped, teacher_autocast)
         sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
         return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None, topk)
 

@@ -72,11 +72,12 @@ def train(args: argparse.Namespace) -> None:
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
-        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher))
+        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher,
+                                        teacher_autocast=run.teacher_autocast))
     for epoch, window in run.windows():
         for i, batch in enumerate(window):
             batch = {k: v.to(run.device) for k, v in batch.items()}
-            with torch.no_grad(), run.autocast():  # the frozen teacher, at the completion positions
+            with torch.no_grad(), run.teacher_autocast():  # the frozen teacher, at the completion positions
                 teacher_hidden, _ = completion_hidden(teacher, batch["input_ids"], batch["attention_mask"],
                                                       batch["labels"])
             with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
@@ -95,7 +96,8 @@ def train(args: argparse.Namespace) -> None:
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             run.save()
         if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
-            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher))
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher,
+                                            teacher_autocast=run.teacher_autocast))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
             break
     run.finish()

@@ -56,7 +56,7 @@ from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completi
 from trainer.servers import (add_server_args, connect_server, rollout_weights_path, say_servers,
                              validate_server_args)
 from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
-                           load_teacher, print0, resolve_teacher_path, validate_common_args)
+                           load_teacher, resolve_teacher_path, validate_common_args)
 from trainer.topk_divergence import chunked_topk_divergence
 from trainer.trainer_utils import Run
 
@@ -183,7 +183,8 @@ def teacher_scores(teacher, teacher_server: CompletionServer | None, input_ids: 
     """Step 3, without gradients: a local teacher's hidden states at the completion positions (its lm_head is
     applied chunk by chunk inside the loss, where --teacher_topk takes its top-K), or a served teacher's
     log-probabilities of the sampled tokens -- with topk K, the ids of its top-K and the sampled token and its
-    log-probabilities of them, ((N, K+1), (N, K+1))."""
+    log-probabilities of them, ((N, K+1), (N, K+1)). `autocast`: the teacher's forward context (Run.teacher_autocast:
+    the teacher's dtype, not the student's)."""
     if teacher_server is not None:
         lengths = (labels != IGNORE_INDEX).sum(dim=1)
         if topk:
@@ -263,7 +264,8 @@ def train(args: argparse.Namespace) -> None:
 
     with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
-            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server))
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server,
+                                            teacher_autocast=run.teacher_autocast))
     # served rollouts: sampled --max_staleness steps ahead, in the background while the trainer trains
     rollouts = None if server is None else RolloutQueue(
         served_sampler(server, args, tokenizer, student.config.vocab_size), run.state, args.max_staleness,
@@ -300,8 +302,8 @@ def train(args: argparse.Namespace) -> None:
                     data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
                     input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
             with clock("teacher"), run.fail_together(teacher_server is not None):  # step 3: the teacher scores them
-                scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels, run.autocast,
-                                        args.teacher_topk)
+                scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels,
+                                        run.teacher_autocast, args.teacher_topk)
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
                     loss_sum, num_tokens = distill_loss(run, args, teacher, scores, len(tokenizer), input_ids,
@@ -321,7 +323,7 @@ def train(args: argparse.Namespace) -> None:
         with run.fail_together(teacher_server is not None):
             if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
                 run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta,
-                                                teacher_server))
+                                                teacher_server, teacher_autocast=run.teacher_autocast))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
             break
     run.finish()

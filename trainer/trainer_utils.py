@@ -45,7 +45,7 @@ from trainer.window_metrics import WindowMetrics, all_reduce_sum
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# schedule, precision, collectives
+# schedule
 
 def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> float:
     """Linear warm-up, then cosine from lr down to 10% of lr, indexed by optimizer step (0-based)."""
@@ -53,11 +53,6 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> flo
         return lr * (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-def autocast_context(device: str, dtype_name: str):
-    """The forwards' autocast context for a device and --dtype (model/precision.py's rule)."""
-    return resolve_precision(device, dtype_name).autocast()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -86,7 +81,8 @@ class Run:
         # generators at all, it is a function of (seed, epoch) in EpochSampler
         seed_everything(derived_seed(args.seed, info.rank))
         self.dataset, self.collate_fn = dataset, collate_fn
-        self.precision = resolve_precision(self.device, args.dtype)
+        # SFT has no teacher: its --teacher_dtype is the rule's default
+        self.precision = resolve_precision(self.device, args.dtype, getattr(args, "teacher_dtype", None))
         self.raw_model, self.model = model, self.wrap(model)  # checkpointing, compile, DDP (FSDP: sharded already)
         self.optimizer, self.scaler = self.make_optimizer()
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
@@ -269,6 +265,11 @@ class Run:
     def autocast(self):
         """Context for the forward passes only (backward under autocast is not recommended by PyTorch)."""
         return self.precision.autocast()
+
+    def teacher_autocast(self):
+        """Context for a frozen teacher's forwards: in the teacher's own dtype (model/precision.py), so that a bf16
+        teacher of an fp16 run is not lowered to fp16 by the student's autocast."""
+        return self.precision.teacher_autocast()
 
     def backward(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor | int) -> None:
         """Backward a micro-batch's *summed* loss; its sum and token count join the window's metrics (no device
