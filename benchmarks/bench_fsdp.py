@@ -3,6 +3,7 @@
     python benchmarks/bench_fsdp.py             # 2 ranks (it launches torchrun itself), CPU/gloo, qwen3-tiny
     python benchmarks/bench_fsdp.py --config model/configs/qwen3-tiny-student.json --nproc 4
     python benchmarks/bench_fsdp.py --load --config benchmarks/qwen3-1gb.json   # the load peaks
+    python benchmarks/bench_fsdp.py --phases --config benchmarks/qwen3-1gb.json # load, step, push, save peaks
     python benchmarks/bench_fsdp.py --precision  # FSDP's bf16 autocast numbers against DDP's
     python benchmarks/bench_fsdp.py --sizing    # only the sizing table (arithmetic, no run)
     python benchmarks/bench_fsdp.py --estimate  # each rank's GPU memory by phase, real Qwen3 shapes, fake tensors
@@ -18,6 +19,13 @@ forward and backward (one decoder layer, or the root's embedding and head).
 --load: an HF folder of --config's random model, loaded as student (fp32) and teacher, once by one unsharded
 process and once by --nproc sharded ranks, each case in processes of its own: the growth of each process's peak
 resident memory (VmHWM, reset just before the load) and whether the weights equal the files' bit for bit.
+
+--phases: what a rank holds in each phase of a run, against the formula of docs/architecture.md ("Sharded
+training: what a rank holds"): an HF folder of --config's random model, then one unsharded process and --nproc
+sharded ranks (--fsdp 1), each running as train_sft.py does -- the load, two optimizer steps (the second measured),
+the weights pushed to a stand-in rollout server, the save (export + resume); per phase the peak resident memory
+above the process's start (VmHWM, reset as the phase starts), with glibc's mmap threshold fixed (see
+FIXED_MMAP_THRESHOLD; --malloc_default leaves it).
 
 --estimate (benchmarks/fsdp_estimate.py): one real training step -- the distillation loop's, teacher included --
 of each pair of the sizing table at 1, 4 and 8 ranks, with and without gradient checkpointing, on fake tensors
@@ -103,6 +111,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", action="store_true",
                    help="the load peaks: --config's model (e.g. model/configs/qwen3-1gb.json) loaded unsharded and "
                         "sharded, as student and teacher")
+    p.add_argument("--phases", action="store_true",
+                   help="per-rank peak resident memory of a load, one training step, a save and a weight push: "
+                        "--nproc sharded ranks against one process, each against the README's formula")
+    p.add_argument("--malloc_default", action="store_true",
+                   help="--phases with glibc's own mmap threshold (by default it is fixed at 1 MiB: see "
+                        "FIXED_MMAP_THRESHOLD)")
     p.add_argument("--precision", action="store_true",
                    help="FSDP's mixed precision against DDP's under CPU bf16 autocast (loss and gradient)")
     p.add_argument("--estimate", action="store_true",
@@ -118,6 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "same work on the same held state (--estimate_check shows it), so 2 stand for any window")
     p.add_argument("--real_step", help=argparse.SUPPRESS)  # a StepShape as JSON, for --estimate_check's ranks
     p.add_argument("--load_case", choices=["student", "teacher"], help=argparse.SUPPRESS)  # one measured load
+    p.add_argument("--phases_case", choices=["one", "sharded", "tokenizer"], help=argparse.SUPPRESS)  # a --phases case
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)  # set by the launcher for its torchrun ranks
     return p.parse_args(argv)
@@ -241,6 +256,189 @@ def run_load_benchmark(config_path: str, nproc: int) -> None:
                   + " | ".join(f"{r['growth'] / 2**20:.0f}" for r in ranks)
                   + f" | {max(r['growth'] for r in ranks) / one['growth']:.3f} | "
                   f"{one['equal'] and all(r['equal'] for r in ranks)} |")
+
+
+PHASE_NAMES = ("load", "step", "push", "save")
+# glibc raises its mmap threshold (up to 32 MiB) each time it frees a mapped block, and from then on keeps freed
+# blocks below it in its heaps, resident: with qwen3-1gb that added 11-46% to the sharded ranks' peaks, memory no
+# formula of tensors predicts. --phases fixes the threshold, so that freed buffers go back to the system as they do
+# in glibc's start state (--malloc_default measures without it).
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
+
+class StandInServer:
+    """The rollout server for --phases' push: it accepts the load request and the prefix-cache reset (the file is
+    written as for a real server; nothing reads it)."""
+    what = "stand-in rollout server"
+
+    def __init__(self):
+        self.client = self
+
+    def post_once(self, path: str, body: dict) -> dict:
+        return {"results": [None]} if path == "/collective_rpc" else {"success": True}
+
+
+@contextlib.contextmanager
+def measured_phase(name: str, results: dict, baseline_kib: int):
+    """The phase's peak resident memory (VmHWM, reset to VmRSS when it starts) in bytes above `baseline_kib`, into
+    results[name]. Every rank starts together (a gloo thread could still be freeing the last phase's buffers)."""
+    if dist.is_initialized():
+        dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    yield
+    results[name] = (memory_kib("VmHWM") - baseline_kib) * 1024
+
+
+def sft_step(run, tokenizer, flags: argparse.Namespace, window: list) -> None:
+    """One optimizer step of train_sft.py's loop over `window`: forward, chunked loss, backward per micro-batch."""
+    from trainer.losses import chunked_sft_loss, completion_hidden
+    for i, batch in enumerate(window):
+        batch = {k: v.to(run.device) for k, v in batch.items()}
+        with run.micro_step(i, len(window)):
+            with run.autocast():
+                hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
+                                                    batch["labels"])
+                loss_sum, num_tokens = chunked_sft_loss(hidden, run.raw_model.lm_head.weight, targets,
+                                                        chunk_size=flags.loss_chunk_size, vocab_size=len(tokenizer))
+            run.backward(loss_sum, num_tokens)
+    run.optimizer_step()
+
+
+def measure_phases(args) -> None:
+    """One --phases case in processes of its own: one process without --fsdp, or (under torchrun) each rank of
+    --fsdp 1. As the loops run: load --model_dir (fp32), two SFT optimizer steps (the second measured: from then
+    on AdamW's moments exist in every backward), the weights pushed as OPD pushes them (to a stand-in server), the
+    save (HF export + resume). Each phase's peak resident memory above the process's baseline (VmRSS before the
+    load), and the sizes the formula takes -> --out/phases-CASE.json."""
+    from serving.weight_sync import WeightSync
+    from trainer.setup import init_distributed_mode, load_sft_data
+    from trainer.train_sft import parse_args as sft_args
+    from trainer.trainer_utils import Run
+    save_dir = os.path.join(args.out, args.phases_case)
+    flags = sft_args(["--device", "cpu", "--model_path", args.model_dir, "--data_path",
+                      os.path.join(args.out, "chat.jsonl"), "--save_dir", save_dir, "--batch_size", "1",
+                      "--accumulation_steps", "2", "--max_length", "32", "--max_prompt_length", "16",
+                      "--max_steps", "2", "--fsdp", str(int(args.phases_case == "sharded"))])
+    info = init_distributed_mode(flags.device, flags.dist_timeout)
+    tokenizer_dir, tokenizer, dataset, collator = load_sft_data(flags)
+    peaks, baseline = {}, memory_kib("VmRSS")
+    with measured_phase("load", peaks, baseline):
+        model = build_model(flags, info.device, path=flags.model_path)
+    run = Run(flags, info, model, dataset, collator, tokenizer_dir)
+    windows = run.windows()
+    sft_step(run, tokenizer, flags, next(windows)[1])  # the first: AdamW's moments are created at its end
+    with measured_phase("step", peaks, baseline):
+        sft_step(run, tokenizer, flags, next(windows)[1])
+    sync = WeightSync(StandInServer(), os.path.join(save_dir, "push", "model.safetensors"), [], torch.float32,
+                      active=info.is_main)
+    with measured_phase("push", peaks, baseline):
+        sync.push(run.raw_model, run.step)
+    with measured_phase("save", peaks, baseline):
+        run.save()
+    with open(os.path.join(args.out, f"phases-{case_name()}.json"), "w") as f:
+        json.dump({"peaks": peaks, "sizes": formula_sizes(run.raw_model, info.world_size)}, f)
+    run.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def measure_tokenizer(args) -> None:
+    """--phases' one term that is no tensor, alone in a process holding a tokenizer already (as a run's does): what
+    the export adds on the rank that writes it -- save_pretrained loads the tokenizer again and writes its files
+    -- as the growth of the peak resident memory -> --out/phases-tokenizer.json."""
+    from model import load_tokenizer
+    load_tokenizer(args.model_dir)
+    results = {}
+    with measured_phase("tokenizer", results, memory_kib("VmRSS")), tempfile.TemporaryDirectory() as folder:
+        load_tokenizer(args.model_dir).save_pretrained(folder)
+    with open(os.path.join(args.out, "phases-tokenizer.json"), "w") as f:
+        json.dump(results, f)
+
+
+def formula_sizes(model: torch.nn.Module, world: int) -> dict:
+    """What the formula is made of, for this rank, in bytes: its parameters (its shards when sharded), the root
+    unit's parameters whole (embedding and head, gathered from the forward to the end of the backward), the head
+    whole, the most rows of one tensor that one rank holds (what rank 0 receives at once in the export and the
+    push), the whole model; and the world size and this rank."""
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    def most_rows(p: torch.Tensor) -> int:  # FSDP2 splits dim 0 as torch.chunk: the first ranks hold the most
+        return -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * p.element_size()
+    roots = {id(p): p for name, p in model.named_parameters(remove_duplicate=False)
+             if name.startswith(("model.embed_tokens.", "lm_head."))}
+    return {"local": nbytes(_local(p) for p in model.parameters()), "root": nbytes(roots.values()),
+            "head": nbytes([model.lm_head.weight]), "rows": max(most_rows(p) for p in model.parameters()),
+            "model": nbytes(model.parameters()), "world": world, "rank": int(os.environ.get("RANK", 0))}
+
+
+def predicted_bytes(sizes: dict, tokenizer: int) -> dict[str, float]:
+    """The formula of docs/architecture.md ("Sharded training: what a rank holds"), per phase. P parameters, W
+    ranks; S: the rank's parameters in fp32 (4P/W bytes), R: the root unit's whole (embedding and head), H: the
+    head's whole (R itself when tied). `tokenizer`: what the export's tokenizer adds (measured alone).
+    One process: load 2 x 4P (the weights, and the file's pages, mapped while it is read); step 16P + 2H (weights,
+    gradients, AdamW's two moments; the loss's gradient of the head and its zero-padded copy); push 12P (the step
+    freed the gradients; the file is written from the weights' own memory); save 12P and the tokenizer.
+    A sharded rank: load 2S (its shards and its rows of the file); step 4S + 2R + R/W + H (the root's
+    reduce-scatter, the backward's last act: its input and output, gloo's copy of the input, and the head's
+    unsharded gradient, which FSDP2 frees only after it); push 3S, and on rank 0 one other rank's rows of one
+    tensor at a time; save the same, and on rank 0 the tokenizer."""
+    writes = sizes["rank"] == 0
+    if sizes["world"] == 1:
+        model = sizes["model"]
+        return {"load": 2 * model, "step": 4 * model + 2 * sizes["head"], "push": 3 * model,
+                "save": 3 * model + tokenizer}
+    shards, root, world = sizes["local"], sizes["root"], sizes["world"]
+    push = 3 * shards + (sizes["rows"] if writes else 0)
+    return {"load": 2 * shards, "step": 4 * shards + 2 * root + root / world + sizes["head"], "push": push,
+            "save": push + (tokenizer if writes else 0)}
+
+
+def run_phases_benchmark(config_path: str, nproc: int, malloc_default: bool) -> dict:
+    """An HF folder of `config_path`'s random model, then --phases' cases, each in processes of its own: one
+    unsharded process, `nproc` sharded ranks, and the tokenizer's term; prints each phase's peak against the
+    formula -> {"cases": {"unsharded" / "rank-R": {"peaks", "sizes"}}, "tokenizer": bytes}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "model")
+        save_pretrained(create_model(Qwen3Config.from_json(config_path), seed=0), folder)
+        write_chat_rows(os.path.join(tmp, "chat.jsonl"), 16)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if malloc_default else FIXED_MMAP_THRESHOLD)}
+        case = [os.path.abspath(__file__), "--model_dir", folder, "--out", tmp, "--phases_case"]
+        subprocess.run([sys.executable, *case, "tokenizer"], check=True, env=env)
+        subprocess.run([sys.executable, *case, "one"], check=True, env=env)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                        *case, "sharded"], check=True, env=env)
+        cases = {name: read_json(os.path.join(tmp, f"phases-{name}.json"))
+                 for name in ["unsharded", *(f"rank-{r}" for r in range(nproc))]}
+        tokenizer = read_json(os.path.join(tmp, "phases-tokenizer.json"))["tokenizer"]
+    print_phases_table(config_path, cases, tokenizer, malloc_default)
+    return {"cases": cases, "tokenizer": tokenizer}
+
+
+def print_phases_table(config_path: str, cases: dict, tokenizer: int, malloc_default: bool) -> None:
+    one = cases["unsharded"]
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    print(f"\n{os.path.basename(config_path)} ({mib(one['sizes']['model'])} MiB in fp32, the root unit "
+          f"{mib(one['sizes']['root'])} MiB of it), SFT, CPU/gloo"
+          f"{', glibc malloc as it comes' if malloc_default else ''}: each phase's peak resident memory above the "
+          f"process's start, MiB, against the formula (the export's tokenizer: {mib(tokenizer)} MiB, measured "
+          f"alone), and against one process\n")
+    print("| phase | case | measured | formula | measured / formula | / one process |")
+    print("|---|---|---|---|---|---|")
+    for phase in PHASE_NAMES:
+        for name, result in cases.items():
+            measured, formula = result["peaks"][phase], predicted_bytes(result["sizes"], tokenizer)[phase]
+            print(f"| {phase} | {name} | {mib(measured)} | {mib(formula)} | {measured / formula:.3f} | "
+                  f"{measured / one['peaks'][phase]:.3f} |")
+
+
+def write_chat_rows(path: str, rows: int) -> None:
+    """Short chat rows for --phases' steps (the activations stay small next to the weights)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: say something."},
+                                             {"role": "assistant", "content": f"Answer {i} \\boxed{{{i}}}"}]}) + "\n")
 
 
 def read_json(path: str) -> dict:
@@ -428,6 +626,9 @@ def main(argv=None) -> None:
     if args.load_case:
         measure_load(args)
         return
+    if args.phases_case:
+        measure_tokenizer(args) if args.phases_case == "tokenizer" else measure_phases(args)
+        return
     if args.real_step:
         measure_real_step(args)
         return
@@ -444,6 +645,9 @@ def main(argv=None) -> None:
         return
     if args.load:
         run_load_benchmark(args.config, args.nproc)
+        return
+    if args.phases:
+        run_phases_benchmark(args.config, args.nproc, args.malloc_default)
         return
     if not args.sizing:
         with tempfile.TemporaryDirectory() as out_dir:

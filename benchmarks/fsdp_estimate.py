@@ -2,13 +2,14 @@
 
 The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen
 teacher's forward without gradients (distillation), the student's forward to its final hidden states, the chunked
-loss through `lm_head.weight` (trainer/losses.py), the backward; then Run.optimizer_step's arithmetic (the
-gradients scaled by one foreach multiply, clipped by the global norm, AdamW, zero_grad). The models are built on
-the meta device and sharded by trainer/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder
-layer, the root; the layers gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage --
-under a fake process group of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts
-every tensor a rank would hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations,
-gradients, AdamW's moments and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
+loss through `lm_head.weight` (trainer/losses.py), the backward, the teacher's gathered root freed
+(trainer/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients scaled by one foreach multiply,
+clipped by the global norm, AdamW, zero_grad). The models are built on the meta device and sharded by
+trainer/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the layers
+gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage -- under a fake process group
+of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts every tensor a rank would
+hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations, gradients, AdamW's moments
+and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
 
 What stands in for CUDA, and what is left out:
 - autocast: CPU bf16 autocast (this build has no CUDA). For the ops of this model it lowers what CUDA's lowers --
@@ -38,7 +39,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from model import Qwen3Config, Qwen3ForCausalLM
 from trainer.losses import chunked_loss, chunked_sft_loss
-from trainer.sharding import shard
+from trainer.sharding import reshard_root, shard
 from trainer.train_distillation import ce_and_kd
 
 # The public config.json of each Qwen/Qwen3-* model (huggingface.co/Qwen): hidden, intermediate, layers, attention
@@ -195,6 +196,7 @@ def training_step(student: Qwen3ForCausalLM, teacher: Qwen3ForCausalLM | None, o
                 loss = 0.5 * ce + 0.5 * kd
         with phases.phase("backward"):
             loss.backward()
+        reshard_root(teacher)  # as the loops free it: its head was the loss's until the end of the backward
         del hidden, loss, teacher_hidden  # as the loop's next micro-batch rebinds them
     with phases.phase("optimizer"):
         params = list(student.parameters())

@@ -2,22 +2,25 @@
 
 Reads single-file and sharded checkpoints (`model.safetensors.index.json`), both config layouts, tied embeddings
 with or without `lm_head.weight` in the file, and writes either layout (files of at most 5 GB, as transformers
-does); an FSDP2-sharded model is read shard by shard (each rank its own rows) and written gathered tensor by
-tensor, never whole in one process. Key checking is strict: a missing or unexpected tensor is an error
-that names it. Every failure to load (no such folder, a missing, empty, truncated or damaged file, weights that do
-not match the config) is a `ModelFileError` that names the file and what to do. Saving goes to a temporary folder
-that is renamed into place (`common.files.atomic_directory`), so a crash never leaves half a model, and the files
-get ordinary permissions (as umask allows).
+does). An FSDP2-sharded model is read shard by shard (each rank its own rows). Every file is written tensor by
+tensor -- a header computed from the shapes, then each tensor's bytes, a sharded tensor's rank by rank, sent to rank
+0 -- so writing holds at most one tensor beyond the model, and with a sharded model one rank's rows of one tensor:
+no process ever holds a file's tensors at once, or a sharded model whole. Key checking is strict: a missing or
+unexpected tensor is an error that names it. Every failure to load (no such folder, a missing, empty, truncated or
+damaged file, weights that do not match the config) is a `ModelFileError` that names the file and what to do. Saving
+goes to a temporary folder that is renamed into place (`common.files.atomic_directory`), so a crash never leaves
+half a model, and the files get ordinary permissions (as umask allows).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+import struct
+from typing import BinaryIO, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -27,6 +30,7 @@ from model.qwen3 import Qwen3ForCausalLM, unwrap
 from model.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # their names in the header
 REDOWNLOAD = "re-export or re-download the model"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 
@@ -154,16 +158,71 @@ def _generation_config(config: Qwen3Config, pad_token_id: int | None) -> dict:
             "pad_token_id": pad_token_id if pad_token_id is not None else config.bos_token_id}
 
 
-def hf_state_dict(model: Qwen3ForCausalLM, dtype: torch.dtype | None = None,
-                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The weights under their HF names, on the CPU, in `dtype` (default: the model's), without the tied head.
-    `state` gives them when the model's own are sharded (its gathered state dict)."""
+def hf_weights(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """The weights under their HF names, without the tied head (safetensors refuses shared storage; HF re-ties on
+    load): the model's own tensors, nothing copied -- a sharded model's DTensors, with the whole tensors' shapes.
+    (A sharded model's state_dict also frees a root left gathered by a forward without backward: FSDP2's hook.)"""
     model = unwrap(model)
-    state = model.state_dict() if state is None else state
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF re-ties on load
+        state.pop("lm_head.weight", None)
     return state
+
+
+def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes of the whole tensor (a DTensor's global shape) in `dtype` (default: its own)."""
+    return tensor.numel() * (dtype or tensor.dtype).itemsize
+
+
+def _safetensors_header(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> bytes:
+    """The head of a safetensors file holding `state`'s tensors in its order, in `dtype` (default: their own),
+    computed from the shapes alone, before any tensor's bytes arrive: the JSON's length (little-endian u64), then the
+    JSON (each tensor's dtype, shape and byte range in the data that follows), padded with spaces to a multiple of
+    8 bytes as the safetensors library pads it."""
+    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, tensor in state.items():
+        end = offset + _nbytes(tensor, dtype)
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype or tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [offset, end]}
+        offset = end
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+def write_safetensors(file: BinaryIO | None, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
+    """`state`'s tensors as one safetensors file, written into `file` by rank 0 and streamed: the header first,
+    then each tensor's bytes as they come, cast to `dtype` (default: its own). A sharded tensor comes rank by rank
+    (`_rows_in_order`), so beyond its shards no process holds more than one rank's rows of one tensor. Every rank
+    calls this, in step: the others pass no file and send their rows (a plain tensor is rank 0's alone)."""
+    if file is not None:
+        file.write(_safetensors_header(state, dtype))
+    for tensor in state.values():
+        for rows in _rows_in_order(tensor):
+            if file is not None:
+                rows = rows.to("cpu", dtype or rows.dtype).contiguous()
+                file.write(rows.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes: no copy
+
+
+def _rows_in_order(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor's rows in order, as rank 0 writes them: a plain tensor whole; a sharded one (FSDP2 splits dim 0
+    over the ranks as torch.chunk does, the last ranks holding fewer rows or none) rank 0's own rows, then each
+    other rank's, which it sends to rank 0 when rank 0 is ready for them; a rank other than 0 yields nothing."""
+    if not isinstance(tensor, DTensor):
+        yield tensor
+        return
+    group, local = tensor.device_mesh.get_group(), tensor.to_local()
+    if dist.get_rank(group) != 0:
+        if local.numel():
+            dist.send(local.contiguous(), group_dst=0, group=group)
+        return
+    yield local
+    pieces = torch.empty(tensor.shape, device="meta").chunk(dist.get_world_size(group))  # each rank's rows
+    for source, piece in enumerate(pieces[1:], 1):
+        if piece.numel():
+            rows = torch.empty(piece.shape, dtype=local.dtype, device=local.device)
+            dist.recv(rows, group_src=source, group=group)
+            yield rows
 
 
 def _export_files(state: dict[str, torch.Tensor], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
@@ -171,7 +230,7 @@ def _export_files(state: dict[str, torch.Tensor], dtype: torch.dtype | None, max
     each (a larger tensor alone in its own)."""
     files, size = [[]], 0
     for name, tensor in state.items():
-        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+        nbytes = _nbytes(tensor, dtype)
         if files[-1] and size + nbytes > max_bytes:
             files, size = files + [[]], 0
         files[-1].append(name)
@@ -179,18 +238,10 @@ def _export_files(state: dict[str, torch.Tensor], dtype: torch.dtype | None, max
     return files
 
 
-def _file_tensors(state: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype | None,
-                  keep: bool) -> dict[str, torch.Tensor]:
-    """One file's tensors, whole, on the CPU in `dtype` (default: their own) -- when `keep`; a sharded one is
-    all-gathered first, a collective every rank takes part in, tensor by tensor in the same order."""
-    tensors = {}
-    for name in names:
-        tensor = state[name].detach()
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if keep:
-            tensors[name] = tensor.to("cpu", dtype or tensor.dtype).contiguous()
-    return tensors
+def save_file(tensors: dict[str, torch.Tensor], path: str, dtype: torch.dtype | None) -> None:
+    """Rank 0: one file of the export, streamed (`write_safetensors`)."""
+    with open(path, "wb") as f:
+        write_safetensors(f, tensors, dtype)
 
 
 def _file_name(number: int, count: int) -> str:
@@ -204,20 +255,19 @@ def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | 
     """Write an HF folder that `AutoModelForCausalLM.from_pretrained(out_dir)` loads with identical logits.
 
     Weights keep the model's dtype unless `dtype` is given; files of at most `max_shard_bytes`, in the layout
-    transformers and vLLM read (several: model-0000N-of-0000M.safetensors + model.safetensors.index.json). Streamed:
-    one file's tensors are in host memory at a time. A sharded model (FSDP2) is gathered tensor by tensor, so every
-    rank calls this, and only the one with `write` writes. The tokenizer files are copied from `tokenizer_dir`
-    (default: the real Qwen3 tokenizer). Atomic: written beside `out_dir`, then renamed into place.
+    transformers and vLLM read (several: model-0000N-of-0000M.safetensors + model.safetensors.index.json). Streamed
+    tensor by tensor (`write_safetensors`): beyond the model, at most one tensor is in host memory at a time (none
+    when it is already on the CPU in `dtype`), and for a sharded model (FSDP2) one rank's rows of one tensor, sent
+    to rank 0: every rank calls this, and only rank 0, with `write`, writes. The tokenizer files are copied from
+    `tokenizer_dir` (default: the real Qwen3 tokenizer). Atomic: written beside `out_dir`, then renamed into place.
     """
     model = unwrap(model)
     config = model.config
-    state = model.state_dict()  # sharded: DTensors, with the whole tensors' shapes
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF re-ties on load
+    state = hf_weights(model)
     files = _export_files(state, dtype, max_shard_bytes)
     if not write:
         for names in files:
-            _file_tensors(state, names, dtype, keep=False)
+            write_safetensors(None, {name: state[name] for name in names}, dtype)
         return
     hf_config = config.to_hf_dict()
     hf_config["torch_dtype"] = str(dtype or next(iter(state.values())).dtype).removeprefix("torch.")
@@ -225,14 +275,13 @@ def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | 
 
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with atomic_directory(out_dir) as tmp_dir:
-        weight_map, total = {}, 0
         for number, names in enumerate(files, 1):
-            tensors = _file_tensors(state, names, dtype, keep=True)
-            save_file(tensors, os.path.join(tmp_dir, _file_name(number, len(files))), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, _file_name(number, len(files))))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            del tensors  # before the next file's are gathered
+            save_file({name: state[name] for name in names}, os.path.join(tmp_dir, _file_name(number, len(files))),
+                      dtype)
         if len(files) > 1:
+            weight_map = {name: _file_name(number, len(files)) for number, names in enumerate(files, 1)
+                          for name in names}
+            total = sum(_nbytes(tensor, dtype) for tensor in state.values())
             with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:

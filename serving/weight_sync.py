@@ -1,14 +1,15 @@
 """The student's weights into the rollout server, verified: rank 0, every --sync_interval optimizer steps.
 
     sync = WeightSync(server, "checkpoints/opd_rollout_weights/model.safetensors", probe_ids, dtype=torch.float32)
-    sync.push(model)             # write the safetensors file, the server loads it, its prefix cache is reset
+    sync.push(model, step)       # write the safetensors file, the server loads it, its prefix cache is reset
     sync.verify(model, autocast) # the server's log-probs of a fixed probe == ours, or RuntimeFailure
 
-Mechanism (works on vLLM's CPU build, which has no NCCL or CUDA-IPC weight transfer): the weights are written
-under their HF names to one safetensors file where the server can read it (the same machine, or a shared
-filesystem; on GPUs /dev/shm keeps it in memory), then POST /collective_rpc calls `load_weights_file` of the worker
-extension `serving.vllm_worker.WeightSync` on every worker, then POST /reset_prefix_cache drops keys and values
-computed with the old weights (a cached prompt would otherwise be continued from stale activations).
+Mechanism (works on vLLM's CPU build, which has no NCCL or CUDA-IPC weight transfer): the weights are written under
+their HF names, tensor by tensor (a sharded one's rows sent to rank 0 rank by rank), to one safetensors file where
+the server can read it (the same machine, or a shared filesystem; on GPUs /dev/shm keeps it in memory), then POST
+/collective_rpc calls `load_weights_file` of the worker extension `serving.vllm_worker.WeightSync` on every worker,
+then POST /reset_prefix_cache drops keys and values computed with the old weights (a cached prompt would otherwise
+be continued from stale activations).
 
 Why verify: a reload can miss a tensor silently (vLLM 0.32's own `reload_weights` leaves the tied head's packed CPU
 copy stale), a server can be restarted from the original checkpoint, or serve another dtype. So after every push
@@ -23,12 +24,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from safetensors.torch import save
 
 from common.errors import RuntimeFailure
 from common.files import atomic_write, raise_disk_error, remove_stale_temporaries
 from common.http import RequestError, one_line
-from model.checkpoint_io import hf_state_dict
+from model.checkpoint_io import hf_weights, write_safetensors
 from model.qwen3 import unwrap
 from serving.engine import CompletionServer
 from serving.vllm_launch import EXTENSION
@@ -55,7 +55,7 @@ TOLERANCE = {torch.float32: Tolerance(mean=1e-4, max=1e-4), torch.bfloat16: Tole
 
 class WeightSync:
     """`active` on rank 0 only: the other ranks keep the same schedule (and wait for rank 0 in the loop's
-    all-reduce) but never write or ask anything."""
+    all-reduce; with --fsdp 1 they send their rows of the weights to rank 0) but never write or ask anything."""
 
     def __init__(self, server: CompletionServer, path: str, probe_ids: list[int], dtype: torch.dtype,
                  active: bool = True):
@@ -72,16 +72,20 @@ class WeightSync:
         since the last push."""
         return self.synced_step is None or step - self.synced_step >= interval
 
-    def push(self, model: torch.nn.Module, step: int, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Write the weights, have the server load them, reset its prefix cache. `state`: the gathered weights
-        when the model's own are sharded."""
+    def push(self, model: torch.nn.Module, step: int) -> None:
+        """Write the weights, have the server load them, reset its prefix cache. Every rank calls this: rank 0
+        writes the weights tensor by tensor, and of a sharded model each tensor's rows as they come, its own and
+        then each other rank's (`write_safetensors`), so no rank holds them whole; the other ranks send theirs and
+        return."""
         self.synced_step = step
+        weights = hf_weights(model)
         if not self.active:
+            write_safetensors(None, weights, self.dtype)  # its rows, to rank 0 (nothing when unsharded)
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         try:
             with atomic_write(self.path) as f:
-                f.write(save(hf_state_dict(model, self.dtype, state)))
+                write_safetensors(f, weights, self.dtype)
         except OSError as error:
             raise_disk_error(error, f"the weights for the rollout server to {self.path}")
         try:

@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_fsdp_loading.py: build CONFIG's seeded random model sharded over the ranks
-(each rank only its shards), then export it with files of at most MAX_BYTES -- streamed, every rank taking part in
-the gathers, rank 0 writing.
+(each rank only its shards), then export it with files of at most MAX_BYTES -- streamed tensor by tensor, each rank
+sending its rows of each to rank 0, which writes them.
 
     torchrun --nproc_per_node 2 tests/fsdp_export_worker.py CONFIG SEED OUT_DIR MAX_BYTES
 """

@@ -29,10 +29,10 @@ def die_half_written(f) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save_file(state, path, metadata=None):
+def save_file(state, path, dtype):
     global calls
     calls += 1
-    real_save_file(state, path, metadata=metadata)
+    real_save_file(state, path, dtype)
     if calls == kill_at:
         with open(path, "r+b") as f:
             f.seek(0, os.SEEK_END)

@@ -185,3 +185,37 @@ def test_sharded_mixed_precision_computes_as_ddp_under_bf16_autocast(tiny_config
     bf16_error = rows["fp32"][1]  # DDP's gradient against fp32's
     assert rows["FSDP"][0] <= 1e-6 and rows["FSDP"][1] <= 0.3 * bf16_error, result.stdout
     assert rows["FSDP all-bf16"][1] > 0.5 * bf16_error, result.stdout
+
+
+def test_a_frozen_sharded_model_gives_back_its_gathered_root_only_when_told(tiny_config_path):
+    """FSDP2 reshards a root only at the end of its backward. The student's root (embedding, head) is gathered from
+    its forward to the end of its backward -- the loss reads lm_head.weight whole -- and then freed; the teacher's,
+    whose forward runs without gradients, would stay gathered for good: reshard_root frees it. Two fake ranks in
+    this process (the collectives do nothing; the parameters' kinds are what is checked)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer.sharding import reshard_root, sharded_random_model
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        config = Qwen3Config.from_json(tiny_config_path)
+        teacher, student = (sharded_random_model(config, seed, "cpu") for seed in (1, 2))
+        teacher.requires_grad_(False)
+        ids = torch.randint(0, config.vocab_size, (1, 8))
+        with torch.no_grad():
+            teacher(ids, return_hidden=True)
+        assert not isinstance(teacher.lm_head.weight, DTensor)  # gathered, for the loss to read whole
+        hidden = student(ids, return_hidden=True).hidden_states
+        assert not isinstance(student.lm_head.weight, DTensor)
+        (hidden @ student.lm_head.weight.T).sum().backward()
+        assert isinstance(student.lm_head.weight, DTensor)  # freed by its backward
+        assert not isinstance(teacher.lm_head.weight, DTensor)  # still gathered: nothing ran its backward
+        root = teacher._get_fsdp_state()._fsdp_param_group.fsdp_params[0]  # the embedding (= the tied head)
+        assert root._unsharded_param.untyped_storage().size() > 0
+        reshard_root(teacher)
+        assert isinstance(teacher.lm_head.weight, DTensor)
+        assert root._unsharded_param.untyped_storage().size() == 0  # the gathered weight's memory is given back
+    finally:
+        dist.destroy_process_group()

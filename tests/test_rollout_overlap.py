@@ -35,9 +35,9 @@ def files(tmp_path_factory):
 def staleness_args(files, servers, save_dir, url=None, batch=4, accumulation=1, **flags) -> list[str]:
     """16 rows, 4 per step: 6 steps cross an epoch boundary (the rollouts of epoch 2's first step are sampled
     during epoch 1's last), a checkpoint every 2 steps."""
-    flags = {"max_staleness": 1, **flags}
+    flags = {"max_staleness": 1, "max_steps": 6, **flags}
     return loop_args(files["config"], files["data"], save_dir, batch=batch, accumulation=accumulation,
-                     teacher_path=servers.teacher_dir, max_length=80, max_new_tokens=24, max_steps=6,
+                     teacher_path=servers.teacher_dir, max_length=80, max_new_tokens=24,
                      epochs=2, save_interval=2, rollout_url=url or servers.rollout.url, **flags)
 
 

@@ -146,8 +146,8 @@ class Checkpoints:
 
     def save(self, model: torch.nn.Module, optimizer, scaler, state: RunState, global_batch: int) -> None:
         """Every rank: the HF folder, then the resume checkpoint (every rank's RNG gathered to rank 0), written by
-        rank 0 (with --fsdp 1 each rank writes its shards, and the export gathers tensor by tensor with all of
-        them). The resume file is written last: it is the commit point."""
+        rank 0 (with --fsdp 1 each rank writes its shards, and sends its rows of each tensor of the export to rank 0,
+        tensor by tensor). The resume file is written last: it is the commit point."""
         rng = collect_rng_states(self.dist)
         rollouts = collect_rollouts(state, self.dist)
         # every rank checks (one filesystem): a refusal on rank 0 alone would leave the others in a collective
@@ -158,7 +158,7 @@ class Checkpoints:
         if self.dist.is_main:
             checkpoint = self.resume_record(model, optimizer, scaler, state, global_batch, rng, shards, rollouts)
             self.write(model, checkpoint, shards, state.step)
-        elif is_sharded(model):  # the export gathers tensor by tensor: every rank takes part
+        elif is_sharded(model):  # the export comes tensor by tensor, each rank's rows in turn: every rank sends
             save_pretrained(model, self.prefix, write=False)
         if self.dist.enabled:
             dist.barrier()

@@ -21,6 +21,7 @@ from model import Decoder, generate
 from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
                             sampled_token_kl_from_logprobs)
 from trainer.setup import DistInfo
+from trainer.sharding import reshard_root
 from trainer.topk_divergence import chunked_topk_divergence
 
 # what an evaluation adds up over its prompts: one process's total, or the ranks' shares all-reduced
@@ -73,6 +74,8 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
                                         chunk_size, seed, decoder, all_stopped)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
+    if teacher is not None:  # its gathered head is not held on into training (no backward frees it)
+        reshard_root(teacher)
     return {"correct": correct, "rows": rows, "generated": generated, "ended": ended, "kl_sum": kl_sum,
             "kl_tokens": kl_tokens}
 

@@ -2,16 +2,20 @@
 resume checkpoints written shard by shard with `torch.distributed.checkpoint` (DCP), which any world size can read.
 
 With DDP every rank holds the fp32 master weights, their gradients and AdamW's two moments: 16 bytes per parameter.
-Sharded, each of W ranks holds 16/W bytes per parameter (plus, transiently, the unsharded parameters of the layer
-being computed). Each decoder layer is its own FSDP unit (all-gathered just before its forward and backward, freed
-after), and so is each RMSNorm (gathered in its stored dtype: see `shard`); the root unit holds the embedding and
-the head, which stay gathered from the root's forward to the end of its backward -- the chunked losses use
-`lm_head.weight` outside the forward, and so get the gathered weight, whose gradient FSDP reduce-scatters like any
-other.
+Sharded, each of W ranks holds 16/W bytes per parameter, plus what is gathered. Each decoder layer is its own FSDP
+unit (all-gathered just before its forward and backward, freed after), and so is each RMSNorm (gathered in its
+stored dtype: see `shard`); the root unit holds the embedding and the head, which stay gathered from the root's
+forward to the end of its backward -- the chunked losses use `lm_head.weight` outside the forward, and so get the
+gathered weight, whose gradient FSDP reduce-scatters like any other. So at its peak, the backward's end, a rank
+also holds the root's gradient whole in the reduce-scatter's buffers: for a model whose embedding is most of it,
+more than the 16/W (docs/architecture.md, "Sharded training: what a rank holds", has the formula, measured).
+A teacher's root would never be freed (no backward): the loops call `reshard_root` once its head is used.
 
 No process ever holds a whole model: a sharded model is built on the meta device, sharded, then each rank fills its
 own shards -- from the safetensors rows it owns (`load_pretrained(..., shard=...)`) or from the seeded random
-initialisation, drawn one tensor at a time (`sharded_random_model`).
+initialisation, drawn one tensor at a time (`sharded_random_model`); the HF export and the weights pushed to a
+rollout server are written by rank 0 tensor by tensor, each tensor's rows sent to it rank by rank
+(`model.checkpoint_io.write_safetensors`).
 
 What stays as with DDP: the loss of a micro-step is a sum, gradients are averaged over ranks, and the optimizer step
 scales them once by world_size * constant / tokens -- on the local shards, which is the same arithmetic -- then clips
@@ -31,7 +35,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -84,9 +88,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank calls this (it gathers the shards); rank 0 gets the whole state dict on the CPU, the others {}."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def reshard_root(model: torch.nn.Module) -> None:
+    """Free a sharded model's gathered root unit (its embedding and head) when no backward will: FSDP2 reshards a
+    root only at the end of its backward, so after a forward without one -- the frozen teacher's, every micro-batch
+    -- the root would stay gathered for good. Call it after the last use of the head: a teacher's is in the
+    student's loss, recomputed chunk by chunk in the student's backward, so after that backward. Not recursive:
+    the decoder layers and norms reshard after their own forwards."""
+    if is_sharded(model):
+        model.reshard()
 
 
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

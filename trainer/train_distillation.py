@@ -29,6 +29,7 @@ from trainer.heldout import HeldoutEvaluator
 from trainer.losses import chunked_loss, completion_hidden, distillation_loss, sft_loss
 from trainer.setup import (ROOT, add_common_args, add_teacher_args, build_model, init_distributed_mode,
                            load_sft_data, load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.sharding import reshard_root
 from trainer.trainer_utils import Run
 
 DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")
@@ -91,6 +92,7 @@ def train(args: argparse.Namespace) -> None:
                 run.backward(args.alpha * ce_sum + (1.0 - args.alpha) * kd_sum, num_tokens)
                 run.metrics.token_mean("ce", ce_sum)
                 run.metrics.token_mean("kd", kd_sum)
+            reshard_root(teacher)  # a sharded teacher's head, gathered for its forward, is read until here
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         run.log(metrics, show=("ce", "kd"))  # console, metrics.jsonl, swanlab: every --log_interval steps
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal

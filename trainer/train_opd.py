@@ -57,6 +57,7 @@ from trainer.servers import (add_server_args, connect_server, rollout_weights_pa
                              validate_server_args)
 from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
                            load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.sharding import reshard_root
 from trainer.topk_divergence import chunked_topk_divergence
 from trainer.trainer_utils import Run
 
@@ -282,7 +283,7 @@ def train(args: argparse.Namespace) -> None:
                 rollouts.wait()
             if weight_sync.due(run.step, args.sync_interval):
                 with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
-                    weight_sync.push(run.raw_model, run.step, run.gathered_weights())
+                    weight_sync.push(run.raw_model, run.step)  # --fsdp 1: gathered tensor by tensor
                 with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
                     agreement = weight_sync.verify(run.raw_model, run.autocast)
                     run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
@@ -309,6 +310,7 @@ def train(args: argparse.Namespace) -> None:
                     loss_sum, num_tokens = distill_loss(run, args, teacher, scores, len(tokenizer), input_ids,
                                                         attention_mask, labels)
                 run.backward(loss_sum, num_tokens)
+            reshard_root(teacher)  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
         if rollouts:  # seconds the trainer waited for rollouts, and the server sat idle between its jobs

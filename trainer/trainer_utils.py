@@ -39,7 +39,6 @@ from trainer.console import Progress, StepTimer, console_line, format_metric, fo
 from trainer.guard import RunLock, StopRequest
 from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
 from trainer.setup import DistInfo, check_save_time, print0
-from trainer.sharding import full_weights, is_sharded
 from trainer.tracking import init_tracker
 from trainer.window_metrics import WindowMetrics, all_reduce_sum
 
@@ -357,11 +356,6 @@ class Run:
     def save_due(self) -> bool:
         """Every --save_interval steps, at the last step, and after a stop signal."""
         return self.state.step % self.args.save_interval == 0 or self.done or bool(self.stop_signal)
-
-    def gathered_weights(self) -> dict[str, torch.Tensor] | None:
-        """Every rank calls this: with --fsdp 1 the whole weights, gathered to rank 0 (None elsewhere); without,
-        None (the model holds them whole)."""
-        return full_weights(self.raw_model) if is_sharded(self.raw_model) else None
 
     def save(self) -> None:
         """Every rank: the export and the resume file of this step (trainer/checkpoint.py: the resume file is the
