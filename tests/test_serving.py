@@ -154,9 +154,9 @@ def test_an_off_policy_step_pushes_no_weights(vllm_servers, files, tmp_path):
 def test_a_skipped_sync_is_detected_and_stops_the_run(vllm_servers, files, tmp_path, capsys, monkeypatch):
     push = WeightSync.push
 
-    def push_only_once(self, model, step, state=None):
+    def push_only_once(self, model, step):
         if step == 0:
-            return push(self, model, step, state)
+            return push(self, model, step)
         self.synced_step = step  # the schedule moves on, the server keeps the weights of step 0
 
     monkeypatch.setattr(WeightSync, "push", push_only_once)
