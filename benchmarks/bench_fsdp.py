@@ -62,8 +62,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import fsdp_estimate as fe  # noqa: E402
+from benchmarks.harness import FIXED_MMAP_THRESHOLD, process_kib, reset_peak_rss  # noqa: E402
 from model import Qwen3Config, create_model, save_pretrained  # noqa: E402
-from trainer.setup import build_model, read_teacher  # noqa: E402
+from trainer.distributed import init_distributed_mode  # noqa: E402
+from trainer.frozen import read_frozen  # noqa: E402
+from trainer.loading import build_model  # noqa: E402
 from trainer.sharding import shard  # noqa: E402
 
 QWEN3_PARAMS = {"Qwen3-0.6B": 0.6e9, "Qwen3-1.7B": 1.7e9, "Qwen3-4B": 4.0e9, "Qwen3-8B": 8.2e9,
@@ -179,32 +182,24 @@ def measure(args) -> None:
     dist.destroy_process_group()
 
 
-def memory_kib(field: str) -> int:
-    """VmRSS (resident now) or VmHWM (the peak since the last reset) of this process, in KiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def load_growth(load):
     """-> (the model `load()` returns, by how many bytes this process's peak resident memory grew while it ran)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
-    before = memory_kib("VmRSS")
+    reset_peak_rss()
+    before = process_kib("VmRSS")
     model = load()
-    return model, (memory_kib("VmHWM") - before) * 1024
+    return model, (process_kib("VmHWM") - before) * 1024
 
 
 def measure_load(args) -> None:
     """One case, in a process of its own (or one per rank, under torchrun): load --model_dir as the student
-    (build_model: fp32) or the teacher (read_teacher: the autocast dtype -- fp32 on CPU), sharded when there are
+    (build_model: fp32) or the teacher (read_frozen: the autocast dtype -- fp32 on CPU), sharded when there are
     ranks; write the growth of this rank's peak resident memory, and whether every weight equals the file's tensor
     cast to that dtype (read whole by safetensors itself: not our loader), to --out/ROLE-RANK.json."""
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+    init_distributed_mode("cpu")  # under torchrun: the gloo group, and print0 on rank 0 only
     flags = argparse.Namespace(fsdp=1, dtype="float32", teacher_dtype="auto", seed=0, teacher_path=args.model_dir,
                                replicate_teacher=0)
     load = {"student": lambda: build_model(flags, "cpu", path=args.model_dir),
-            "teacher": lambda: read_teacher(flags, "cpu")}[args.load_case]
+            "teacher": lambda: read_frozen(flags, args.model_dir, "cpu")}[args.load_case]
     model, growth = load_growth(load)
     equal = True
     expected = load_file_tensors(args.model_dir) if int(os.environ.get("RANK", 0)) == 0 else {}
@@ -259,11 +254,6 @@ def run_load_benchmark(config_path: str, nproc: int) -> None:
 
 
 PHASE_NAMES = ("load", "step", "push", "save")
-# glibc raises its mmap threshold (up to 32 MiB) each time it frees a mapped block, and from then on keeps freed
-# blocks below it in its heaps, resident: with qwen3-1gb that added 11-46% to the sharded ranks' peaks, memory no
-# formula of tensors predicts. --phases fixes the threshold, so that freed buffers go back to the system as they do
-# in glibc's start state (--malloc_default measures without it).
-FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 class StandInServer:
@@ -284,15 +274,14 @@ def measured_phase(name: str, results: dict, baseline_kib: int):
     results[name]. Every rank starts together (a gloo thread could still be freeing the last phase's buffers)."""
     if dist.is_initialized():
         dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak_rss()
     yield
-    results[name] = (memory_kib("VmHWM") - baseline_kib) * 1024
+    results[name] = (process_kib("VmHWM") - baseline_kib) * 1024
 
 
 def sft_step(run, tokenizer, flags: argparse.Namespace, window: list) -> None:
     """One optimizer step of train_sft.py's loop over `window`: forward, chunked loss, backward per micro-batch."""
-    from trainer.losses import chunked_sft_loss, completion_hidden
+    from trainer.chunked_losses import chunked_sft_loss, completion_hidden
     for i, batch in enumerate(window):
         batch = {k: v.to(run.device) for k, v in batch.items()}
         with run.micro_step(i, len(window)):
@@ -312,9 +301,9 @@ def measure_phases(args) -> None:
     save (HF export + resume). Each phase's peak resident memory above the process's baseline (VmRSS before the
     load), and the sizes the formula takes -> --out/phases-CASE.json."""
     from serving.weight_sync import WeightSync
-    from trainer.setup import init_distributed_mode, load_sft_data
+    from trainer.loading import load_sft_data
+    from trainer.run import Run
     from trainer.train_sft import parse_args as sft_args
-    from trainer.trainer_utils import Run
     save_dir = os.path.join(args.out, args.phases_case)
     flags = sft_args(["--device", "cpu", "--model_path", args.model_dir, "--data_path",
                       os.path.join(args.out, "chat.jsonl"), "--save_dir", save_dir, "--batch_size", "1",
@@ -322,7 +311,7 @@ def measure_phases(args) -> None:
                       "--max_steps", "2", "--fsdp", str(int(args.phases_case == "sharded"))])
     info = init_distributed_mode(flags.device, flags.dist_timeout)
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(flags)
-    peaks, baseline = {}, memory_kib("VmRSS")
+    peaks, baseline = {}, process_kib("VmRSS")
     with measured_phase("load", peaks, baseline):
         model = build_model(flags, info.device, path=flags.model_path)
     run = Run(flags, info, model, dataset, collator, tokenizer_dir)
@@ -350,7 +339,7 @@ def measure_tokenizer(args) -> None:
     from model import load_tokenizer
     load_tokenizer(args.model_dir)
     results = {}
-    with measured_phase("tokenizer", results, memory_kib("VmRSS")), tempfile.TemporaryDirectory() as folder:
+    with measured_phase("tokenizer", results, process_kib("VmRSS")), tempfile.TemporaryDirectory() as folder:
         load_tokenizer(args.model_dir).save_pretrained(folder)
     with open(os.path.join(args.out, "phases-tokenizer.json"), "w") as f:
         json.dump(results, f)

@@ -88,18 +88,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import bench_sync  # noqa: E402
+from benchmarks import bench_sync, harness  # noqa: E402
 from benchmarks.bench_opd import opd_step  # noqa: E402
 from common.errors import Stopped  # noqa: E402
-from dataset.collators import PromptCollator  # noqa: E402
-from dataset.make_demo_data import ensure_demo_data  # noqa: E402
-from dataset.sources import RowDataset  # noqa: E402
 from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir,  # noqa: E402
                    generate, load_pretrained, load_tokenizer, save_pretrained)
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, wait_ready  # noqa: E402
 from serving.weight_sync import TOLERANCE, WeightSync, own_logprobs, sync_statistics, within  # noqa: E402
-from trainer.losses import chunked_loss, chunked_sft_loss, completion_hidden, distillation_loss, sft_loss  # noqa: E402
+from trainer.chunked_losses import chunked_loss, chunked_sft_loss, completion_hidden  # noqa: E402
+from trainer.losses import distillation_loss, sft_loss  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 
 SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep their width, with SMOKE_LAYERS
@@ -578,21 +576,9 @@ def attention_flops(config, length: int) -> float:
 
 
 def timed_steps(shape: str, device: str, step, steps: int | None = None) -> float:
-    """Seconds per call of `step`, after the warm-up."""
-    steps = steps or WORKLOAD[shape]["steps"]
-    for _ in range(WORKLOAD[shape]["warmup"]):
-        step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    return (time.perf_counter() - start) / steps
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    """Seconds per call of `step`, after the workload's warm-up."""
+    workload = WORKLOAD[shape]
+    return harness.seconds_per_call(step, device, workload["warmup"], steps or workload["steps"])
 
 
 def reset_peak(device: str) -> None:
@@ -661,10 +647,7 @@ def bf16_agrees_with_fp32(kit: Kit) -> tuple[str, str]:
 
 
 def opd_prompts(tokenizer, batch_size: int, device: str) -> dict:
-    rows = RowDataset(ensure_demo_data()["opd_prompts"])
-    batch = PromptCollator(tokenizer, 256, False)([rows[i % len(rows)] for i in range(batch_size)])
-    return {**batch, "prompt_ids": batch["prompt_ids"].to(device),
-            "prompt_attention_mask": batch["prompt_attention_mask"].to(device)}
+    return harness.prompt_batch(tokenizer, harness.demo_rows("opd_prompts", range(batch_size)), device)
 
 
 def opd_split(kit: Kit) -> tuple[str, str]:
@@ -707,7 +690,7 @@ def decode_compiled(kit: Kit) -> tuple[str, str]:
     try:
         start = time.perf_counter()
         run("compiled", decoder)
-        synchronize(device)
+        harness.synchronize(device)
         first_s = time.perf_counter() - start
         seconds = {"eager": timed_steps(shape, device, lambda: run("eager", None), 1),
                    "compiled": timed_steps(shape, device, lambda: run("compiled", decoder), 1)}
@@ -929,9 +912,9 @@ def main(argv=None) -> int:
         return 2
     started = time.perf_counter()
     print_plan(plan)
-    report = {"device": args.device, "shape": args.shape, "torch": torch.__version__, "budget_s": args.budget_s,
-              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "plan": plan,
-              "phases": [], "smoke": [], "throughput": {}}
+    report = {"machine": harness.machine(), "device": args.device, "shape": args.shape, "torch": torch.__version__,
+              "budget_s": args.budget_s, "plan": plan, "phases": [], "smoke": [], "throughput": {},
+              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     folder = args.workdir or tempfile.mkdtemp(prefix="bench_gpu_")
     os.makedirs(folder, exist_ok=True)
     kit = Kit(args, folder, report, started)

@@ -1,94 +1,213 @@
-"""Peak memory and time of chunked vs unchunked generalized JSD (reverse KL by default), forward + backward.
+"""Peak memory and time of our chunked losses against full logits, forward + backward: the OPD/KD divergence and
+one SFT training step.
 
-    python benchmarks/bench_losses.py                      # 4096 positions x 151,936 vocab x hidden 1024, CPU
-    python benchmarks/bench_losses.py --device cuda        # same on a GPU (torch.cuda.max_memory_allocated)
-    python benchmarks/bench_losses.py --positions 512 --vocab 32000   # a quick look
-    python benchmarks/bench_losses.py --casts --hidden 256           # lm_head casts under bf16 autocast
+    python benchmarks/bench_losses.py                  # JSD: 4,096 positions x 151,936 vocabulary x hidden 1,024
+    python benchmarks/bench_losses.py --loss sft       # SFT step: 4 x 1,024 tokens (512 completion), 151,936 vocab
+    python benchmarks/bench_losses.py --device cuda    # on a GPU (torch.cuda.max_memory_allocated)
+    python benchmarks/bench_losses.py --positions 512 --vocab 32000      # a quick look
+    python benchmarks/bench_losses.py --casts --hidden 256               # lm_head casts under bf16 autocast
 
---casts: the chunked loss's forward + backward under CPU bf16 autocast (what CUDA training does), counting the
-full-size (V, H) casts of the lm_head weights (aten._to_copy, through a dispatch mode) and timing it, once with the
-weights cast once per loss (`trainer.losses.autocast_once`, today) and once with autocast casting them at every
-chunk's matmul (before: `autocast_once` giving no copy).
+--loss jsd (target: chunked <= 25% of full): generalized JSD (beta 1: OPD's reverse KL) between random student and
+  teacher hidden states (N, H) and lm_heads (V, H). full: both logits (N, V) at once, then the loss; chunked:
+  trainer.chunked_losses.chunked_generalized_jsd_loss, the lm_heads applied chunk by chunk and recomputed in the backward.
+--loss sft (target: chunked <= 40% of full): one SFT step of a small model (hidden 256, 2 layers, the tied
+  151,936-row embedding: as for Qwen3-0.6B at real lengths, the logits dominate) on a batch laid out as SFTCollator
+  makes it: right padded (row r has r x --pad_step pads at the end, its prompt that much shorter), labels -100 on
+  the prompt and the pads. chunked: as train_sft.py, completion_hidden (only the positions that predict a label)
+  then chunked_sft_loss; full: the same forward's logits (B, T, V), labels shifted (not the logits: no shifted
+  copy, as transformers' ForCausalLMLoss), cross entropy -- the kindest full-logits baseline.
+--casts: the chunked JSD under CPU bf16 autocast, counting the full-size (V, H) casts of the lm_head weights
+  (aten._to_copy, through a dispatch mode) and timing it, once with the weights cast once per loss
+  (`trainer.chunked_losses.autocast_once`, today) and once with autocast casting them at every chunk's matmul (before).
 
-Each variant runs in a fresh 'spawn' process. On CPU, torch's allocations are invisible to tracemalloc, so the
-number is the process's peak RSS (ru_maxrss) minus its RSS once the inputs exist; large CPU tensors are mmap'ed
-and unmapped on free, so RSS follows live tensors closely. On CUDA it is max_memory_allocated minus the memory
-allocated after set-up. Either way: the extra memory the loss and its backward need, inputs excluded
-(the lm_head gradient, V x H, is included in both variants).
+Each variant runs in a fresh 'spawn' process (glibc's mmap threshold fixed: harness.FIXED_MMAP_THRESHOLD): inputs
+(and model) built, a warm-up on a toy slice (kernels, thread pool, autograd engine: memory unrelated to the loss),
+then the baseline (resident bytes; on CUDA the allocated ones) with the peak reset, then --repeats measured steps.
+Memory is the peak above that baseline: what the loss and its backward add, inputs excluded, the lm_head's gradient
+(V x H) included in every variant. Time: the median step.
 """
+from __future__ import annotations
+
 import argparse
 import multiprocessing as mp
 import os
-import resource
+import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import trainer.losses as losses  # noqa: E402
-from trainer.losses import chunked_generalized_jsd_loss, generalized_jsd_loss  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-GIB = 1024 ** 3
+import trainer.chunked_losses as chunked_losses  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from common.checks import check_device  # noqa: E402
+from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
+from dataset.collators import IGNORE_INDEX  # noqa: E402
+from model import Qwen3Config, create_model  # noqa: E402
+from model.precision import resolve_precision  # noqa: E402
+from trainer.chunked_losses import chunked_generalized_jsd_loss, chunked_sft_loss, completion_hidden  # noqa: E402
+from trainer.losses import generalized_jsd_loss, sft_loss  # noqa: E402
 
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-
-
-def unchunked_loss(h, w, th, tw, labels, beta, chunk_size):
-    logits = h @ w.T
-    with torch.no_grad():
-        teacher_logits = th @ tw.T
-    return generalized_jsd_loss(logits, teacher_logits, labels, beta=beta, reduction="sum")
+TARGETS = {"jsd": 0.25, "sft": 0.40}  # chunked / full memory
+DEFAULT_HIDDEN = {"jsd": 1024, "sft": 256}  # Qwen3-0.6B's; a small model whose logits dominate
+PAD_ID = 151643  # Qwen3's <|endoftext|>, its pad token
 
 
-def chunked(h, w, th, tw, labels, beta, chunk_size):
-    loss, _ = chunked_generalized_jsd_loss(h, w, th, tw, labels, beta=beta, chunk_size=chunk_size)
-    return loss
+# ------------------------------------------------------------------------------------------------ the inputs
 
-
-def run_variant(name: str, args: argparse.Namespace) -> dict:
-    """Runs in a fresh process: build inputs, measure the baseline, forward + backward, measure the peak."""
+def jsd_inputs(args: argparse.Namespace, device: torch.device) -> dict:
     torch.manual_seed(0)
-    device = torch.device(args.device)
-    n, v, hdim = args.positions, args.vocab, args.hidden
-    h = (torch.randn(n, hdim, device=device) * 0.5).requires_grad_()
-    w = (torch.randn(v, hdim, device=device) * 0.05).requires_grad_()
-    th = torch.randn(n, hdim, device=device) * 0.5
-    tw = torch.randn(v, hdim, device=device) * 0.05
-    labels = torch.randint(0, v, (n,), device=device)
-    fn = unchunked_loss if name == "unchunked" else chunked
-    # Warm up on a toy size first: the first backward loads kernels, starts the thread pool and the autograd
-    # engine, a few hundred MB of RSS that have nothing to do with the loss.
-    tiny = [x[:8, :] for x in (h, w, th, tw)]
-    fn(*tiny, labels[:8] % 8, args.beta, 4).backward()
-    w.grad = None
-    h.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        baseline = current_rss_bytes()
-    start = time.perf_counter()
-    loss = fn(h, w, th, tw, labels, args.beta, args.chunk_size)
-    loss.backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = peak_rss_bytes()
-    seconds = time.perf_counter() - start
-    return {"name": name, "extra_bytes": peak - baseline, "seconds": seconds, "loss": loss.item(),
-            "grad_w_norm": w.grad.norm().item()}
+    n, v, h = args.positions, args.vocab, args.hidden
+    return {"h": (torch.randn(n, h, device=device) * 0.5).requires_grad_(),
+            "w": (torch.randn(v, h, device=device) * 0.05).requires_grad_(),
+            "th": torch.randn(n, h, device=device) * 0.5, "tw": torch.randn(v, h, device=device) * 0.05,
+            "labels": torch.randint(0, v, (n,), device=device)}
 
+
+def sft_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                         num_hidden_layers=args.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=args.hidden // 4, max_position_embeddings=max(4096, args.seq_len),
+                         tie_word_embeddings=True)
+    return create_model(config, seed=0, device=device).train()
+
+
+def sft_batch(args: argparse.Namespace, device: torch.device) -> dict:
+    """Right-padded rows of --seq_len columns, as SFTCollator lays them out: row r is a prompt of seq_len -
+    completion_len - r x pad_step tokens, completion_len completion tokens (its labels), then r x pad_step pads."""
+    generator = torch.Generator().manual_seed(0)
+    rows, length, completion = args.batch_size, args.seq_len, args.completion_len
+    pad_id = min(PAD_ID, args.vocab - 1)
+    ids = torch.randint(0, pad_id, (rows, length), generator=generator)  # real tokens, below the specials
+    mask = torch.ones(rows, length, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for r in range(rows):
+        end = length - min(r * args.pad_step, length - completion - 1)  # at least one prompt token
+        labels[r, end - completion:end] = ids[r, end - completion:end]
+        ids[r, end:], mask[r, end:] = pad_id, 0
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+def inputs(loss: str, args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
+    """-> (the measured inputs, a toy slice of them for the warm-up)."""
+    if loss == "jsd":
+        full = jsd_inputs(args, device)
+        toy = {**{key: full[key][:8] for key in ("h", "w", "th", "tw")}, "labels": full["labels"][:8] % 8}
+        return full, toy
+    batch = sft_batch(args, device)
+    full = {"model": sft_model(args, device), **batch}
+    return full, {"model": full["model"], **{key: value[:1, -16:] for key, value in batch.items()}}
+
+
+# ------------------------------------------------------------------------------------ the four ways to a loss
+
+def jsd_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        teacher_logits = x["th"] @ x["tw"].T
+    loss = generalized_jsd_loss(x["h"] @ x["w"].T, teacher_logits, x["labels"], beta=args.beta,
+                                reduction="sum")
+    return loss, torch.tensor(len(x["labels"]))
+
+
+def jsd_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    return chunked_generalized_jsd_loss(x["h"], x["w"], x["th"], x["tw"], x["labels"], beta=args.beta,
+                                        chunk_size=min(args.chunk_size, len(x["labels"])))
+
+
+def sft_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = x["model"](x["input_ids"]).logits  # (B, T, V); the same forward as completion_hidden's
+    # position t predicts labels[t + 1]: shift the labels (the last position gets -100), not the logits
+    return sft_loss(logits, F.pad(x["labels"][:, 1:], (0, 1), value=IGNORE_INDEX))
+
+
+def sft_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, targets = completion_hidden(x["model"], x["input_ids"], x["attention_mask"], x["labels"])
+    return chunked_sft_loss(hidden, x["model"].lm_head.weight, targets, chunk_size=args.chunk_size)
+
+
+STEPS = {("jsd", "full"): jsd_full, ("jsd", "chunked"): jsd_chunked,
+         ("sft", "full"): sft_full, ("sft", "chunked"): sft_chunked}
+
+
+def weights(x: dict) -> list[torch.Tensor]:
+    """The tensors whose gradients a step makes (zeroed between steps)."""
+    return list(x["model"].parameters()) if "model" in x else [x["h"], x["w"]]
+
+
+def run_variant(loss: str, variant: str, args: argparse.Namespace) -> dict:
+    """In a fresh process: the inputs, a warm-up on the toy slice, then the baseline and --repeats measured steps."""
+    harness.set_threads(args.threads)
+    device = torch.device(args.device)
+    step, autocast = STEPS[loss, variant], resolve_precision(args.device, args.dtype).autocast
+    full, toy = inputs(loss, args, device)
+    with autocast():
+        step(toy, args)[0].backward()
+    seconds = []
+    for tensor in weights(full):
+        tensor.grad = None
+    baseline, peak_was_reset = harness.memory_baseline(device)
+    for _ in range(args.repeats):
+        for tensor in weights(full):
+            tensor.grad = None  # as optimizer.zero_grad(set_to_none=True)
+        harness.synchronize(device)
+        start = time.perf_counter()
+        with autocast():
+            loss_sum, tokens = step(full, args)
+        loss_sum.backward()
+        harness.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    lm_head = full["model"].lm_head.weight if "model" in full else full["w"]
+    return {"variant": variant, "extra_bytes": harness.peak_bytes(device) - baseline, "baseline_bytes": baseline,
+            "peak_was_reset": peak_was_reset, "seconds": statistics.median(seconds),
+            "loss_per_token": loss_sum.item() / max(int(tokens), 1), "tokens": int(tokens),
+            "lm_head_grad_norm": lm_head.grad.float().norm().item()}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Full logits, then chunked, each in a fresh process of its own (its peak is its own) -> the results."""
+    context = mp.get_context("spawn")
+    variants = {}
+    for variant in ("full", "chunked"):
+        with harness.environment(harness.FIXED_MMAP_THRESHOLD), context.Pool(1) as pool:
+            variants[variant] = pool.apply(run_variant, (args.loss, variant, args))
+    full, chunked = variants["full"], variants["chunked"]
+    return {"variants": variants, "memory_ratio": chunked["extra_bytes"] / full["extra_bytes"],
+            "time_ratio": chunked["seconds"] / full["seconds"], "target": TARGETS[args.loss],
+            "loss_difference": abs(chunked["loss_per_token"] - full["loss_per_token"])}
+
+
+def describe(args: argparse.Namespace) -> str:
+    precision = resolve_precision(args.device, args.dtype).name
+    if args.loss == "jsd":
+        return (f"generalized JSD beta {args.beta}, {args.positions} positions x {args.vocab} vocabulary, hidden "
+                f"{args.hidden}, chunk {args.chunk_size}, {args.device} {precision}; one (N, V) fp32 tensor = "
+                f"{args.positions * args.vocab * 4 / harness.GIB:.2f} GiB")
+    loss_tokens = args.batch_size * args.completion_len
+    return (f"SFT step, batch {args.batch_size} x {args.seq_len} tokens ({args.completion_len} completion, "
+            f"{loss_tokens} loss tokens; right padded, {args.pad_step} more pads a row), vocabulary {args.vocab}, "
+            f"hidden {args.hidden}, {args.num_layers} layers, chunk {args.chunk_size}, {args.device} {precision}; "
+            f"one fp32 (B, T, V) tensor = {args.batch_size * args.seq_len * args.vocab * 4 / harness.GIB:.2f} GiB")
+
+
+def print_results(results: dict) -> None:
+    rows = []
+    for name, r in results["variants"].items():
+        note = "" if r["peak_was_reset"] else " (peak not resettable here: includes set-up)"
+        rows.append([name, f"{r['extra_bytes'] / harness.GIB:.2f}{note}", f"{r['seconds']:.2f}",
+                     f"{r['loss_per_token']:.6f}", f"{r['lm_head_grad_norm']:.6g}"])
+    print(harness.table(["variant", "peak extra memory, GiB", "step s", "loss per token", "lm_head grad norm"],
+                        rows))
+    verdict = "meets" if results["memory_ratio"] <= results["target"] else "misses"
+    print(f"chunked / full memory: {results['memory_ratio']:.1%} ({verdict} the <= {results['target']:.0%} target); "
+          f"time ratio {results['time_ratio']:.2f}x; loss difference {results['loss_difference']:.2e}")
+
+
+# ----------------------------------------------------------------------------------------------------- --casts
 
 class CountWeightCasts(TorchDispatchMode):
     """Counts dtype conversions (aten._to_copy) whose output has `numel` elements: the (V, H) weight casts."""
@@ -104,73 +223,79 @@ class CountWeightCasts(TorchDispatchMode):
         return out
 
 
-def count_casts(args: argparse.Namespace, cast_once: bool) -> tuple[int, float]:
-    """(full-size lm_head casts, seconds) of one chunked forward + backward under CPU bf16 autocast."""
-    torch.manual_seed(0)
-    n, v, hdim = args.positions, args.vocab, args.hidden
-    h = (torch.randn(n, hdim) * 0.5).requires_grad_()
-    w = (torch.randn(v, hdim) * 0.05).requires_grad_()
-    th, tw = torch.randn(n, hdim) * 0.5, torch.randn(v, hdim) * 0.05
-    labels = torch.randint(0, v, (n,))
-    original = losses.autocast_once
-    losses.autocast_once = original if cast_once else (lambda weight: None)
+def count_casts(args: argparse.Namespace, cast_once: bool) -> dict:
+    """Full-size lm_head casts and seconds of one chunked forward + backward under CPU bf16 autocast."""
+    x = jsd_inputs(args, torch.device("cpu"))
+    original = chunked_losses.autocast_once
+    chunked_losses.autocast_once = original if cast_once else (lambda weight: None)
     try:
         start = time.perf_counter()
-        with CountWeightCasts((v - 1) * hdim) as counter:  # vocab_size = v - 1: the sliced view, as in training
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, _ = chunked_generalized_jsd_loss(h, w, th, tw, labels, beta=args.beta,
-                                                       chunk_size=args.chunk_size, vocab_size=v - 1)
+        with CountWeightCasts((args.vocab - 1) * args.hidden) as counter:  # vocab_size v - 1: the sliced view,
+            with torch.autocast("cpu", dtype=torch.bfloat16):                # as in training
+                loss, _ = chunked_generalized_jsd_loss(x["h"], x["w"], x["th"], x["tw"], x["labels"], beta=args.beta,
+                                                       chunk_size=args.chunk_size, vocab_size=args.vocab - 1)
             loss.backward()
-        return counter.count, time.perf_counter() - start
+        return {"casts": counter.count, "seconds": time.perf_counter() - start}
     finally:
-        losses.autocast_once = original
+        chunked_losses.autocast_once = original
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # problem size (defaults: Qwen3-0.6B's hidden and padded vocabulary)
-    parser.add_argument("--positions", type=int, default=4096, help="loss positions N")
-    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size V")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size H of student and teacher")
-    # loss
-    parser.add_argument("--beta", type=float, default=1.0, help="generalized JSD beta (1 = reverse KL, OPD)")
-    parser.add_argument("--chunk_size", type=int, default=512, help="positions per chunk")
-    # run
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--variants", default="unchunked,chunked", help="comma-separated subset to run")
+def measure_casts(args: argparse.Namespace) -> dict:
+    chunks = -(-args.positions // args.chunk_size)
+    print(f"chunked JSD under CPU bf16 autocast: {args.positions} positions in {chunks} chunks x {args.vocab} "
+          f"vocabulary, hidden {args.hidden}; student and teacher lm_head both fp32", flush=True)
+    results = {"per chunk (before)": count_casts(args, False), "once per loss": count_casts(args, True)}
+    print(harness.table(["weights cast", "full-size casts", "seconds"],
+                        [[name, r["casts"], f"{r['seconds']:.2f}"] for name, r in results.items()]))
+    before, after = results.values()
+    print(f"time ratio before / after {before['seconds'] / after['seconds']:.2f}x")
+    return {"casts": results}
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("--loss", choices=["jsd", "sft"], default="jsd", help="what is measured (see above)")
     parser.add_argument("--casts", action="store_true", help="count and time the lm_head casts under bf16 autocast")
-    args = parser.parse_args()
-    if args.casts:
-        chunks = -(-args.positions // args.chunk_size)
-        print(f"chunked JSD under CPU bf16 autocast: {args.positions} positions in {chunks} chunks x {args.vocab} "
-              f"vocab, hidden {args.hidden}; student and teacher lm_head both fp32")
-        results = {}
-        for name, cast_once in (("per chunk (before)", False), ("once per loss", True)):
-            results[name] = count_casts(args, cast_once)
-            print(f"{name:>19}: {results[name][0]:3d} full-size weight casts, {results[name][1]:6.2f} s", flush=True)
-        before, after = results["per chunk (before)"], results["once per loss"]
-        print(f"casts {before[0]} -> {after[0]}; time ratio before / after {before[1] / after[1]:.2f}x")
-        return
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda asked but CUDA is not available; use --device cpu")
+    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size V")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: 1024 jsd, 256 sft)")
+    parser.add_argument("--chunk_size", type=int, default=512, help="positions per lm_head chunk (ours)")
+    g = parser.add_argument_group("--loss jsd")
+    g.add_argument("--positions", type=int, default=4096, help="loss positions N")
+    g.add_argument("--beta", type=float, default=1.0, help="generalized JSD beta (1 = reverse KL, OPD)")
+    g = parser.add_argument_group("--loss sft")
+    g.add_argument("--batch_size", type=int, default=4)
+    g.add_argument("--seq_len", type=int, default=1024, help="tokens per row, prompt + completion + pads")
+    g.add_argument("--completion_len", type=int, default=512, help="completion (label) tokens per row")
+    g.add_argument("--pad_step", type=int, default=64, help="row r ends with r x pad_step pads")
+    g.add_argument("--num_layers", type=int, default=2)
+    g = parser.add_argument_group("run")
+    harness.add_device_args(g)
+    g.add_argument("--repeats", type=int, default=1, help="measured steps per variant (the median time)")
+    harness.add_json_arg(parser)
+    args = parser.parse_args(argv)
+    args.hidden = args.hidden or DEFAULT_HIDDEN[args.loss]
+    check_device(args.device)
+    if args.loss == "sft" and not 0 < args.completion_len < args.seq_len:
+        refuse(f"need 0 < --completion_len ({args.completion_len}) < --seq_len ({args.seq_len})")
+    if min(args.repeats, args.chunk_size, args.positions, args.batch_size) < 1:
+        refuse("--repeats, --chunk_size, --positions and --batch_size must be >= 1")
+    return args
 
-    print(f"generalized JSD beta={args.beta}, {args.positions} positions x {args.vocab} vocab, hidden "
-          f"{args.hidden}, fp32, {args.device}, chunk_size {args.chunk_size}; "
-          f"one (N, V) fp32 tensor = {args.positions * args.vocab * 4 / GIB:.2f} GiB")
-    ctx = mp.get_context("spawn")
-    results = {}
-    for name in args.variants.split(","):
-        with ctx.Pool(1) as pool:   # a fresh process per variant: its peak RSS is its own
-            r = pool.apply(run_variant, (name, args))
-        results[name] = r
-        print(f"{name:>10}: peak extra memory {r['extra_bytes'] / GIB:6.2f} GiB   time {r['seconds']:7.1f} s   "
-              f"loss {r['loss']:.6g}   |grad w| {r['grad_w_norm']:.6g}", flush=True)
-    if len(results) == 2:
-        ratio = results["chunked"]["extra_bytes"] / results["unchunked"]["extra_bytes"]
-        verdict = "meets" if ratio <= 0.25 else "misses"
-        print(f"chunked / unchunked memory: {ratio:.1%} ({verdict} the <= 25% target); "
-              f"time ratio {results['chunked']['seconds'] / results['unchunked']['seconds']:.2f}x")
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    print(harness.machine(), flush=True)
+    if args.casts:
+        results = measure_casts(args)
+    else:
+        print(describe(args), flush=True)
+        results = {"loss": args.loss, **measure(args)}
+        print_results(results)
+    harness.write_json(args.json, results)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

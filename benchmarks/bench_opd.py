@@ -3,12 +3,12 @@
     python benchmarks/bench_opd.py                      # CPU: tiny random student/teacher, 8 demo prompts x 64 new
     python benchmarks/bench_opd.py --device cuda        # one GPU, bf16 autocast (teacher stored in bf16)
     python benchmarks/bench_opd.py --student_path checkpoints/kd --teacher_path checkpoints/sft  # trained demo models
-    python benchmarks/bench_opd.py --max_new_tokens 256 --steps 3 --profile 1  # + torch.profiler's top generate ops
+    python benchmarks/bench_opd.py --max_new_tokens 256 --steps 3 --json opd.json   # the numbers as JSON too
     python benchmarks/bench_opd.py --threads 1          # steadier on a shared CPU: with 2 threads and busy cores,
                                                         # every small op can wait a scheduler slice for its 2nd thread
 
 One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
-  generation       train_opd.sample_completions itself (the loop's rollout, not a copy): one torch.Generator per
+  generation       trainer.rollouts.sample_completions itself (the loop's rollout, not a copy): one torch.Generator per
                    row seeded derived_seed(seed, epoch, row), student in eval mode under autocast, generate(...,
                    do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences; the
                    benchmark's step number stands in for the epoch, so every step samples afresh
@@ -51,23 +51,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from dataset.collators import IGNORE_INDEX, PromptCollator  # noqa: E402
-from dataset.make_demo_data import ensure_demo_data  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from common.checks import check_device  # noqa: E402
+from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
+from dataset.collators import IGNORE_INDEX  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
-from trainer.losses import chunked_generalized_jsd_loss, completion_hidden  # noqa: E402
-from trainer.train_opd import sample_completions  # noqa: E402
+from model.precision import resolve_precision  # noqa: E402
 from trainer.console import PhaseClock  # noqa: E402
-from model.precision import DTYPE_CHOICES, resolve_precision  # noqa: E402
+from trainer.chunked_losses import chunked_generalized_jsd_loss, completion_hidden  # noqa: E402
+from trainer.rollouts import sample_completions  # noqa: E402
 
-CONFIGS = os.path.join(ROOT, "model", "configs")
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
 generate_module = importlib.import_module("model.generate")
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -75,7 +71,7 @@ def sync(device: str) -> None:
 
 def load_models(args):
     """Student: fp32 master weights, train mode. Teacher: frozen, eval mode, in the precision rule's teacher dtype
-    (as trainer/setup.py's read_teacher loads it)."""
+    (as trainer/frozen.py's read_frozen loads it)."""
     teacher_dtype = resolve_precision(args.device, args.dtype).teacher
     if args.student_path:
         student = load_pretrained(args.student_path, dtype=torch.float32, device=args.device)
@@ -91,11 +87,12 @@ def load_models(args):
 
 
 def prompt_batch(args, tokenizer) -> dict:
-    dataset = RowDataset(args.data_path or ensure_demo_data()["opd_prompts"])
-    rows = [dataset[i] for i in range(args.batch_size)]
-    batch = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))(rows)
-    return {**batch, "prompt_ids": batch["prompt_ids"].to(args.device),
-            "prompt_attention_mask": batch["prompt_attention_mask"].to(args.device)}
+    if args.data_path:
+        dataset = RowDataset(args.data_path)
+        rows = [dataset[i] for i in range(min(args.batch_size, len(dataset)))]
+    else:
+        rows = harness.demo_rows("opd_prompts", range(args.batch_size))
+    return harness.prompt_batch(tokenizer, rows, args.device, args.max_prompt_length, bool(args.enable_thinking))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -103,7 +100,7 @@ def prompt_batch(args, tokenizer) -> dict:
 # optimizer_step spelled out, so that each is timed on its own)
 
 def rollout(args, student, tokenizer, batch, step: int):
-    """train_opd.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
+    """trainer.rollouts.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
     -> input_ids, attention_mask, labels."""
     return sample_completions(student, args, tokenizer, batch, step, args.device,
                               resolve_precision(args.device, args.dtype).autocast)  # what Run.autocast returns
@@ -159,7 +156,7 @@ class GenerationProbe:
         self._handles, self._saved, self._start = [], {}, {}
 
     def now(self) -> float:
-        sync(self.device)
+        harness.synchronize(self.device)
         return time.perf_counter()
 
     def _record(self, name: str, start: float) -> None:
@@ -239,29 +236,17 @@ def take_generation_apart(args, student, tokenizer, batch, runs: int) -> dict:
     return {key: value / runs for key, value in sums.items()}
 
 
-def profile_generation(args, student, tokenizer, batch) -> None:
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    with profile(activities=activities) as prof:
-        rollout(args, student, tokenizer, batch, 20_000)
-        sync(args.device)
-    sort_by = "self_device_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
-    print(f"\ntorch.profiler, one generate call, top ops by {sort_by}:")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=15))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     g = parser.add_argument_group("models")
-    g.add_argument("--student_config", default=os.path.join(CONFIGS, "qwen3-tiny-student.json"),
+    g.add_argument("--student_config", default=harness.STUDENT_CONFIG,
                    help="config.json of a random-weight student (ignored with --student_path)")
-    g.add_argument("--teacher_config", default=os.path.join(CONFIGS, "qwen3-tiny.json"),
+    g.add_argument("--teacher_config", default=harness.TEACHER_CONFIG,
                    help="config.json of a random-weight teacher (ignored with --teacher_path)")
     g.add_argument("--student_path", default=None, help="HF folder of the student")
     g.add_argument("--teacher_path", default=None, help="HF folder of the teacher (same tokenizer)")
-    g.add_argument("--tokenizer_path", default=None, help="default: --student_path's, else the packaged Qwen3 one")
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", default=None, help="prompts (default: the demo opd_prompts)")
     g.add_argument("--batch_size", type=int, default=8)
@@ -277,97 +262,102 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--loss_chunk_size", type=int, default=512)
     g.add_argument("--learning_rate", type=float, default=1e-5)
     g = parser.add_argument_group("run")
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="as the loops' --dtype (auto: bf16 autocast on CUDA, fp32 elsewhere)")
+    harness.add_device_args(g)
     g.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     g.add_argument("--steps", type=int, default=5, help="timed steps (median per phase)")
     g.add_argument("--breakdown_runs", type=int, default=3, help="instrumented generate calls to average (0 = off)")
-    g.add_argument("--profile", type=int, default=0, choices=[0, 1], help="1: torch.profiler table of a generate")
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch's default); 1 gives steadier times on a shared machine")
+    harness.add_json_arg(parser)
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda asked but CUDA is not available; use --device cpu")
+    check_device(args.device)
     if min(args.batch_size, args.max_new_tokens, args.steps, args.max_prompt_length) < 1 or args.warmup < 0:
-        parser.error("--batch_size, --max_new_tokens, --steps, --max_prompt_length must be >= 1, --warmup >= 0")
+        refuse("--batch_size, --max_new_tokens, --steps, --max_prompt_length must be >= 1, --warmup >= 0")
     for path in (args.student_path, args.teacher_path, args.data_path):
         if path and not os.path.exists(path):
-            parser.error(f"{path} does not exist")
+            refuse(f"{path} does not exist")
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.tokenizer_path or args.student_path)
-    student, teacher = load_models(args)
+def measure(args, student, teacher, tokenizer, batch) -> dict:
+    """--warmup untimed steps, then --steps timed ones: each phase's median (ms), the step and what it generated."""
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.learning_rate, betas=(0.9, 0.95))
+    for step in range(args.warmup):
+        opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
+    per_phase: dict[str, list[float]] = {}
+    totals, stats = [], []
+    for step in range(args.warmup, args.warmup + args.steps):
+        ms, step_stats = opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
+        for phase, value in ms.items():
+            per_phase.setdefault(phase, []).append(value)
+        totals.append(sum(ms.values()))
+        stats.append(step_stats)
+    phases = {phase: statistics.median(values) for phase, values in per_phase.items()}
+    generated = statistics.median(s["generated_tokens"] for s in stats)
+    decode = statistics.median(s["decode_steps"] for s in stats)
+    generation_s = phases["generation"] / 1000.0
+    return {"phases_ms": phases, "step_ms": sum(phases.values()), "measured_step_ms": statistics.median(totals),
+            "generated_tokens": generated, "decode_steps": decode, "generation_tokens_per_s": generated / generation_s,
+            "row_steps_per_s": decode * args.batch_size / generation_s,
+            "loss_per_token": statistics.median(s["loss"] for s in stats)}
+
+
+def print_step(results: dict, args) -> None:
+    phases, step_ms = results["phases_ms"], results["step_ms"]
+    student_ms = phases["student forward"] + phases["loss forward"] + phases["backward"]
+    rows = [("generation (rollout)", phases["generation"]), ("teacher forward (no grad)", phases["teacher forward"]),
+            ("student fwd + loss + bwd", student_ms), ("  student forward", phases["student forward"]),
+            ("  loss forward (chunked JSD)", phases["loss forward"]), ("  backward", phases["backward"]),
+            ("optimizer (clip + AdamW)", phases["optimizer"]), ("step (sum of medians)", step_ms)]
+    print("\n" + harness.table(["phase", "ms (median)", "share"],
+                               [[name, f"{ms:.1f}", f"{ms / step_ms:.1%}"] for name, ms in rows]))
+    print(f"median of the measured step totals {results['measured_step_ms']:.1f} ms; generated "
+          f"{results['generated_tokens']:.0f} tokens (through the first EOS) in {results['decode_steps']:.0f} decode "
+          f"steps x {args.batch_size} rows -> {results['generation_tokens_per_s']:.0f} tokens/s of generation "
+          f"({results['row_steps_per_s']:.0f} row-steps/s); loss (per token) {results['loss_per_token']:.4f}")
+
+
+def print_breakdown(b: dict, generation_ms: float, batch: dict, args) -> None:
+    print(f"\ngeneration taken apart (instrumented, mean of {args.breakdown_runs} calls; total {b['total']:.1f} ms "
+          f"vs {generation_ms:.1f} ms uninstrumented):")
+    print(f"  prefill ({batch['prompt_ids'].shape[1]} prompt tokens x {args.batch_size} rows) "
+          f"{b['prefill']:8.1f} ms {b['prefill'] / b['total']:6.1%} of generation: layers "
+          f"{b['prefill_layers']:.1f}, embed/mask/rope/norm {b['prefill_forward_rest']:.1f}, lm_head "
+          f"{b['prefill_lm_head']:.1f}, cache + set-up {b['prefill_other']:.1f}")
+    print(f"  decode ({b['tokens_sampled']:.0f} tokens sampled, {b['forwards']:.0f} one-token forwards)"
+          f" {b['decode']:8.1f} ms {b['decode'] / b['total']:6.1%} of generation, {b['step']:.2f} ms per token:")
+    for key, name in (("step_layers", "decoder layers"), ("step_forward_rest", "embed/mask/rope/final norm"),
+                      ("step_lm_head", "lm_head (next_token_logits)"),
+                      ("step_sampling", "sampling (sample_next_token)"),
+                      ("step_other", "other (vocab mask, EOS bookkeeping, Python)")):
+        print(f"    {name:<44} {b[key]:7.2f} ms {b[key] / b['step']:6.1%}")
+    head_and_sampling = b["step_lm_head"] + b["step_sampling"]
+    print(f"    -> lm_head + sampling {head_and_sampling / b['step']:.0%} of a decode step, the transformer "
+          f"(layers + embed/mask/norm) {(b['step_layers'] + b['step_forward_rest']) / b['step']:.0%}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    harness.set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.student_path)
+    student, teacher = load_models(args)
     batch = prompt_batch(args, tokenizer)
     s_cfg, t_cfg = student.config, teacher.config
-    print(f"OPD step on {args.device} ({resolve_precision(args.device, args.dtype).name}, "
+    print(f"{harness.machine()}\nOPD step on {args.device} ({resolve_precision(args.device, args.dtype).name}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}): "
           f"student {student.num_parameters() / 1e6:.1f}M (hidden {s_cfg.hidden_size}, {s_cfg.num_hidden_layers} "
           f"layers), teacher {teacher.num_parameters() / 1e6:.1f}M (hidden {t_cfg.hidden_size}, "
           f"{t_cfg.num_hidden_layers} layers), vocab {s_cfg.vocab_size}; batch {args.batch_size} prompts "
           f"(padded to {batch['prompt_ids'].shape[1]} tokens) x max_new_tokens {args.max_new_tokens}; "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
-
-    for step in range(args.warmup):
-        opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
-    per_phase: dict[str, list[float]] = {}
-    totals, stats_list = [], []
-    for step in range(args.warmup, args.warmup + args.steps):
-        ms, stats = opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
-        for phase, value in ms.items():
-            per_phase.setdefault(phase, []).append(value)
-        totals.append(sum(ms.values()))
-        stats_list.append(stats)
-
-    med = {phase: statistics.median(values) for phase, values in per_phase.items()}
-    step_ms = sum(med.values())
-    generated = statistics.median(s["generated_tokens"] for s in stats_list)
-    decode_steps = statistics.median(s["decode_steps"] for s in stats_list)
-    student_ms = med["student forward"] + med["loss forward"] + med["backward"]
-    rows = [("generation (rollout)", med["generation"]), ("teacher forward (no grad)", med["teacher forward"]),
-            ("student fwd + loss + bwd", student_ms), ("  student forward", med["student forward"]),
-            ("  loss forward (chunked JSD)", med["loss forward"]), ("  backward", med["backward"]),
-            ("optimizer (clip + AdamW)", med["optimizer"])]
-    print(f"\n{'phase':<30} {'ms (median)':>12} {'share':>7}")
-    for name, value in rows:
-        print(f"{name:<30} {value:12.1f} {value / step_ms:7.1%}")
-    print(f"{'step (sum of medians)':<30} {step_ms:12.1f} {1:7.0%}   (median of measured step totals "
-          f"{statistics.median(totals):.1f} ms)")
-    gen_s = med["generation"] / 1000.0
-    print(f"generated: {generated:.0f} tokens (through the first EOS) in {decode_steps:.0f} decode steps x "
-          f"{args.batch_size} rows -> {generated / gen_s:.0f} tokens/s of generation "
-          f"({decode_steps * args.batch_size / gen_s:.0f} row-steps/s); "
-          f"loss (per token) {statistics.median(s['loss'] for s in stats_list):.4f}")
-
+    results = measure(args, student, teacher, tokenizer, batch)
+    print_step(results, args)
     if args.breakdown_runs:
-        b = take_generation_apart(args, student, tokenizer, batch, args.breakdown_runs)
-        print(f"\ngeneration taken apart (instrumented, mean of {args.breakdown_runs} calls; total {b['total']:.1f} ms "
-              f"vs {med['generation']:.1f} ms uninstrumented):")
-        print(f"  prefill ({batch['prompt_ids'].shape[1]} prompt tokens x {args.batch_size} rows) "
-              f"{b['prefill']:8.1f} ms {b['prefill'] / b['total']:6.1%} of generation: layers "
-              f"{b['prefill_layers']:.1f}, embed/mask/rope/norm {b['prefill_forward_rest']:.1f}, lm_head "
-              f"{b['prefill_lm_head']:.1f}, cache + set-up {b['prefill_other']:.1f}")
-        print(f"  decode ({b['tokens_sampled']:.0f} tokens sampled, {b['forwards']:.0f} one-token forwards)"
-              f" {b['decode']:8.1f} ms {b['decode'] / b['total']:6.1%} of generation, {b['step']:.2f} ms per token:")
-        for key, name in (("step_layers", "decoder layers"), ("step_forward_rest", "embed/mask/rope/final norm"),
-                          ("step_lm_head", "lm_head (next_token_logits)"),
-                          ("step_sampling", "sampling (sample_next_token)"),
-                          ("step_other", "other (vocab mask, EOS bookkeeping, Python)")):
-            print(f"    {name:<44} {b[key]:7.2f} ms {b[key] / b['step']:6.1%}")
-        head_and_sampling = b["step_lm_head"] + b["step_sampling"]
-        print(f"    -> lm_head + sampling {head_and_sampling / b['step']:.0%} of a decode step, the transformer "
-              f"(layers + embed/mask/norm) {(b['step_layers'] + b['step_forward_rest']) / b['step']:.0%}")
-    if args.profile:
-        profile_generation(args, student, tokenizer, batch)
+        results["generation_breakdown"] = take_generation_apart(args, student, tokenizer, batch, args.breakdown_runs)
+        print_breakdown(results["generation_breakdown"], results["phases_ms"]["generation"], batch, args)
+    harness.write_json(args.json, results)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sync.py                  # depths 2 4 8 16 28: one bf16 server each, ~4 min per depth
     python benchmarks/bench_sync.py --layers 2 4 --lr 1e-5
+    python benchmarks/bench_sync.py --layers 2 --json sync.json     # one depth, the figures as JSON too
 
 For each depth a random model (hidden 128, 2 heads x 64, the real 151,936-row vocabulary, tied head) is served by a
 vLLM CPU server with --dtype bfloat16; the trainer's side is our model's forward under torch.autocast("cpu",
@@ -31,9 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import harness  # noqa: E402
+from common.errors import ArgumentParser, RuntimeFailure, run_script  # noqa: E402
 from dataset.collators import IGNORE_INDEX, SFTCollator  # noqa: E402
-from dataset.make_demo_data import ensure_demo_data  # noqa: E402
-from dataset.sources import RowDataset  # noqa: E402
 from model import Qwen3Config, Qwen3ForCausalLM, create_model, load_tokenizer, save_pretrained  # noqa: E402
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, vllm_python, wait_ready  # noqa: E402
@@ -41,12 +42,13 @@ from serving.weight_sync import TOLERANCE, Tolerance, WeightSync, own_logprobs, 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 28])
     p.add_argument("--lr", type=float, default=1e-5, help="of the skipped step (Qwen3-0.6B trains at ~1e-5)")
     p.add_argument("--port", type=int, default=8741)
     p.add_argument("--workdir", default=None, help="where the models and pushed weights go (default: a temporary "
                                                    "folder)")
+    harness.add_json_arg(p)
     return p.parse_args(argv)
 
 
@@ -81,8 +83,7 @@ def bf16_autocast():
 
 
 def sft_batch(tokenizer, rows: int = 8) -> dict[str, torch.Tensor]:
-    data = RowDataset(ensure_demo_data()["sft_train"])
-    return SFTCollator(tokenizer, 128, 64)([data[i] for i in range(rows)])
+    return SFTCollator(tokenizer, 128, 64)(harness.demo_rows("sft_train", range(rows)))
 
 
 def stepped(model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor], lr: float, steps: int = 1) -> Qwen3ForCausalLM:
@@ -166,31 +167,36 @@ def table_row(layers: int, cases: list[tuple[str, bool | None, dict[str, float]]
     return f"| {layers} | {worst['max']:.1e} / {worst['mean']:.1e} {verdict} | " + " | ".join(stale) + " |"
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)  # tiny models; the server needs the other core
     if vllm_python() is None:
-        sys.exit("error: no vLLM environment: run serving/setup_vllm_cpu.sh first")
+        raise RuntimeFailure("no vLLM environment: run serving/setup_vllm_cpu.sh first")
     tokenizer = load_tokenizer(None)
     probe, batch = probe_token_ids(tokenizer), sft_batch(tokenizer)
     tolerance = TOLERANCE[torch.bfloat16]
-    print(f"|d log p| over the probe's {len(probe) - 1} tokens, max / mean; bf16 tolerance (serving/weight_sync.py): "
-          f"max {tolerance.max:g}, mean {tolerance.mean:g}; steps: AdamW at lr {args.lr:g}\n")
-    means: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
+    print(f"{harness.machine()}\n|d log p| over the probe's {len(probe) - 1} tokens, max / mean; bf16 tolerance "
+          f"(serving/weight_sync.py): max {tolerance.max:g}, mean {tolerance.mean:g}; steps: AdamW at lr {args.lr:g}\n")
+    depths = {}
     with tempfile.TemporaryDirectory() as scratch:
         for index, layers in enumerate(args.layers):
             cases = measure_depth(layers, args.lr, probe, batch, args.workdir or scratch, args.port)
             if index == 0:
                 print(table_header(cases))
             print(table_row(layers, cases, tolerance), flush=True)
-            for _, must_pass, stats in cases:
-                if must_pass is not None:
-                    means[must_pass].append((stats["mean"], layers))
-    (correct, at), (stale, at_stale) = max(means[True]), min(means[False])
+            depths[layers] = [{"case": name, "must_pass": must_pass, **stats, "passes": within(stats, tolerance)}
+                              for name, must_pass, stats in cases]
+    means = [(case["mean"], layers, case["must_pass"]) for layers, found in depths.items() for case in found]
+    correct, at = max((mean, layers) for mean, layers, must_pass in means if must_pass)
+    stale, at_stale = min((mean, layers) for mean, layers, must_pass in means if must_pass is False)
     print(f"\nmargins of the mean: the largest of a correct sync, {correct:.2e} ({at} layers), is "
           f"{tolerance.mean / correct:.1f}x below the tolerance; the smallest of a stale sync that must fail, "
           f"{stale:.2e} ({at_stale} layers), {stale / tolerance.mean:.1f}x above it")
+    results = {"tolerance": {"mean": tolerance.mean, "max": tolerance.max}, "depths": depths,
+               "margins": {"correct_below": tolerance.mean / correct, "stale_above": stale / tolerance.mean}}
+    harness.write_json(args.json, results)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -1,11 +1,12 @@
 """Bias and variance of a served teacher's signals: the per-token reverse KL(student || teacher) of the top-K
-estimate (`trainer.topk_divergence.topk_divergence`: top-K + sampled token + tail bucket) for K = 1, 4, 16, 64 and of the
-sampled-token estimate (log p_S(y) - log p_T(y)), against the exact full-vocabulary value on the same samples;
+estimate (`trainer.topk_divergence.topk_divergence`: top-K + sampled token + tail bucket) for K = 1, 4, 16, 64 and of
+the sampled-token estimate (log p_S(y) - log p_T(y)), against the exact full-vocabulary value on the same samples;
 with --serve 1 also what a vLLM teacher server sends and how long it takes per request.
 
     python benchmarks/bench_topk.py                       # checkpoints/sft (teacher), checkpoints/kd (student)
     python benchmarks/bench_topk.py --teacher DIR --student DIR --serve 1
     python benchmarks/bench_topk.py --random 1            # tiny random models (model/configs), no checkpoints
+    python benchmarks/bench_topk.py --random 1 --rows 2 --max_new_tokens 8 --json topk.json   # a quick look
 
 The student samples --rows demo OPD prompts x --max_new_tokens at temperature 1 (on-policy, per-row seeds); every
 completion position is one sample of each estimate. Columns: the mean over positions and its ratio to the exact
@@ -29,19 +30,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import harness  # noqa: E402
+from common.errors import ArgumentParser, UserError, run_script  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
-from dataset.collators import PromptCollator, build_sequences  # noqa: E402
-from dataset.make_demo_data import ensure_demo_data  # noqa: E402
-from dataset.sources import RowDataset  # noqa: E402
-from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
-from trainer.losses import completion_hidden, generalized_jsd_loss  # noqa: E402
+from dataset.collators import build_sequences  # noqa: E402
+from model import generate, load_pretrained, load_tokenizer  # noqa: E402
+from trainer.chunked_losses import completion_hidden  # noqa: E402
+from trainer.losses import generalized_jsd_loss  # noqa: E402
 from trainer.topk_divergence import topk_divergence, topk_support  # noqa: E402
 
 KS = (1, 4, 16, 64)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--teacher", default=os.path.join(ROOT, "checkpoints", "sft"))
     p.add_argument("--student", default=os.path.join(ROOT, "checkpoints", "kd"))
     p.add_argument("--random", type=int, default=0, choices=[0, 1],
@@ -51,28 +53,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve", type=int, default=0, choices=[0, 1], help="1: also measure a vLLM teacher server")
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (0: torch's default)")
+    harness.add_json_arg(p)
     return p.parse_args(argv)
 
 
 def models(args, folder: str):
-    if args.random:
-        configs = os.path.join(ROOT, "model", "configs")
-        teacher = create_model(Qwen3Config.from_json(os.path.join(configs, "qwen3-tiny.json")), seed=1)
-        student = create_model(Qwen3Config.from_json(os.path.join(configs, "qwen3-tiny-student.json")), seed=2)
-        args.teacher = os.path.join(folder, "teacher")
-        save_pretrained(teacher, args.teacher)
-        return teacher.eval(), student.eval(), "random tiny models (qwen3-tiny teacher, qwen3-tiny-student)"
-    for path in (args.teacher, args.student):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            sys.exit(f"error: no model at {path}: train the demo (README) or pass --random 1")
-    return (load_pretrained(args.teacher).eval(), load_pretrained(args.student).eval(),
-            f"teacher {os.path.relpath(args.teacher)}, student {os.path.relpath(args.student)}")
+    if args.random:  # written as folders: a --serve 1 server starts from the teacher's
+        args.student, args.teacher = harness.save_random_models(folder, seed=1)
+        what = "random tiny models (qwen3-tiny teacher, qwen3-tiny-student)"
+    else:
+        for path in (args.teacher, args.student):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise UserError(f"no model at {path}: train the demo (README) or pass --random 1")
+        what = f"teacher {os.path.relpath(args.teacher)}, student {os.path.relpath(args.student)}"
+    return load_pretrained(args.teacher).eval(), load_pretrained(args.student).eval(), what
 
 
 @torch.no_grad()
 def samples(args, tokenizer, student):
-    rows = RowDataset(ensure_demo_data()["opd_prompts"])
-    batch = PromptCollator(tokenizer, 128, False)([rows[i] for i in range(args.rows)])
+    batch = harness.prompt_batch(tokenizer, harness.demo_rows("opd_prompts", range(args.rows)), max_prompt_length=128)
     seeds = [derived_seed(args.seed, 0, row["row_index"]) for row in batch["rows"]]
     out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens, do_sample=True,
                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -133,30 +133,44 @@ def serve(args, folder: str, input_ids, attention_mask, labels) -> dict[str, tup
     return results
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    folder = tempfile.mkdtemp(prefix="bench_topk_")
-    tokenizer = load_tokenizer(None if args.random else args.teacher)
-    teacher, student, what = models(args, folder)
-    input_ids, attention_mask, labels = samples(args, tokenizer, student)
-    values = estimates(tokenizer, teacher, student, input_ids, attention_mask, labels)
-    served = serve(args, folder, input_ids, attention_mask, labels) if args.serve else {}
+    harness.set_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench_topk_") as folder:
+        tokenizer = load_tokenizer(None if args.random else args.teacher)
+        teacher, student, what = models(args, folder)
+        input_ids, attention_mask, labels = samples(args, tokenizer, student)
+        values = estimates(tokenizer, teacher, student, input_ids, attention_mask, labels)
+        served = serve(args, folder, input_ids, attention_mask, labels) if args.serve else {}
     exact = values["exact"]
-    print(f"\n{what}; {args.rows} prompts x {args.max_new_tokens} new tokens sampled by the student at temperature 1: "
-          f"{exact.numel()} positions; exact per-token reverse KL mean {exact.mean():.4f}, std {exact.std():.4f}\n")
-    print("| estimate of KL(p_S \\|\\| p_T) per token | mean | mean / exact | std across positions | "
-          "std of (estimate - exact) | teacher mass outside S | bytes / position | server ms / request |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{harness.machine()}\n{what}; {args.rows} prompts x {args.max_new_tokens} new tokens sampled by the "
+          f"student at temperature 1: {exact.numel()} positions; exact per-token reverse KL mean {exact.mean():.4f}, "
+          f"std {exact.std():.4f}\n")
+    rows = []
     for name, k in (("exact (full vocabulary, local teacher)", None), ("sampled token", 0),
                     *((f"top-{k} + sampled + tail", k) for k in KS)):
         value = exact if k is None else values["sampled token" if k == 0 else f"top-{k}"]
-        tail = f"{values[f'tail-{k}'].mean():.4f}" if k else "-"
-        cost = served.get(k)
-        cells = f"{cost[0]:.0f} | {cost[1]:.0f}" if cost else "- | -"
-        print(f"| {name} | {value.mean():.4f} | {value.mean() / exact.mean():.3f} | {value.std():.4f} | "
-              f"{(value - exact).std():.4f} | {tail} | {cells} |")
+        rows.append({"estimate": name, "k": k, "mean": value.mean().item(),
+                     "mean_over_exact": (value.mean() / exact.mean()).item(), "std": value.std().item(),
+                     "error_std": (value - exact).std().item(),
+                     "teacher_mass_outside": values[f"tail-{k}"].mean().item() if k else None,
+                     "bytes_per_position": served[k][0] if k in served else None,
+                     "server_ms_per_request": served[k][1] if k in served else None})
+    print(harness.table(["estimate of KL(p_S || p_T) per token", "mean", "mean / exact", "std across positions",
+                         "std of (estimate - exact)", "teacher mass outside S", "bytes / position",
+                         "server ms / request"],
+                        [[r["estimate"], f"{r['mean']:.4f}", f"{r['mean_over_exact']:.3f}", f"{r['std']:.4f}",
+                          f"{r['error_std']:.4f}", cell(r["teacher_mass_outside"], ".4f"),
+                          cell(r["bytes_per_position"], ".0f"), cell(r["server_ms_per_request"], ".0f")]
+                         for r in rows]))
+    results = {"positions": exact.numel(), "estimates": rows}
+    harness.write_json(args.json, results)
+    return results
+
+
+def cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

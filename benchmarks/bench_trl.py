@@ -5,7 +5,8 @@
 
 TRL is never a dependency: its side runs in a separate interpreter (--trl_python, default
 ~/.cache/distill/trl-venv/bin/python, a venv made with --system-site-packages so that it shares this environment's
-torch and transformers). Without one that can import trl.experimental.gkd this prints how to make it and exits 0.
+torch and transformers). Without one that can import trl.experimental.gkd only our side runs (one run), and the
+note says how to make the venv.
 
 The workload, identical on both sides:
   models     qwen3-tiny-student.json (student) and qwen3-tiny.json (teacher), random weights made once per invocation
@@ -34,6 +35,7 @@ EOS, so every row generates 64 tokens on both sides (the decode widths are print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -49,7 +51,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-CONFIGS = os.path.join(ROOT, "model", "configs")
+from benchmarks import harness  # noqa: E402
+from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
+
 DEFAULT_TRL_PYTHON = os.path.expanduser("~/.cache/distill/trl-venv/bin/python")
 VENV_NOTE = ("TRL not importable by {python}; to compare against it, make the venv (TRL never becomes a dependency): "
              "python -m venv --system-site-packages ~/.cache/distill/trl-venv && "
@@ -62,16 +66,7 @@ POOL_ROWS = 64  # the demo prompts cycled through, batch_size at a time
 
 def pool_rows(batch_size: int, step: int) -> list[dict]:
     """Step `step`'s rows of the first POOL_ROWS demo opd_prompts: rows step*B .. step*B + B - 1 (mod POOL_ROWS)."""
-    from dataset.make_demo_data import ensure_demo_data
-    from dataset.sources import RowDataset
-    dataset = RowDataset(ensure_demo_data()["opd_prompts"])
-    return [dataset[(step * batch_size + i) % POOL_ROWS] for i in range(batch_size)]
-
-
-def collate_prompts(tokenizer, rows: list[dict], max_prompt_length: int) -> dict:
-    """Our PromptCollator (chat template, enable_thinking 0): prompt_ids, prompt_attention_mask, left padded."""
-    from dataset.collators import PromptCollator
-    return PromptCollator(tokenizer, max_prompt_length, enable_thinking=False)(rows)
+    return harness.demo_rows("opd_prompts", [(step * batch_size + i) % POOL_ROWS for i in range(batch_size)])
 
 
 def set_threads(threads: int) -> None:
@@ -87,9 +82,6 @@ class RunResult:
     decode_widths: list[int]
     losses: list[float]  # per completion token, as each side computes it
     threads: int
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -109,7 +101,7 @@ def run_ours(args: argparse.Namespace) -> RunResult:
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
     result = RunResult("ours", [], [], [], [], torch.get_num_threads())
     for step in range(args.warmup + args.steps):
-        batch = collate_prompts(tokenizer, pool_rows(args.batch_size, step), args.max_prompt_length)
+        batch = harness.prompt_batch(tokenizer, pool_rows(args.batch_size, step), "cpu", args.max_prompt_length)
         start = time.perf_counter()
         phase_ms, stats = bench_opd.opd_step(opd_args, student, teacher, optimizer, tokenizer, batch, step)
         step_ms = (time.perf_counter() - start) * 1000.0
@@ -159,7 +151,7 @@ class PromptBatches:
         self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
 
     def __call__(self, rows: list[dict]) -> dict:
-        batch = collate_prompts(self.tokenizer, rows, self.max_prompt_length)
+        batch = harness.prompt_batch(self.tokenizer, rows, "cpu", self.max_prompt_length)
         ids, mask = batch["prompt_ids"], batch["prompt_attention_mask"]
         return {"prompts": ids, "prompt_attention_mask": mask, "input_ids": ids.clone(), "attention_mask": mask.clone()}
 
@@ -225,19 +217,6 @@ def trl_importable(python: str) -> bool:
     return probe.returncode == 0
 
 
-def save_models(args: argparse.Namespace, folder: str) -> tuple[str, str]:
-    """Random-weight student and teacher, written once as HF folders by our save_pretrained."""
-    from model import Qwen3Config, create_model, save_pretrained
-    paths = []
-    for name, config, seed in (("student", args.student_config, args.seed), ("teacher", args.teacher_config,
-                                                                                args.seed + 1)):
-        model = create_model(Qwen3Config.from_json(config), seed=seed)
-        path = os.path.join(folder, name)
-        save_pretrained(model, path)
-        paths.append(path)
-    return paths[0], paths[1]
-
-
 def child_command(python: str, side: str, args: argparse.Namespace, result_path: str) -> list[str]:
     return [python, os.path.abspath(__file__), "--side", side, "--result", result_path,
             "--student_path", args.student_path, "--teacher_path", args.teacher_path,
@@ -249,7 +228,8 @@ def child_command(python: str, side: str, args: argparse.Namespace, result_path:
 
 def run_child(python: str, side: str, args: argparse.Namespace, folder: str, number: int) -> RunResult:
     result_path = os.path.join(folder, f"run{number}.json")
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore",
+           "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(child_command(python, side, args, result_path), capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.stderr.write(done.stdout + done.stderr)
@@ -262,51 +242,65 @@ def median_or_nan(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def print_run(number: int, run: RunResult) -> None:
+def run_row(number: int, run: RunResult) -> list[str]:
     gen, step = median_or_nan(run.generation_ms), median_or_nan(run.step_ms)
-    print(f"  run {number}  {run.side:<5} step {step:9.1f} ms   generation {gen:9.1f} ms   rest {step - gen:9.1f} ms   "
-          f"(steps: {', '.join(f'{v:.0f}' for v in run.step_ms)}; decode widths {sorted(set(run.decode_widths))}; "
-          f"loss/token {median_or_nan(run.losses):.3f})")
+    return [str(number), run.side, f"{step:.1f}", f"{gen:.1f}", f"{step - gen:.1f}",
+            ", ".join(f"{v:.0f}" for v in run.step_ms), str(sorted(set(run.decode_widths))),
+            f"{median_or_nan(run.losses):.3f}"]
 
 
-def print_summary(runs: list[RunResult]) -> None:
+def summary(runs: list[RunResult]) -> dict:
+    """Per side the median over its runs' steps (whole step, generation, the rest), TRL / ours, and each TRL run
+    against the ours run beside it (runs 2/1 and 3/4)."""
     pooled = {}
     for side in ("ours", "trl"):
         mine = [run for run in runs if run.side == side]
         step = median_or_nan([v for run in mine for v in run.step_ms])
         gen = median_or_nan([v for run in mine for v in run.generation_ms])
         pooled[side] = {"step": step, "generation": gen, "rest": step - gen}
-    print(f"\n{'median over both runs':<30} {'ours ms':>10} {'TRL ms':>10} {'TRL / ours':>11}")
-    for key, name in (("step", "whole step"), ("generation", "generation (sampling)"),
-                      ("rest", "rest (teacher, loss, bwd, opt)")):
-        ours, trl = pooled["ours"][key], pooled["trl"][key]
-        print(f"{name:<30} {ours:10.1f} {trl:10.1f} {trl / ours:10.2f}x")
-    pairs = [(runs[1], runs[0]), (runs[2], runs[3])]  # each TRL run against the ours run beside it
+    ratios = {key: pooled["trl"][key] / pooled["ours"][key] for key in ("step", "generation", "rest")}
+    pairs = [{"step": median_or_nan(t.step_ms) / median_or_nan(o.step_ms),
+              "generation": median_or_nan(t.generation_ms) / median_or_nan(o.generation_ms)}
+             for t, o in ((runs[1], runs[0]), (runs[2], runs[3]))]
+    return {"ms": pooled, "trl_over_ours": ratios, "adjacent_pairs": pairs}
+
+
+def print_summary(result: dict) -> None:
+    names = {"step": "whole step", "generation": "generation (sampling)", "rest": "rest (teacher, loss, bwd, opt)"}
+    print("\n" + harness.table(["median over both runs", "ours ms", "TRL ms", "TRL / ours"], [
+        [name, f"{result['ms']['ours'][key]:.1f}", f"{result['ms']['trl'][key]:.1f}",
+         f"{result['trl_over_ours'][key]:.2f}x"] for key, name in names.items()]))
     print("adjacent pairs, TRL / ours (whole step, generation): " + "; ".join(
-        f"{median_or_nan(t.step_ms) / median_or_nan(o.step_ms):.2f}x, "
-        f"{median_or_nan(t.generation_ms) / median_or_nan(o.generation_ms):.2f}x" for t, o in pairs))
+        f"{pair['step']:.2f}x, {pair['generation']:.2f}x" for pair in result["adjacent_pairs"]))
     print("(a ratio above 1: TRL's step takes longer. Shared, loaded 2-core machine: absolute times drift with the "
           "load, the interleaved ratios are what to read.)")
 
 
-def drive(args: argparse.Namespace) -> None:
-    if not trl_importable(args.trl_python):
-        print(VENV_NOTE.format(python=args.trl_python))
-        return
-    set_threads(args.threads)
+def drive(args: argparse.Namespace) -> dict:
+    """Models once, then the runs in subprocesses: ours, TRL, TRL, ours; ours alone when TRL cannot be imported."""
+    with_trl = trl_importable(args.trl_python)
+    sides = ("ours", "trl", "trl", "ours") if with_trl else ("ours",)
+    against = f"ours vs TRL {trl_version(args.trl_python)} GKDTrainer" if with_trl else "ours only (no TRL)"
+    print(f"{harness.machine()}\nOPD step, {against}: fp32 CPU, {args.threads} threads, load average "
+          f"{os.getloadavg()[0]:.1f}; batch {args.batch_size} x {args.max_new_tokens} sampled tokens, "
+          f"full-vocabulary reverse KL; {args.warmup} warm-up + {args.steps} timed steps per run, runs in order "
+          f"{', '.join(sides)}", flush=True)
+    runs = []
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as folder:
-        args.student_path, args.teacher_path = save_models(args, folder)
-        print(f"OPD step, ours vs TRL {trl_version(args.trl_python)} GKDTrainer: fp32 CPU, {args.threads} threads, "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; batch {args.batch_size} x "
-              f"{args.max_new_tokens} sampled tokens, full-vocabulary reverse KL; {args.warmup} warm-up + "
-              f"{args.steps} timed steps per run, runs in order ours, TRL, TRL, ours", flush=True)
-        runs = []
-        for number, side in enumerate(("ours", "trl", "trl", "ours"), 1):
-            python = sys.executable if side == "ours" else args.trl_python
-            runs.append(run_child(python, side, args, folder, number))
-            print_run(number, runs[-1])
-            sys.stdout.flush()
-    print_summary(runs)
+        args.student_path, args.teacher_path = harness.save_random_models(folder, args.student_config,
+                                                                          args.teacher_config, args.seed)
+        for number, side in enumerate(sides, 1):
+            runs.append(run_child(sys.executable if side == "ours" else args.trl_python, side, args, folder, number))
+    print("\n" + harness.table(["run", "side", "step ms", "generation ms", "rest ms", "steps ms", "decode widths",
+                                "loss / token"], [run_row(number, run) for number, run in enumerate(runs, 1)]))
+    result = {"runs": [dataclasses.asdict(run) for run in runs]}
+    if with_trl:
+        result["summary"] = summary(runs)
+        print_summary(result["summary"])
+    else:
+        result["trl_skipped"] = VENV_NOTE.format(python=args.trl_python)
+        print(result["trl_skipped"])
+    return result
 
 
 def trl_version(python: str) -> str:
@@ -315,7 +309,7 @@ def trl_version(python: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every run")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first, per run")
@@ -324,9 +318,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_prompt_length", type=int, default=256)
     parser.add_argument("--learning_rate", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--student_config", default=os.path.join(CONFIGS, "qwen3-tiny-student.json"))
-    parser.add_argument("--teacher_config", default=os.path.join(CONFIGS, "qwen3-tiny.json"))
+    parser.add_argument("--student_config", default=harness.STUDENT_CONFIG)
+    parser.add_argument("--teacher_config", default=harness.TEACHER_CONFIG)
     parser.add_argument("--trl_python", default=DEFAULT_TRL_PYTHON, help="an interpreter that imports trl")
+    harness.add_json_arg(parser)
     # internal: one side in this process
     parser.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -334,20 +329,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--teacher_path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.threads, args.steps, args.batch_size, args.max_new_tokens) < 1 or args.warmup < 0:
-        parser.error("--threads, --steps, --batch_size, --max_new_tokens must be >= 1, --warmup >= 0")
+        refuse("--threads, --steps, --batch_size, --max_new_tokens must be >= 1, --warmup >= 0")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.side is None:
-        drive(args)
-        return
+        result = drive(args)
+        harness.write_json(args.json, result)
+        return result
     set_threads(args.threads)
     result = run_ours(args) if args.side == "ours" else run_trl(args)
     with open(args.result, "w", encoding="utf-8") as f:
-        f.write(result.to_json())
+        json.dump(dataclasses.asdict(result), f)
+    return {}
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -2,15 +2,16 @@
 
     python benchmarks/demo.py              # runs COMMANDS below in the repository root, then prints the table
     python benchmarks/demo.py --dry_run    # prints the commands only, one per line (`... --dry_run | sh` runs them)
-    python benchmarks/demo.py --fresh      # first moves an earlier demo's runs into checkpoints/previous-TIME/
+    python benchmarks/demo.py --fresh      # first moves an earlier demo's runs into checkpoints/demo/previous-TIME/
 
-Each command of COMMANDS runs as a subprocess in the repository root, exactly as written (the README shows the same
-strings; its leading `python` is the interpreter running this script, so a venv need not be activated), with its
-output passing through, and is timed. When all have finished, the table is printed in Markdown, every number read
-back from what the commands wrote:
-  accuracy   eval/eval_math.py's summary beside each model, checkpoints/NAME_eval_eval.summary.json: held-out
+Each command of COMMANDS runs as a subprocess in the repository root, exactly as written (its leading `python` is the
+interpreter running this script, so a venv need not be activated), with its output passing through, and is timed.
+They are the README's quick-start commands with their runs in a folder of their own, checkpoints/demo/ (--save_dir,
+and the model folders below it), so the demo never touches a run of the quick start itself (checkpoints/sft/...).
+When all have finished, the table is printed in Markdown, every number read back from what the commands wrote:
+  accuracy   eval/eval_math.py's summary beside each model, checkpoints/demo/NAME_eval_eval.summary.json: held-out
              accuracy on the 200 demo eval problems, its 95% Wilson interval and the count
-  notes      the training run's checkpoints/NAME_metrics.jsonl: optimizer steps, the first and the last logged loss
+  notes      the training run's checkpoints/demo/NAME_metrics.jsonl: optimizer steps, the first and the last logged loss
              (KD: also its CE and KD parts), and the in-training evaluations (--eval_interval; greedy completions of
              the first --eval_rows held-out prompts): the reverse KL to the teacher (KD and OPD) at step 0 and at the
              end with its change, the share of completions that end with EOS; then eval_math's EOS share
@@ -22,20 +23,19 @@ On this project's 2-core CPU machine the whole demo took 10.3 minutes with nothi
 other jobs on the same cores. The printed table carries the times actually measured.
 
 The training scripts refuse to start over a run of the same name (`--from_resume 1` / `--start_over 1`), and a new
-table must not mix an old run's files with new ones: if checkpoints/ already holds a run named random, sft, kd or
-opd (its folder, resume file, metrics, lock or evaluation), the script refuses with one line, unless `--fresh`
-is given, which first moves all of those files into checkpoints/previous-TIME/. A run that is still in progress
+table must not mix an old run's files with new ones: if checkpoints/demo/ already holds a run named random, sft, kd
+or opd (its folder, resume file, metrics, lock or evaluation: an earlier demo's), the script refuses with one line,
+unless `--fresh` is given, which first moves all of those files into checkpoints/demo/previous-TIME/. Runs of these
+names elsewhere (the quick start's checkpoints/sft/) are neither refused nor moved. A run that is still in progress
 (its NAME.lock names a live process) is refused either way. A command that fails stops the demo with its exit
 code; Ctrl-C reaches the running command too (a training run saves a checkpoint first) and stops the demo (130).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import os
-import platform
 import shlex
 import socket
 import struct
@@ -49,25 +49,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
+from trainer.flags import add_common_args  # noqa: E402
 
-# The demo, in the order the table shows it; the README shows exactly these strings.
+# Where the commands write: a folder of the demo's own, so that the quick start's checkpoints/sft/ (the README's
+# first command) and the demo never meet. The training scripts' --save_dir; the model folders lie below it.
+SAVE_DIR = "checkpoints/demo"
+# The demo, in the order the table shows it: the README's quick-start commands, their runs in SAVE_DIR.
 COMMANDS = [
     "python -c \"from model import Qwen3Config, create_model, save_pretrained; save_pretrained(create_model("
-    "Qwen3Config.from_json('model/configs/qwen3-tiny.json'), seed=42), 'checkpoints/random')\"",
-    "python eval/eval_math.py --model_path checkpoints/random --max_new_tokens 64",
-    "python trainer/train_sft.py --eval_interval 50",
-    "python eval/eval_math.py --model_path checkpoints/sft --max_new_tokens 64",
-    "python trainer/train_distillation.py --eval_interval 50",
-    "python eval/eval_math.py --model_path checkpoints/kd --max_new_tokens 64",
-    "python trainer/train_opd.py --eval_interval 8",
-    "python eval/eval_math.py --model_path checkpoints/opd --max_new_tokens 64",
+    f"Qwen3Config.from_json('model/configs/qwen3-tiny.json'), seed=42), '{SAVE_DIR}/random')\"",
+    f"python eval/eval_math.py --model_path {SAVE_DIR}/random --max_new_tokens 64",
+    f"python trainer/train_sft.py --eval_interval 50 --save_dir {SAVE_DIR}",
+    f"python eval/eval_math.py --model_path {SAVE_DIR}/sft --max_new_tokens 64",
+    f"python trainer/train_distillation.py --eval_interval 50 --save_dir {SAVE_DIR}",
+    f"python eval/eval_math.py --model_path {SAVE_DIR}/kd --max_new_tokens 64",
+    f"python trainer/train_opd.py --eval_interval 8 --save_dir {SAVE_DIR}",
+    f"python eval/eval_math.py --model_path {SAVE_DIR}/opd --max_new_tokens 64",
 ]
 
 
 @dataclass(frozen=True)
 class Row:
-    name: str                 # run name: checkpoints/NAME/, NAME_metrics.jsonl, NAME_eval_eval.summary.json
+    name: str                 # run name: SAVE_DIR/NAME/, NAME_metrics.jsonl, NAME_eval_eval.summary.json
     label: str                # the table's model column (the parameter count is added from the saved weights)
     commands: tuple[str, ...]
     trained: bool = True      # a training run: it writes NAME_metrics.jsonl
@@ -81,7 +86,6 @@ ROWS = (
 )
 assert [c for row in ROWS for c in row.commands] == COMMANDS, "every command belongs to one row, in order"
 
-SAVE_DIR = "checkpoints"   # where the commands write (the training scripts' default --save_dir)
 EVAL_STEM = "eval"         # eval_math's default data is dataset/demo/eval.parquet: NAME_eval_eval.summary.json
 
 
@@ -151,7 +155,7 @@ def move_aside(save_dir: str, existing: dict[str, list[str]]) -> str:
 def describe(existing: dict[str, list[str]], save_dir: str) -> str:
     names = [os.path.relpath(p, save_dir) for files in existing.values() for p in files]
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return f"{len(names)} file(s) of earlier runs named {'/'.join(existing)} ({shown})"
+    return f"{len(names)} file(s) of an earlier demo's runs named {'/'.join(existing)} ({shown})"
 
 
 # -------------------------------------------------------------------------------------------- running commands
@@ -344,7 +348,6 @@ def table(results: Sequence[RowResult]) -> str:
 
 def heldout_settings(commands: Sequence[str]) -> set[tuple[int, int]]:
     """(--eval_rows, --eval_max_new_tokens) of the training commands, their flags parsed by the loops' own parser."""
-    from trainer.setup import add_common_args  # imports torch: only when a table is printed
     parser = argparse.ArgumentParser(add_help=False)
     add_common_args(parser, save_weight="demo")
     settings = set()
@@ -375,29 +378,6 @@ def intro(results: Sequence[RowResult]) -> str:
     return text
 
 
-def machine() -> str:
-    """The date, `nproc`, the CPU model and the commit (with a mark for local changes)."""
-    try:
-        nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        nproc = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        commit += " with local changes" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return f"{datetime.date.today().isoformat()}, nproc {nproc} ({cpu}), commit {commit}"
-
-
 def report(results: Sequence[RowResult], total_seconds: float) -> str:
     return (f"### What the demo reaches (measured by `python benchmarks/demo.py`: {machine()}; "
             f"{format_seconds(total_seconds)} in all)\n\n{intro(results)}\n\n{table(results)}")
@@ -409,7 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
-                        help="move earlier runs named random/sft/kd/opd into checkpoints/previous-TIME/ first")
+                        help=f"move an earlier demo's runs (random/sft/kd/opd in {SAVE_DIR}/) into "
+                             f"{SAVE_DIR}/previous-TIME/ first")
     return parser.parse_args(argv)
 
 

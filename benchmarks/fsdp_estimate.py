@@ -38,7 +38,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from model import Qwen3Config, Qwen3ForCausalLM
-from trainer.losses import chunked_loss, chunked_sft_loss
+from trainer.chunked_losses import chunked_loss, chunked_sft_loss
 from trainer.sharding import reshard_root, shard
 from trainer.train_distillation import ce_and_kd
 

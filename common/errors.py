@@ -6,7 +6,7 @@ A failure of the environment -- a server that is down, a full disk -- is a `Runt
 No traceback in either case; set DISTILL_TRACEBACK=1 to see one while debugging. argparse's own complaints go the
 same way (`ArgumentParser`), and a refused flag (`FlagError`), the same on every rank, is said by rank 0 only.
 
-Exit codes (also in the README, "When things go wrong"):
+Exit codes (also in docs/training.md, "When things go wrong"):
     0    done
     1    runtime failure (server, disk, non-finite loss, ...)
     2    usage or data error
@@ -61,14 +61,24 @@ def refuse_first(rules: list[tuple[bool, str]]) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose own complaints (an unknown, missing or mistyped flag) are one `error: argument ...` line with
-    exit code 2, like every other refused flag, instead of the whole usage text; --help shows each flag's default."""
+    """argparse whose own complaints (an unknown, missing, mistyped or shortened flag) are one `error: argument ...`
+    line with exit code 2, like every other refused flag, instead of the whole usage text; --help shows each flag's
+    default."""
 
-    class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        """The description as written (scripts put their commands there) and every flag's default."""
+    class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+        """The description as written (scripts put their commands there) and every flag's default, once: not
+        where the help text already says what the default is, nor when there is none."""
+
+        def _get_help_string(self, action: argparse.Action) -> str:
+            text = action.help or ""
+            said = "(default" in text or "default:" in text  # the help says it in its own words
+            if action.default in (None, argparse.SUPPRESS) or said or not action.option_strings:
+                return text
+            return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=self.HelpFormatter, **kwargs)
+        # allow_abbrev=False: a shortened or mistyped flag (--learning_rat) is refused, never taken for another
+        super().__init__(*args, formatter_class=self.HelpFormatter, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         refuse(f"{message} (--help lists the flags)")

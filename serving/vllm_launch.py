@@ -95,7 +95,8 @@ def stop_vllm(process: subprocess.Popen) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Start a vLLM server with the weight-sync extension")
+    parser = argparse.ArgumentParser(description="Start a vLLM server with the weight-sync extension",
+                                     allow_abbrev=False)  # a shortened flag is refused, never taken for another
     parser.add_argument("--model", required=True, help="HF folder to serve (e.g. checkpoints/kd)")
     parser.add_argument("--name", default="student", help="--served-model-name (the trainer's --rollout_model)")
     parser.add_argument("--port", type=int, default=8000)

@@ -18,6 +18,7 @@ tolerance set by the dtype; otherwise the run stops before any rollout from thos
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -58,14 +59,15 @@ class WeightSync:
     all-reduce; with --fsdp 1 they send their rows of the weights to rank 0) but never write or ask anything."""
 
     def __init__(self, server: CompletionServer, path: str, probe_ids: list[int], dtype: torch.dtype,
-                 active: bool = True):
+                 active: bool = True, say: Callable[[str], None] = print):
+        """`say`: how a line reaches the console (a trainer's goes above its progress bar)."""
         self.server, self.path, self.probe_ids, self.dtype = server, os.path.abspath(path), probe_ids, dtype
-        self.active = active
+        self.active, self.say = active, say
         self.synced_step: int | None = None
         self.verified = 0  # verifications passed in this run
         if active:
             for stale in remove_stale_temporaries(self.path):
-                print(f"removed {stale}, left half-written by a run that was killed")
+                say(f"removed {stale}, left half-written by a run that was killed")
 
     def due(self, step: int, interval: int) -> bool:
         """Before the first rollout of a run (fresh or resumed), and once `interval` optimizer steps were taken
@@ -96,6 +98,14 @@ class WeightSync:
         if not isinstance(answer, dict) or not answer.get("results"):
             raise RuntimeFailure(f"the {self.server.what} answered /collective_rpc with {str(answer)[:200]!r}, not "
                                  f"the worker extension's report: start it with --worker-extension-cls {EXTENSION}")
+
+    def remove_file(self) -> None:
+        """At the run's end: the weights written for the server (the student's size again on disk), and their
+        folder when nothing else is in it."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))
 
     def load_request(self) -> dict:
         """POST /collective_rpc's body: the extension's method on every worker, with the file's path."""
@@ -135,9 +145,10 @@ class WeightSync:
                                      f"restarted. Nothing from these weights was trained on.")
         if not self.verified:
             tolerance = TOLERANCE[self.dtype]
-            print(f"weights of step {self.synced_step} pushed to {self.server.client.base_url} and verified: "
-                  f"|d log p| over the probe {stats['max']:.2g} at most, {stats['mean']:.2g} on average (tolerance "
-                  f"{tolerance.max:g} / {tolerance.mean:g})", flush=True)
+            self.say(f"weights of step {self.synced_step} pushed to {self.server.client.base_url} and verified: "
+                     f"|d log p| over the probe {stats['max']:.2g} at most, {stats['mean']:.2g} on average "
+                     f"(tolerance {tolerance.max:g} / {tolerance.mean:g}); every later push is verified the same "
+                     f"way (sync_logprob_diff in the step's line and metrics)")
         self.verified += 1
         return stats
 

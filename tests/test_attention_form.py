@@ -9,12 +9,12 @@ import torch.nn.functional as F
 
 import model.qwen3 as qwen3
 import trainer.heldout as heldout
-import trainer.train_opd as train_opd_module
+import trainer.rollouts as rollouts_module
 from dataset.collators import IGNORE_INDEX, SFTCollator
 from loop_helpers import loop_args
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
 from support import write_chat_jsonl
-from trainer.losses import chunked_sft_loss, completion_hidden
+from trainer.chunked_losses import chunked_sft_loss, completion_hidden
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
@@ -41,7 +41,7 @@ def attention_calls(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(qwen3.F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(train_opd_module, "generate", marking(train_opd_module.generate))
+    monkeypatch.setattr(rollouts_module, "generate", marking(rollouts_module.generate))
     monkeypatch.setattr(heldout, "generate", marking(heldout.generate))
     return calls
 

@@ -50,6 +50,49 @@ def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
     assert "train_sft.py\", line" not in result.stderr, result.stderr[-3000:]  # no worker traceback
 
 
+SHORTENED = {"train_sft": "--learning_rate", "train_distillation": "--learning_rate", "train_opd": "--max_new_tokens",
+             "eval_math": "--max_rows", "chat": "--temperature", "teacher_generate": "--concurrency",
+             "demo": "--fresh"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_shortened_flag_is_refused_not_taken_for_another(script, capsys):
+    """argparse would take --learning_rat for the one flag it begins (--learning_rate); every script refuses it
+    instead, naming it."""
+    main, required = SCRIPTS[script]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert SHORTENED[script] in capsys.readouterr().out  # the flag it would have been taken for exists
+    shortened = SHORTENED[script][:-1]
+    code, stderr = script_exit(main, [*required, shortened, "1"], capsys)
+    assert_one_line_error(code, stderr, 2, shortened)
+
+
+def test_the_vllm_launcher_passes_a_shortened_flag_on_instead_of_taking_it_for_its_own(monkeypatch):
+    """The launcher hands flags it does not know to vLLM (which refuses what it does not know either): --por is
+    passed on, never taken for --port."""
+    import serving.vllm_launch as launch
+
+    def execve(python, command, env):
+        raise SystemExit(command)
+    monkeypatch.setattr(launch.os, "execve", execve)
+    with pytest.raises(SystemExit) as launched:
+        launch.main(["--model", "m", "--por", "1", "--python", "/bin/false"])
+    command = launched.value.code
+    assert command[command.index("--port") + 1] == "8000" and command[-2:] == ["--por", "1"], command
+
+
+@pytest.mark.parametrize("script", ["train_sft", "train_distillation", "train_opd"])
+def test_help_gives_every_flag_a_text_and_its_default_once(script, capsys):
+    with pytest.raises(SystemExit):
+        SCRIPTS[script][0](["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in out and "(default: the built-in demo data) (default" not in out
+    for flag in ("--epochs", "--weight_decay", "--seed"):
+        described = out.split(f"{flag} {flag.upper().lstrip('-')} ")[1]
+        assert not described.startswith("(default"), f"{flag} has no help text: {described[:80]}"
+
+
 def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit) as stopped:
         train_sft(["--help"])

@@ -1,7 +1,8 @@
 # python -m pytest tests/test_demo.py
-"""benchmarks/demo.py without training anything: its guard and --fresh, --dry_run, the reading of metrics.jsonl and
-eval summaries, and the table, on a temporary repository root whose commands are run by a fake runner that writes
-what the real commands write (small files of the same shapes)."""
+"""benchmarks/demo.py without training anything: its folder of its own (checkpoints/demo/: the quick start's runs are
+left alone), its guard and --fresh, --dry_run, the reading of metrics.jsonl and eval summaries, and the table, on a
+temporary repository root whose commands are run by a fake runner that writes what the real commands write (small
+files of the same shapes)."""
 import json
 import os
 import shlex
@@ -60,7 +61,7 @@ def write_summary(path, correct, rows=200, max_new_tokens=64):
 
 
 class FakeRunner:
-    """Writes, for each demo command, what the real one writes into ROOT/checkpoints, and reports SECONDS."""
+    """Writes, for each demo command, what the real one writes into ROOT/checkpoints/demo, and reports SECONDS."""
 
     def __init__(self):
         self.calls = []
@@ -68,13 +69,16 @@ class FakeRunner:
     def __call__(self, command, cwd):
         self.calls.append((command, cwd))
         argv = shlex.split(command)
-        save_dir = os.path.join(cwd, "checkpoints")
+        save_dir = os.path.join(cwd, demo.SAVE_DIR)
         if argv[1] == "-c":  # the random init
             write_weights(os.path.join(save_dir, "random"), [[2_000_000, 10], [128]])
         elif argv[1] == "eval/eval_math.py":
-            name = os.path.basename(argv[argv.index("--model_path") + 1])
+            model_path = argv[argv.index("--model_path") + 1]
+            assert os.path.dirname(model_path) == demo.SAVE_DIR
+            name = os.path.basename(model_path)
             write_summary(os.path.join(save_dir, f"{name}_eval_eval.summary.json"), CORRECT[name])
         else:
+            assert argv[argv.index("--save_dir") + 1] == demo.SAVE_DIR
             name = SCRIPT_RUN[argv[1]]
             write_weights(os.path.join(save_dir, name), [[980_000, 10]])
             with open(os.path.join(save_dir, f"{name}_metrics.jsonl"), "w", encoding="utf-8") as f:
@@ -94,6 +98,14 @@ def root(tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def demo_dir(root):
+    """checkpoints/demo/, where the demo's commands write (an earlier demo's runs go here)."""
+    folder = root / demo.SAVE_DIR
+    folder.mkdir()
+    return folder
+
+
 def table_rows(output):
     return [line for line in output.splitlines() if line.startswith("| ") and not line.startswith("| model")]
 
@@ -101,24 +113,29 @@ def table_rows(output):
 # --------------------------------------------------------------------------------------------- the commands
 
 def test_commands_are_the_readme_demo_in_table_order():
+    """The README's quick-start commands, each run written into checkpoints/demo/ (the loops' other defaults, the
+    teacher and the student, follow --save_dir)."""
+    assert demo.SAVE_DIR == "checkpoints/demo"
     assert [row.name for row in demo.ROWS] == ["random", "sft", "kd", "opd"]
     assert [c for row in demo.ROWS for c in row.commands] == demo.COMMANDS
     for row in demo.ROWS:
         *train, evaluate = row.commands
-        assert evaluate == f"python eval/eval_math.py --model_path checkpoints/{row.name} --max_new_tokens 64"
+        assert evaluate == f"python eval/eval_math.py --model_path checkpoints/demo/{row.name} --max_new_tokens 64"
         for command in train:
             argv = shlex.split(command)
-            assert argv[0] == "python" and "--save_dir" not in argv  # the default folder, as the README runs it
+            assert argv[0] == "python"
             if argv[1] != "-c":
+                assert argv[-2:] == ["--save_dir", "checkpoints/demo"] and "--model_path" not in argv
                 assert os.path.isfile(os.path.join(ROOT, argv[1])) and SCRIPT_RUN[argv[1]] == row.name
-    assert "'checkpoints/random'" in demo.COMMANDS[0] and "seed=42" in demo.COMMANDS[0]
-    assert demo.command_argv(demo.COMMANDS[2]) == [sys.executable, "trainer/train_sft.py", "--eval_interval", "50"]
+    assert "'checkpoints/demo/random'" in demo.COMMANDS[0] and "seed=42" in demo.COMMANDS[0]
+    assert demo.command_argv(demo.COMMANDS[2]) == [sys.executable, "trainer/train_sft.py", "--eval_interval", "50",
+                                                   "--save_dir", "checkpoints/demo"]
 
 
 @pytest.mark.slow
 def test_random_init_command_runs_as_written(tmp_path):
     """The one-liner's code, with only its output folder changed, saves a loadable model (no training)."""
-    code = shlex.split(demo.COMMANDS[0])[2].replace("'checkpoints/random'", repr(str(tmp_path / "random")))
+    code = shlex.split(demo.COMMANDS[0])[2].replace("'checkpoints/demo/random'", repr(str(tmp_path / "random")))
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
     assert os.path.isfile(tmp_path / "random" / "config.json")
     assert 151936 * 128 < demo.count_parameters(str(tmp_path / "random")) < 21e6  # tied embedding counted once
@@ -132,44 +149,78 @@ def test_dry_run_prints_the_commands_only(root, capsys):
     assert out == "\n".join(demo.COMMANDS) + "\n" and err == ""
 
 
-def test_dry_run_with_earlier_runs_notes_them_and_moves_nothing(root, capsys):
-    (root / "checkpoints" / "sft_resume.pt").touch()
-    assert demo.main(["--dry_run", "--fresh"], root=str(root), runner=never) == 0
+def test_dry_run_with_earlier_runs_notes_them_and_moves_nothing(demo_dir, capsys):
+    (demo_dir / "sft_resume.pt").touch()
+    assert demo.main(["--dry_run", "--fresh"], root=str(demo_dir.parent.parent), runner=never) == 0
     out, err = capsys.readouterr()
     assert out == "\n".join(demo.COMMANDS) + "\n"
     assert "sft_resume.pt" in err and "--fresh would move" in err
-    assert sorted(os.listdir(root / "checkpoints")) == [".gitkeep", "sft_resume.pt"]
+    assert os.listdir(demo_dir) == ["sft_resume.pt"]
 
 
 # ------------------------------------------------------------------------------------------ the guard, --fresh
 
-def test_earlier_runs_are_refused_with_one_line(root, capsys):
-    (root / "checkpoints" / "sft").mkdir()
-    (root / "checkpoints" / "kd_metrics.jsonl").write_text("{}\n")
+def test_earlier_runs_are_refused_with_one_line(demo_dir, capsys):
+    (demo_dir / "sft").mkdir()
+    (demo_dir / "kd_metrics.jsonl").write_text("{}\n")
     with pytest.raises(SystemExit) as exit_info:
-        run_script(lambda: demo.main([], root=str(root), runner=never))
+        run_script(lambda: demo.main([], root=str(demo_dir.parent.parent), runner=never))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: checkpoints/ holds 2 file(s)")
-    assert "sft/kd" in err and "--fresh" in err
-    assert sorted(os.listdir(root / "checkpoints")) == [".gitkeep", "kd_metrics.jsonl", "sft"]
+    assert err.count("\n") == 1 and err.startswith("error: checkpoints/demo/ holds 2 file(s) of an earlier demo's")
+    assert "sft/kd" in err and "pass --fresh" in err
+    assert sorted(os.listdir(demo_dir)) == ["kd_metrics.jsonl", "sft"]
 
 
-def test_other_run_names_are_neither_refused_nor_moved(root, capsys):
+def test_the_first_demo_after_the_quick_start_runs_and_leaves_its_runs_alone(root, capsys):
+    """The README's first command, `python trainer/train_sft.py`, writes checkpoints/sft/ (and a KD and an OPD run
+    may follow): the demo then runs as it is, into checkpoints/demo/, and every file of those runs stays as it was.
+    A second demo is refused in one line that names --fresh; with --fresh it moves the first demo's runs aside, in
+    checkpoints/demo/, and the quick start's runs still stay."""
     checkpoints = root / "checkpoints"
-    for name in ("opd2", "sft_big", "previous-20260101-000000", "kd2_resume.pt", "opd_2ep_resume.pt"):
-        (checkpoints / name).mkdir() if "." not in name else (checkpoints / name).touch()
-    assert demo.existing_runs(str(checkpoints)) == {}
+    quick_start = {"sft/model.safetensors": "weights", "sft_resume.pt": "resume", "sft_metrics.jsonl": "{}\n",
+                   "kd/config.json": "{}", "opd_metrics.jsonl": "{}\n", "sft_eval_eval.summary.json": "{}"}
+    for name, text in quick_start.items():
+        (checkpoints / name).parent.mkdir(exist_ok=True)
+        (checkpoints / name).write_text(text)
+
+    def unchanged():
+        assert all((checkpoints / name).read_text() == text for name, text in quick_start.items())
+        assert sorted(os.listdir(checkpoints)) == sorted({".gitkeep", "demo", *(n.split("/")[0] for n in quick_start)})
+
     runner = FakeRunner()
-    assert demo.main(["--fresh"], root=str(root), runner=runner) == 0
+    assert demo.main([], root=str(root), runner=runner) == 0
+    assert [command for command, _ in runner.calls] == demo.COMMANDS
+    assert "### What the demo reaches" in capsys.readouterr().out
+    unchanged()
+    assert (checkpoints / "demo" / "opd_eval_eval.summary.json").is_file()
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(lambda: demo.main([], root=str(root), runner=never))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "pass --fresh" in err
+    assert err.startswith("error: checkpoints/demo/ holds")
+
+    assert demo.main(["--fresh"], root=str(root), runner=FakeRunner()) == 0
+    unchanged()
+    previous = [name for name in os.listdir(checkpoints / "demo") if name.startswith("previous-")]
+    assert len(previous) == 1 and "sft_metrics.jsonl" in os.listdir(checkpoints / "demo" / previous[0])
+
+
+def test_other_run_names_are_neither_refused_nor_moved(demo_dir, capsys):
+    for name in ("opd2", "sft_big", "previous-20260101-000000", "kd2_resume.pt", "opd_2ep_resume.pt"):
+        (demo_dir / name).mkdir() if "." not in name else (demo_dir / name).touch()
+    assert demo.existing_runs(str(demo_dir)) == {}
+    runner = FakeRunner()
+    assert demo.main(["--fresh"], root=str(demo_dir.parent.parent), runner=runner) == 0
     assert len(runner.calls) == len(demo.COMMANDS)
-    for name in ("opd2", "sft_big", "previous-20260101-000000", "kd2_resume.pt", "opd_2ep_resume.pt", ".gitkeep"):
-        assert (checkpoints / name).exists()
+    for name in ("opd2", "sft_big", "previous-20260101-000000", "kd2_resume.pt", "opd_2ep_resume.pt"):
+        assert (demo_dir / name).exists()
     assert "--fresh: moved" not in capsys.readouterr().out
 
 
-def test_fresh_moves_every_file_of_the_four_runs_aside(root, capsys):
-    checkpoints = root / "checkpoints"
+def test_fresh_moves_every_file_of_the_four_runs_aside(demo_dir, capsys):
+    root, checkpoints = demo_dir.parent.parent, demo_dir
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a lock left by a process that is gone
     old = {"random": ["random/", "random_eval_eval.jsonl", "random_eval_eval.summary.json"],
@@ -185,7 +236,7 @@ def test_fresh_moves_every_file_of_the_four_runs_aside(root, capsys):
     assert demo.main(["--fresh"], root=str(root), runner=runner) == 0
     out = capsys.readouterr().out
     previous = [name for name in os.listdir(checkpoints) if name.startswith("previous-")]
-    assert len(previous) == 1 and f"into checkpoints/{previous[0]}/" in out
+    assert len(previous) == 1 and f"into checkpoints/demo/{previous[0]}/" in out
     moved = sorted(os.listdir(checkpoints / previous[0]))
     assert moved == sorted(name.rstrip("/") for files in old.values() for name in files)
     # the new runs are what the commands wrote, not the old files
@@ -195,17 +246,17 @@ def test_fresh_moves_every_file_of_the_four_runs_aside(root, capsys):
     assert {cwd for _, cwd in runner.calls} == {str(root)}
 
 
-def test_a_run_in_progress_is_refused_even_with_fresh(root):
-    (root / "checkpoints" / "kd.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+def test_a_run_in_progress_is_refused_even_with_fresh(demo_dir):
+    (demo_dir / "kd.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     with pytest.raises(UserError, match=f"in progress \\(PID {os.getpid()}\\)"):
-        demo.main(["--fresh"], root=str(root), runner=never)
-    assert sorted(os.listdir(root / "checkpoints")) == [".gitkeep", "kd.lock"]
+        demo.main(["--fresh"], root=str(demo_dir.parent.parent), runner=never)
+    assert os.listdir(demo_dir) == ["kd.lock"]
 
 
-def test_a_lock_from_another_host_is_refused(root):
-    (root / "checkpoints" / "sft.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+def test_a_lock_from_another_host_is_refused(demo_dir):
+    (demo_dir / "sft.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
     with pytest.raises(UserError, match="held by PID 1 on host elsewhere"):
-        demo.main(["--fresh"], root=str(root), runner=never)
+        demo.main(["--fresh"], root=str(demo_dir.parent.parent), runner=never)
 
 
 # ----------------------------------------------------------------------------------------------------- the table
@@ -227,8 +278,8 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
     assert "0.0% [0.0, 1.9] (0/200)" in random and "0% of completions end with EOS, mean 64 tokens" in random
     assert random.endswith("| 3 s + 41 s |")
     assert sft.startswith("| SFT quick start (the teacher, qwen3-tiny, 9.8M parameters) | "
-                          "`python trainer/train_sft.py --eval_interval 50` then "
-                          "`python eval/eval_math.py --model_path checkpoints/sft --max_new_tokens 64` | ")
+                          "`python trainer/train_sft.py --eval_interval 50 --save_dir checkpoints/demo` then "
+                          "`python eval/eval_math.py --model_path checkpoints/demo/sft --max_new_tokens 64` | ")
     assert "| 2.5% [1.1, 5.7] (5/200) |" in sft
     assert "100 steps, loss 11.85 -> 0.88; held-out greedy EOS share 0% -> 100%" in sft
     assert "reverse KL" not in sft and sft.endswith("| 10.5 min + 12 s |")
@@ -244,11 +295,11 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
 def test_a_missing_result_names_the_command_that_writes_it(root):
     class Forgetful(FakeRunner):  # the KD evaluation "runs" but writes nothing
         def __call__(self, command, cwd):
-            return 1.0 if "checkpoints/kd" in command else super().__call__(command, cwd)
+            return 1.0 if "checkpoints/demo/kd " in command else super().__call__(command, cwd)
 
     forgetful = Forgetful()
     with pytest.raises(UserError, match="kd_eval_eval.summary.json does not exist: `python eval/eval_math.py "
-                                        "--model_path checkpoints/kd --max_new_tokens 64` writes it"):
+                                        "--model_path checkpoints/demo/kd --max_new_tokens 64` writes it"):
         demo.main([], root=str(root), runner=forgetful)
 
 

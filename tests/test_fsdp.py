@@ -115,7 +115,7 @@ def test_the_export_of_a_sharded_run_is_the_whole_model(tiny_config_path, chat_j
 
 @pytest.mark.slow
 def test_two_nodes_train_as_one_process(tiny_config_path, chat_jsonl, tmp_path):
-    """Two torchrun launches, --nnodes 2 with a c10d rendezvous on 127.0.0.1: what the README shows for two
+    """Two torchrun launches, --nnodes 2 with a c10d rendezvous on 127.0.0.1: what docs/fsdp.md shows for two
     machines (with the first machine's address), each "node" one rank."""
     main_args = loop_args(tiny_config_path, chat_jsonl, tmp_path / "one", batch=2, accumulation=2, max_steps=3)
     train_sft(main_args)

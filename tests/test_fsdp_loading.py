@@ -98,7 +98,8 @@ def test_every_fully_shard_call_gets_a_mesh_of_the_runs_device_type(tiny_config_
 
     import trainer.sharding as sharding
     from model import save_pretrained
-    from trainer.setup import build_model, read_teacher
+    from trainer.frozen import read_frozen
+    from trainer.loading import build_model
 
     meshes, original = [], sharding.fully_shard
 
@@ -114,7 +115,7 @@ def test_every_fully_shard_call_gets_a_mesh_of_the_runs_device_type(tiny_config_
     try:
         build_model(args, "cpu", config_path=tiny_config_path)
         build_model(args, "cpu", path=folder)
-        read_teacher(args, "cpu")
+        read_frozen(args, folder, "cpu")
     finally:
         dist.destroy_process_group()
     # per layer the layer and its 4 norms; the final norm; the root

@@ -278,7 +278,7 @@ def test_the_compiled_decode_step_samples_the_eager_steps_tokens(models, monkeyp
     assert len({address for _, address, _ in calls}) == 1, "the cache moved: a CUDA graph would record again"
 
 
-def test_the_compiled_decoders_cache_for_qwen3_0_6b_is_what_the_readme_says():
+def test_the_compiled_decoders_cache_for_qwen3_0_6b_is_what_the_docs_say():
     """The storage --use_compile 1 keeps allocated between rollouts, from the real shapes on the meta device:
     Qwen3-0.6B (28 layers, 8 KV heads of 128) at 8 rows x 1,536 positions in bf16 is 1.31 GiB."""
     from model import Qwen3Config

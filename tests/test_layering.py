@@ -52,9 +52,17 @@ def test_imports_go_one_way(package):
     assert not wrong, sorted(wrong)
 
 
-@pytest.mark.parametrize("module, may_import", [("console", set()), ("guard", {"common.errors", "common.files",
-                                                                               "trainer.setup"})])
-def test_the_console_and_the_guard_import_nothing_of_the_loops(module, may_import):
-    """trainer/console.py (bar, log line, clocks) and trainer/guard.py (run lock, stop signals) stand below the
-    skeleton and the scripts: neither imports trainer_utils or a training script."""
+@pytest.mark.parametrize("module, may_import", [
+    ("console", set()),
+    ("distributed", {"common.errors", "trainer.console"}),
+    ("guard", {"common.errors", "common.files", "trainer.distributed"}),
+    ("run_state", set()),
+    ("resume_checks", {"common.errors", "model.precision", "trainer.distributed", "trainer.guard"}),
+    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.precision", "trainer.distributed",
+                    "trainer.resume_checks", "trainer.run_state", "trainer.sharding"}),
+])
+def test_the_pieces_below_the_run_import_nothing_of_the_loops(module, may_import):
+    """trainer/console.py (bar, log line, clocks), distributed.py (the process group), guard.py (run lock, stop
+    signals), run_state.py, resume_checks.py and checkpoint.py stand below the run and the scripts: none imports
+    the run, the flags, a loop's logic (rollouts, divergences) or a training script."""
     assert project_imports(os.path.join(ROOT, "trainer", f"{module}.py")) <= may_import

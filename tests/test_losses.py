@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from support import reference_divergence
-from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss,
-                            chunked_sft_loss, distillation_loss, generalized_jsd_loss, sampled_token_kl_loss,
-                            sft_loss)
+from trainer.chunked_losses import chunked_generalized_jsd_loss, chunked_loss, chunked_sft_loss
+from trainer.losses import distillation_loss, generalized_jsd_loss, sampled_token_kl_loss, sft_loss
 
 BETAS = (0.0, 0.5, 1.0)
 TEMPERATURES = (1.0, 2.0)
@@ -434,7 +433,7 @@ def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_n
     """The CUDA training path's cast, on CPU bf16 autocast: 8 chunks of student and teacher cast each (V, H) weight
     once (the view `weight[:vocab_size]` would otherwise be cast at every chunk's matmul, recompute and backward),
     and the loss and the head's gradient equal the per-chunk casts'."""
-    import trainer.losses as losses
+    import trainer.chunked_losses as chunked_losses
     from benchmarks.bench_losses import CountWeightCasts
     torch.manual_seed(0)
     n, v, hdim = 128, 1000, 32
@@ -442,8 +441,8 @@ def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_n
     w = (torch.randn(v, hdim) * 0.05).requires_grad_()
     th, tw, labels = torch.randn(n, hdim) * 0.5, torch.randn(v, hdim) * 0.05, torch.randint(0, v - 1, (n,))
     results = {}
-    for name, cast in (("once", losses.autocast_once), ("per chunk", lambda weight: None)):
-        original, losses.autocast_once = losses.autocast_once, cast
+    for name, cast in (("once", chunked_losses.autocast_once), ("per chunk", lambda weight: None)):
+        original, chunked_losses.autocast_once = chunked_losses.autocast_once, cast
         try:
             w.grad = None
             with CountWeightCasts((v - 1) * hdim) as counter:
@@ -452,7 +451,7 @@ def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_n
                                                            vocab_size=v - 1)
                 loss.backward()
         finally:
-            losses.autocast_once = original
+            chunked_losses.autocast_once = original
         results[name] = counter.count, loss.detach(), w.grad.clone()
     chunks = n // 16  # once: one cast of each head, then one of each chunk's head gradient back to fp32
     assert results["once"][0] <= 2 + chunks and results["per chunk"][0] >= 4 * chunks

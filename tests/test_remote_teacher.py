@@ -18,7 +18,8 @@ from model import generate, load_pretrained, load_tokenizer
 from serving.engine import CompletionServer
 from support import SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
 from trainer.topk_divergence import topk_support
-from trainer.train_opd import main as train_opd, teacher_scores
+from trainer.divergences import Divergence, evaluation_divergence, teacher_scores
+from trainer.train_opd import main as train_opd
 from vllm_servers import TcpProxy, dies_before_call, free_port
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -96,8 +97,10 @@ def test_served_log_probs_of_the_students_samples_equal_the_local_teachers(vllm_
     input_ids, attention_mask, labels = build_sequences(prompt_ids, prompt_mask, out.completion_ids,
                                                         out.completion_mask)
     server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
-    served = teacher_scores(None, server, input_ids, attention_mask, labels, contextlib.nullcontext)
-    hidden = teacher_scores(teacher, None, input_ids, attention_mask, labels, contextlib.nullcontext)
+    served = teacher_scores(Divergence("sampled_kl"), None, server, contextlib.nullcontext, input_ids,
+                            attention_mask, labels)
+    hidden = teacher_scores(Divergence("jsd"), teacher, None, contextlib.nullcontext, input_ids, attention_mask,
+                            labels)
     local = (hidden @ teacher.lm_head.weight[:len(tokenizer)].T).log_softmax(-1)
     local = local.gather(1, labels[labels != IGNORE_INDEX][:, None]).squeeze(1)
     assert served.shape == local.shape == (int((labels != IGNORE_INDEX).sum()),)
@@ -189,8 +192,10 @@ def test_served_top_k_equals_the_local_teachers(vllm_servers):
     teacher = load_pretrained(vllm_servers.teacher_dir)
     input_ids, attention_mask, labels = sampled_rows(vllm_servers, tokenizer)
     server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
-    ids, logprobs = teacher_scores(None, server, input_ids, attention_mask, labels, contextlib.nullcontext, topk=8)
-    hidden = teacher_scores(teacher, None, input_ids, attention_mask, labels, contextlib.nullcontext)
+    ids, logprobs = teacher_scores(Divergence("topk", topk=8), None, server, contextlib.nullcontext, input_ids,
+                                   attention_mask, labels)
+    hidden = teacher_scores(Divergence("jsd"), teacher, None, contextlib.nullcontext, input_ids, attention_mask,
+                            labels)
     targets = labels[labels != IGNORE_INDEX]
     local_ids, local_logprobs = topk_support(hidden @ teacher.lm_head.weight[:len(tokenizer)].T, targets, 8)
     assert ids.shape == logprobs.shape == (targets.numel(), 9)
@@ -236,7 +241,7 @@ def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_
     divergence on the student's greedy completions (not the sampled-token estimate): the same number as the local
     teacher's top-K from its logits on those completions."""
     from trainer.heldout import heldout_metrics, heldout_sums
-    from trainer.losses import completion_hidden
+    from trainer.chunked_losses import completion_hidden
     from trainer.topk_divergence import chunked_topk_divergence
     tokenizer = load_tokenizer(None)
     student, teacher = load_pretrained(vllm_servers.student_dir), load_pretrained(vllm_servers.teacher_dir)
@@ -247,8 +252,9 @@ def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_
              "prompt_attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts]),
              "rows": [{"row_index": i} for i in range(4)]}
     server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
-    sums = heldout_sums(student, tokenizer, [batch], 24, beta=beta, teacher_server=server, teacher_topk=8)
-    served = heldout_metrics(sums, False, beta, True, teacher_topk=8)
+    divergence = evaluation_divergence(beta, local_teacher=False, teacher_topk=8)
+    sums = heldout_sums(student, tokenizer, [batch], 24, divergence, teacher_server=server)
+    served = heldout_metrics(sums, divergence)
     name = "eval/reverse_kl_top8" if beta == 1.0 else "eval/jsd_beta0.5_top8"
     assert list(served) == ["eval/accuracy", "eval/completion_len", "eval/eos_share", name]
     with torch.no_grad():

@@ -10,9 +10,9 @@ import torch
 import trainer.checkpoint as checkpoint
 from common.errors import run_script
 from loop_helpers import loop_args, metrics
-from trainer.setup import DistInfo
+from trainer.distributed import DistInfo
 from trainer.train_sft import main as train_sft
-from trainer.trainer_utils import get_lr
+from trainer.optimizer_step import get_lr
 
 
 def sft_args(config, data, save_dir, **flags) -> list[str]:
@@ -80,3 +80,24 @@ def test_each_rank_saves_and_restores_only_its_own_cuda_device(monkeypatch):
     checkpoint.restore_rng_states(states, 1, info, seed=0, step=0)
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the CPU generators round-trip too
     assert touched == [("get", "cuda:1"), ("set", "cuda:1")]
+
+
+def test_a_resumed_runs_lines_count_epochs_from_one_and_the_whole_runs_time(tiny_config_path, chat_jsonl, tmp_path,
+                                                                           capsys, one_thread):
+    """The lines a person reads after a resume: --max_steps 0 reads as "no limit", the done line's time is the
+    whole run's (the resumed process's part said beside it), and a finished run is not "epoch 2 of 1"."""
+    train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=2))  # 20 rows / batch 4: 5 steps an epoch
+    first = torch.load(tmp_path / "run_resume.pt", weights_only=False)["elapsed_s"]
+    assert first > 0
+    capsys.readouterr()
+    train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=0, from_resume=1,
+                       resume_changes="max_steps"))
+    out = capsys.readouterr().out
+    assert "--max_steps 2 -> 0 (no limit)" in out and "epoch 1 of 1, 8 samples into it" in out, out
+    done = next(line for line in out.splitlines() if line.startswith("done: 5 steps in"))
+    assert "in this process, from step 2" in done, done
+    assert torch.load(tmp_path / "run_resume.pt", weights_only=False)["elapsed_s"] > first
+    assert [m["epoch"] for m in metrics(tmp_path)] == [1] * 5  # counted from 1, as everywhere a person reads them
+    train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=0, from_resume=1))
+    out = capsys.readouterr().out
+    assert "step 5, all 1 epoch(s) done" in out and "epoch 2 of 1" not in out, out

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from common.errors import RuntimeFailure
-from trainer.checkpoint import RunState
-from trainer.rollout_queue import RolloutQueue, merge_rollouts
-from trainer.trainer_utils import Run
+from trainer.run_state import RunState, merge_rollouts
+from trainer.rollout_queue import RolloutQueue
+from trainer.data_stream import DataStream
 
 
 def windows(steps: int, rows_per_step: int = 2) -> list[tuple[int, int, list[dict]]]:
@@ -126,7 +126,7 @@ def test_windows_ahead_yields_the_same_windows_and_moves_the_data_position_only_
     state = RunState()
     run = lookahead_run(3, 2, 5, state)
     seen = []
-    for epoch, window, coming in Run.windows_ahead(run, count):
+    for epoch, window, coming in DataStream.windows_ahead(run, count):
         assert state.epoch == epoch  # the epoch of the window being trained, not of the ones ahead
         seen.append(window[0])
         assert [s for s, _, _ in coming] == [s for s in range(len(seen), len(seen) + count) if s < 5]

@@ -123,6 +123,9 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_resumed_run_is_bit_iden
     step = torch.load(tmp_path / "run_resume.pt", weights_only=False)["step"]
     assert 1 <= step < 5, "the run finished before the signal could stop it"
     assert f"stopped by SIGTERM after step {step}" in stderr and "--from_resume 1" in stderr
+    # the notice names no step it could get wrong (one that comes after the step's stop flags were reduced is
+    # acted on a step later): the stop line names the step saved
+    assert "SIGTERM: finishing the step in progress, then saving and stopping" in stdout
     # the step the signal ends on is logged, in metrics.jsonl and on the console, off --log_interval's beat
     assert [m["step"] for m in metrics(tmp_path)][-1] == step and f"step {step}/" in stdout
     train_sft(sft_args(config, data, tmp_path, save_interval=100, from_resume=1))
@@ -359,3 +362,27 @@ def test_rows_the_loop_cannot_train_on_are_refused_at_start_up(config, tmp_path,
     code, stderr = script_exit(main, sft_args(config, str(data), tmp_path / "out", **extra), capsys)
     assert_one_line_error(code, stderr, 2, str(data), *names)
     assert not (tmp_path / "out").exists()  # not even an empty --save_dir is left behind
+
+
+def test_a_run_holding_the_name_is_refused_before_the_data_and_the_models(config, data, tmp_path, capsys,
+                                                                          monkeypatch):
+    """A live run's lock is refused at start-up, with the flags: nothing is read, built or written first."""
+    import socket
+
+    import trainer.train_sft as sft_script
+    from common.files import process_start_time
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
+                                                       "start": process_start_time(holder.pid)}))
+
+        def too_late(*args, **kwargs):
+            raise AssertionError("the data was read before the run name was checked")
+        monkeypatch.setattr(sft_script, "load_sft_data", too_late)
+        before = listing(tmp_path)
+        code, stderr = script_exit(train_sft, sft_args(config, data, tmp_path), capsys)
+        assert_one_line_error(code, stderr, 2, str(tmp_path / "run.lock"), f"PID {holder.pid}", "in progress")
+        assert listing(tmp_path) == before
+    finally:
+        holder.kill()
+        holder.wait()

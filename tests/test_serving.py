@@ -134,8 +134,10 @@ def test_opd_on_the_server_verifies_every_sync_and_repeats_exactly(vllm_servers,
     # one push and one verification before each step's rollouts, every one within fp32's 1e-4
     assert all("sync_s" in m and "verify_s" in m and m["sync_logprob_diff"] < 1e-4 for m in a)
     assert all(0 <= m["sync_logprob_mean"] <= m["sync_logprob_diff"] for m in a)
-    assert all(m["on_policy_share"] == 1.0 and m["completion_len"] > 0 for m in a)
+    assert all(m["on_policy_share"] == 1.0 and m["completion_len"] > 0 and m["weight_pushes"] == 1 for m in a)
     assert without_timing(a) == without_timing(b)
+    # the weights written for the server (the student's size again) are gone when the run ends
+    assert not [p for p in os.listdir(tmp_path / "a") if "rollout_weights" in p], os.listdir(tmp_path / "a")
     assert max_weight_diff(weights(tmp_path / "a"), weights(tmp_path / "b")) == 0.0
 
 

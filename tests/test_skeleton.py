@@ -10,7 +10,7 @@ import torch
 
 from support import ROOT
 from loop_helpers import env_one_thread, loop_args, metrics
-from trainer.setup import DistInfo
+from trainer.distributed import DistInfo
 from trainer.train_sft import main as train_sft
 from trainer.console import PhaseClock
 from trainer.window_metrics import WindowMetrics
@@ -87,6 +87,21 @@ def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, show
     progress.close()
 
 
+def test_lines_printed_while_the_bar_is_up_go_above_it(monkeypatch, capsys):
+    """print0 (a server's start-up line, a weight push, a skipped fp16 step) writes through the bar while one is
+    up, not into its line; once it is closed, plainly."""
+    from trainer.console import Progress
+    from trainer.distributed import print0
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("CI", "")
+    progress, written = Progress(10, 0, enabled=True), []
+    monkeypatch.setattr(progress.bar, "write", lambda line: written.append(line))
+    print0("weights of step", 3, "pushed")
+    progress.close()
+    print0("done")
+    assert written == ["weights of step 3 pushed"] and capsys.readouterr().out == "done\n"
+
+
 def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
     from trainer.console import console_line
     metrics = {"step": 100, "epoch": 1, "loss": 11.2345, "lr": 2.0e-3, "grad_norm": 12.34, "tokens_per_s": 12345.0,
@@ -98,18 +113,18 @@ def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
 def test_every_step_reaches_the_tracker_and_metrics_and_the_bar_shows_the_lines_eta(tiny_config_path, chat_jsonl,
                                                                                   tmp_path, monkeypatch, one_thread):
     import trainer.console as console
-    import trainer.trainer_utils as trainer_utils
+    import trainer.run_log as run_log
     etas = []
     monkeypatch.setattr(console.Progress, "update", lambda self, step, metrics, eta: etas.append(eta))
     logged = []
-    real_init_tracker = trainer_utils.init_tracker
+    real_init_tracker = run_log.init_tracker
 
     def recording_tracker(*args, **kwargs):
         tracker = real_init_tracker(*args, **kwargs)
         log = tracker.log
         tracker.log = lambda values, step: (logged.append(step), log(values, step=step))
         return tracker
-    monkeypatch.setattr(trainer_utils, "init_tracker", recording_tracker)
+    monkeypatch.setattr(run_log, "init_tracker", recording_tracker)
     train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=4, log_interval=10))
     assert logged == [1, 2, 3, 4] and [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
     assert len(etas) == 4 and etas[0] == "?"  # one ETA: the bar gets the log line's

@@ -175,7 +175,7 @@ def test_opd_with_a_local_top_k_teacher_logs_the_divergence_of_independently_com
     from dataset.sources import RowDataset
     from loop_helpers import loop_args, metrics
     from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
-    from trainer.sampler import EpochSampler
+    from trainer.data_stream import EpochSampler
     from trainer.train_opd import main as train_opd
 
     torch.set_num_threads(1)

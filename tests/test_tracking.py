@@ -1,5 +1,5 @@
 # python -m pytest tests/test_tracking.py
-"""swanlab, read back the way its local dashboard (`swanlab watch`) reads it: a short SFT run in the README's
+"""swanlab, read back the way its local dashboard (`swanlab watch`) reads it: a short SFT run in docs/training.md's
 recommended mode (--swanlab_mode local) is served by swanboard's own web app, in-process, and every logged series
 (loss, lr, grad_norm, eval/accuracy) holds the values of NAME_metrics.jsonl at every logged step; the config holds
 the settings the run really used (fp32 on CPU, device, world size) and no None placeholders.

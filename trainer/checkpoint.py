@@ -1,5 +1,6 @@
 """Where a run's checkpoints are written and how they are read back: the HF export, the resume file (the commit
-point), the sharded checkpoint folders of --fsdp 1, the RNG states of every rank, and the checks a resume makes.
+point), the sharded checkpoint folders of --fsdp 1 and the RNG states of every rank (what a resume checks first:
+trainer/resume_checks.py).
 
 For --save_dir SAVE_DIR --save_weight NAME:
     SAVE_DIR/NAME/                          the HF export (transformers and vLLM load it)
@@ -15,7 +16,6 @@ import glob
 import os
 import random
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,32 +26,10 @@ from common.files import atomic_write, check_free_space, raise_disk_error, remov
 from common.seeds import derived_seed, seed_everything
 from model import save_pretrained
 from model.precision import resolve_precision
-from trainer.rollout_queue import merge_rollouts
-from trainer.setup import DistInfo, check_run_name, print0, resume_change_names
+from trainer.distributed import DistInfo, print0
+from trainer.resume_checks import CHECKPOINT_FORMAT, check_run_name, load_checkpoint
+from trainer.run_state import RunState, merge_rollouts
 from trainer.sharding import is_sharded, load_shards, remove_other_shards, save_shards
-
-CHECKPOINT_FORMAT = 1
-
-# Flags that may differ on resume: they change how the run is executed or logged, not what it computes. Any other
-# change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
-RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
-                     "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
-                     "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path",
-                     "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher", "dist_timeout",
-                     "resume_changes", "overlap"}
-
-
-@dataclass
-class RunState:
-    epoch: int = 0
-    step: int = 0                    # optimizer steps done
-    samples_in_epoch: int = 0        # global samples consumed in the current epoch (a multiple of the global batch)
-    swanlab_run_id: str | None = None
-    skipped_steps: int = 0           # --dtype float16: steps the GradScaler skipped (their gradients overflowed)
-    # OPD --max_staleness: served rollouts sampled for coming steps from weights older than these (this rank's, and
-    # after a resume every rank's): step -> {"version", "rows": {row_index: completion token ids}}
-    rollouts: dict[int, dict] = field(default_factory=dict)
-
 
 class UnreadableResumeFile(Exception):
     """The resume file exists but cannot be read (resuming reports it as damaged)."""
@@ -78,8 +56,10 @@ class WriteRecorder:
 class Checkpoints:
     """One run name's checkpoints (see the module docstring). Every rank holds one; rank 0 writes the files."""
 
-    def __init__(self, args: argparse.Namespace, info: DistInfo, tokenizer_dir: str | None):
-        self.args, self.dist, self.tokenizer_dir = args, info, tokenizer_dir
+    def __init__(self, args: argparse.Namespace, info: DistInfo, tokenizer_dir: str | None,
+                 accepted_changes: set[str]):
+        """`accepted_changes`: the flags --resume_changes lets differ from the checkpoint's."""
+        self.args, self.dist, self.tokenizer_dir, self.accepted_changes = args, info, tokenizer_dir, accepted_changes
         self.prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.prefix}_resume.pt"
         self.metrics_path = f"{self.prefix}_metrics.jsonl"
@@ -94,7 +74,8 @@ class Checkpoints:
         os.makedirs(self.args.save_dir, exist_ok=True)  # first created here: a run refused before leaves no folder
         lock.acquire()
         try:
-            check_run_name(self.args)  # again, under the lock: another run may have saved since start-up
+            # again, under the lock: another run may have saved since start-up
+            check_run_name(self.args.save_dir, self.args.save_weight, self.args.from_resume, self.args.start_over)
         except UserError:
             lock.release()
             raise
@@ -175,7 +156,8 @@ class Checkpoints:
             "scaler": scaler.state_dict(),
             "epoch": state.epoch, "step": state.step, "samples_in_epoch": state.samples_in_epoch,
             "global_batch": global_batch, "world_size": self.dist.world_size,
-            "swanlab_run_id": state.swanlab_run_id, "skipped_steps": state.skipped_steps, "args": vars(self.args),
+            "swanlab_run_id": state.swanlab_run_id, "skipped_steps": state.skipped_steps, "elapsed_s": state.elapsed_s,
+            "args": vars(self.args),
             "dtype": resolve_precision(self.dist.device, self.args.dtype).name, "rng": rng,
             "rollouts": rollouts,
         }
@@ -206,7 +188,7 @@ class Checkpoints:
         if not os.path.exists(self.resume_path):
             print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
             return RunState()
-        checkpoint = load_checkpoint(self.resume_path, self.args, global_batch, model)
+        checkpoint = load_checkpoint(self.resume_path, self.args, global_batch, model, self.accepted_changes)
         if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
             load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), model, optimizer)
         else:
@@ -215,13 +197,15 @@ class Checkpoints:
         scaler.load_state_dict(checkpoint["scaler"])
         state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
                          checkpoint["swanlab_run_id"], checkpoint.get("skipped_steps", 0),
-                         checkpoint.get("rollouts") or {})
+                         checkpoint.get("elapsed_s", 0.0), checkpoint.get("rollouts") or {})
         if state.samples_in_epoch >= (dataset_size // self.dist.world_size) * self.dist.world_size:
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
         restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, state.step)
         ranks = checkpoint["world_size"]
-        print0(f"resumed from {self.resume_path}: step {state.step}, epoch {state.epoch + 1} of {self.args.epochs}, "
-               f"{state.samples_in_epoch} samples into it (saved by {ranks} rank{'s' if ranks > 1 else ''})")
+        where = (f"epoch {state.epoch + 1} of {self.args.epochs}, {state.samples_in_epoch} samples into it"
+                 if state.epoch < self.args.epochs else f"all {self.args.epochs} epoch(s) done")
+        print0(f"resumed from {self.resume_path}: step {state.step}, {where} (saved by {ranks} "
+               f"rank{'s' if ranks > 1 else ''})")
         return state
 
 
@@ -238,50 +222,6 @@ def rank0_save_bytes(model: torch.nn.Module, sharded: bool) -> int:
     if not sharded:
         return expected_save_bytes(model)
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module) -> dict:
-    """Read a resume checkpoint and check it belongs to this run; a damaged or foreign one is a clear error."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # torch raises several types for a truncated or corrupt zip; all mean the same
-        raise UserError(f"{path} is damaged and cannot be read ({type(error).__name__}: {str(error)[:120]}). Restore "
-                        f"it from a backup, or pass --start_over 1 (without --from_resume) to set it aside and start "
-                        f"anew") from None
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"{path} is not a resume checkpoint of this project (format "
-                        f"{checkpoint.get('format') if isinstance(checkpoint, dict) else type(checkpoint).__name__})")
-    if checkpoint["model_config"] != model.config.to_hf_dict():
-        raise UserError(f"{path} was written for another model configuration; resume with the same "
-                        f"--model_path/--model_config, or use another --save_weight")
-    # --dtype compared as it resolves (auto is bf16 on CUDA, fp32 elsewhere): what the forwards computed in
-    saved = {**checkpoint["args"], "dtype": trained_dtype(checkpoint)}
-    current = {**vars(args), "dtype": resolve_precision(args.device, args.dtype).name}
-    accepted = resume_change_names(args)
-    changed = {k: (saved.get(k), v) for k, v in current.items()
-               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
-    refused = {k: change for k, change in changed.items() if k not in accepted}
-    if refused:
-        details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise UserError(f"{path} was written with other settings ({details}), which would change what the run "
-                        f"computes (its length, learning-rate schedule or data): resume with the original flags, "
-                        f"accept the change with --resume_changes {','.join(refused)}, or use another --save_weight")
-    if changed:
-        details = ", ".join(f"--{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        print0(f"resuming with changed settings, as --resume_changes accepts: {details}")
-    if checkpoint["global_batch"] != global_batch:
-        raise UserError(f"{path}: global batch was {checkpoint['global_batch']} (world x batch x accumulation), "
-                        f"now {global_batch}; keep the global batch to continue the same sample stream")
-    return checkpoint
-
-
-def trained_dtype(checkpoint: dict) -> str:
-    """The dtype a checkpoint's run computed in. Files written before the precision rule was device-independent
-    do not record it: then CUDA autocast ran in --dtype and the CPU in fp32 whatever --dtype said."""
-    if "dtype" in checkpoint:
-        return checkpoint["dtype"]
-    args = checkpoint["args"]
-    return args["dtype"] if str(args["device"]).startswith("cuda") else "float32"
 
 
 def collect_rng_states(info: DistInfo) -> list[dict] | None:

@@ -48,6 +48,17 @@ class StepTimer:
         return format_seconds(per_step * (total - step))
 
 
+_shown: list["Progress"] = []  # the progress bar on screen, if any: lines printed meanwhile go through it
+
+
+def say(line: str) -> None:
+    """Print a line; while a progress bar is up, above it (a plain print would land in the bar's own line)."""
+    if _shown:
+        _shown[-1].write(line)
+    else:
+        print(line, flush=True)
+
+
 class Progress:
     """A live progress bar (steps, elapsed, ETA, loss, lr, loss tokens/s) on rank 0 when stderr is a terminal; none
     in CI (the CI environment variable) or when the output is redirected, where the periodic log lines are the
@@ -59,6 +70,8 @@ class Progress:
         self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show,
                         file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
                         ) if show else None
+        if self.bar is not None:
+            _shown.append(self)
 
     def update(self, step: int, metrics: dict, eta: str) -> None:
         if self.bar is not None:
@@ -76,6 +89,7 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+            _shown.remove(self)
 
 
 def console_line(metrics: dict, epochs: int, total_steps: int, eta: str, show: tuple[str, ...],
@@ -122,7 +136,7 @@ class PhaseClock:
 
     def add_to(self, metrics) -> None:
         """PHASE_s (seconds, the mean over ranks) and PHASE_share (of all phases' time, over all ranks), added to a
-        trainer_utils.WindowMetrics."""
+        trainer.window_metrics.WindowMetrics."""
         total = sum(self.seconds.values())
         for phase, seconds in self.seconds.items():
             metrics.rank_mean(f"{phase}_s", seconds)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 from common.errors import EXIT_INTERRUPTED, Stopped, UserError
 from common.files import process_start_time
-from trainer.setup import print0
+from trainer.distributed import print0
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _noted = {"signal": 0}  # what the handler below writes: a signal handler can only reach module state
@@ -80,23 +80,37 @@ class RunLock:
             return
         raise UserError(f"cannot take the run lock {self.path}: it keeps reappearing (another run is starting?)")
 
-    def take_over_if_stale(self) -> None:
+    def read_holder(self) -> dict:
+        """The lock file's record ({} when there is none, or it was half-written by a process killed taking it)."""
         try:
             with open(self.path, encoding="utf-8") as f:
-                holder = json.load(f)
+                return json.load(f)
         except (OSError, ValueError):
-            holder = {}  # half-written by a process killed while taking it: nobody holds it
-        same_host = holder.get("host") == self.me["host"]
+            return {}
+
+    def refusal(self, holder: dict) -> str | None:
+        """Why the lock cannot be taken: a live run of this name on this host, or one on another host (a shared
+        file system, never guessed about); None when it is free or stale."""
         pid = holder.get("pid")
+        if holder and holder.get("host") != self.me["host"]:
+            return (f"{self.path}: a run of this name is held by PID {pid} on host {holder.get('host')}; wait for "
+                    f"it or stop it, use another --save_weight, or delete the lock file if that run is gone")
         start = process_start_time(pid) if isinstance(pid, int) else None
-        alive = start is not None and start == holder.get("start")
-        if holder and not same_host:
-            raise UserError(f"{self.path}: a run of this name is held by PID {pid} on host {holder.get('host')}; "
-                            f"wait for it or stop it, use another --save_weight, or delete the lock file if that "
-                            f"run is gone")
-        if alive and pid != os.getpid():
-            raise UserError(f"{self.path}: a run of this name is in progress (PID {pid} on this host); wait for it "
-                            f"or stop it (kill {pid}), or use another --save_weight")
+        if start is not None and start == holder.get("start") and pid != os.getpid():
+            return (f"{self.path}: a run of this name is in progress (PID {pid} on this host); wait for it or stop "
+                    f"it (kill {pid}), or use another --save_weight")
+        return None
+
+    def refusal_now(self) -> str | None:
+        """At start-up, before anything slow: why a run of this name cannot start now (None: it can)."""
+        return self.refusal(self.read_holder())
+
+    def take_over_if_stale(self) -> None:
+        holder = self.read_holder()
+        message = self.refusal(holder)
+        if message:
+            raise UserError(message)
+        pid = holder.get("pid")
         if holder and pid != os.getpid():
             print0(f"taking over {self.path}: its run (PID {pid}) is no longer running")
         with contextlib.suppress(FileNotFoundError):
@@ -132,7 +146,9 @@ class StopRequest:
         if self.signal:
             return
         self.signal = signum
-        print0(f"\n{signal.Signals(signum).name}: finishing step {self.step() + 1}, then saving and stopping"
+        # no step number: a signal that arrives after this step's stop flags were reduced is acted on one step
+        # later, on every rank alike; the stop line names the step that was saved
+        print0(f"\n{signal.Signals(signum).name}: finishing the step in progress, then saving and stopping"
                + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""))
 
     def restore(self) -> None:

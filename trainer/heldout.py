@@ -13,34 +13,32 @@ import torch.distributed as dist
 
 from common.errors import RuntimeFailure
 from common.seeds import derived_seed
-from dataset.collators import IGNORE_INDEX, PromptCollator, build_sequences
+from dataset.collators import PromptCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from eval.grader import grade_batch
 from model import Decoder, generate
-from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
-                            sampled_token_kl_from_logprobs)
-from trainer.setup import DistInfo
+from trainer.distributed import DistInfo
+from trainer.divergences import Divergence, divergence_sums, teacher_scores
+from trainer.chunked_losses import completion_hidden
 from trainer.sharding import reshard_root
-from trainer.topk_divergence import chunked_topk_divergence
 
 # what an evaluation adds up over its prompts: one process's total, or the ranks' shares all-reduced
 SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
 
 
 @torch.no_grad()
-def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teacher=None,
-                 autocast=contextlib.nullcontext, chunk_size: int = 512, beta: float = 1.0,
-                 teacher_server=None, seed: int = 0, teacher_topk: int = 0,
-                 decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None,
-                 teacher_autocast=contextlib.nullcontext) -> dict[str, float]:
+def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, divergence: Divergence | None = None,
+                 teacher=None, teacher_server=None, autocast=contextlib.nullcontext,
+                 teacher_autocast=contextlib.nullcontext, chunk_size: int = 512, seed: int = 0,
+                 decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
-    generated tokens, rows that ended with EOS and, with a teacher, the generalized JSD at `beta` summed over the
-    greedy completions' tokens and their number (with a teacher on a server: with `teacher_topk` K the top-K
-    divergence on the same greedy completions, the loss OPD trains with; without, the sampled-token estimate on
-    the student's own samples of the prompts). `decoder`: generate's decode step (default: eager). `all_stopped`:
-    generate's, for ranks that decode in lockstep. `autocast`: the student's forward context; `teacher_autocast`: the
-    local teacher's (in its own dtype: Run.teacher_autocast)."""
+    generated tokens, rows that ended with EOS and, with a `divergence` (trainer/divergences.py's
+    evaluation_divergence) and a local `teacher` or a `teacher_server`, the divergence summed over the greedy
+    completions' tokens and their number (sampled_kl: over the student's own samples of the prompts, drawn with
+    fixed seeds). `decoder`: generate's decode step (default: eager). `all_stopped`: generate's, for ranks that
+    decode in lockstep. `autocast`: the student's forward context; `teacher_autocast`: the local teacher's (in its
+    own dtype: Run.teacher_autocast)."""
     was_training = student.training
     student.eval()
     correct = rows = generated = ended = 0
@@ -58,20 +56,13 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
         rows += len(texts)
         generated += int(out.completion_mask.sum())
         ended += int((out.completion_ids == tokenizer.eos_token_id).any(dim=1).sum())
-        if teacher is not None or teacher_topk:  # the divergence on these greedy completions
+        if divergence is not None:
+            if divergence.kind == "sampled_kl":  # an estimate needs the student's own samples, not greedy ones
+                out = sample_prompts(student, tokenizer, batch, max_new_tokens, autocast, seed, decoder, all_stopped)
             sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
                                         out.completion_mask)
-        if teacher is not None:
-            kl, tokens = divergence_sum(student, teacher, *sequences, len(tokenizer), chunk_size, beta, autocast,
-                                        teacher_autocast)
-            kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
-        if teacher_server is not None and teacher_topk:
-            kl, tokens = served_topk_sum(student, teacher_server, *sequences, teacher_topk, len(tokenizer),
-                                         chunk_size, beta, autocast)
-            kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
-        elif teacher_server is not None:
-            kl, tokens = sampled_kl_sum(student, teacher_server, tokenizer, batch, max_new_tokens, autocast,
-                                        chunk_size, seed, decoder, all_stopped)
+            kl, tokens = completion_divergence(divergence, student, teacher, teacher_server, sequences,
+                                               len(tokenizer), chunk_size, autocast, teacher_autocast)
             kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
     student.train(was_training)
     if teacher is not None:  # its gathered head is not held on into training (no backward frees it)
@@ -80,76 +71,40 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
             "kl_tokens": kl_tokens}
 
 
-def heldout_metrics(sums: dict[str, float], teacher: bool, beta: float, teacher_server: bool,
-                    teacher_topk: int = 0) -> dict[str, float]:
-    """The SUMS of all prompts -> accuracy, mean completion length, EOS share (per row) and, with a teacher, the
-    token-weighted mean divergence: beta=1 is the reverse KL(student || teacher), logged as eval/reverse_kl;
-    another beta as eval/jsd_beta<beta>; with a teacher on a server, its top-K divergence as eval/reverse_kl_top<K>
-    (eval/jsd_beta<beta>_top<K>), or without K the sampled-token estimate, eval/reverse_kl_estimate."""
+def heldout_metrics(sums: dict[str, float], divergence: Divergence | None = None) -> dict[str, float]:
+    """The SUMS of all prompts -> accuracy, mean completion length, EOS share (per row) and, with a divergence,
+    its token-weighted mean as eval/<its metric name> (eval/reverse_kl for beta=1 with a local teacher)."""
     rows, kl_tokens = max(sums["rows"], 1), max(sums["kl_tokens"], 1)
     metrics = {"eval/accuracy": sums["correct"] / rows, "eval/completion_len": sums["generated"] / rows,
                "eval/eos_share": sums["ended"] / rows}
-    if teacher:
-        metrics["eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"] = sums["kl_sum"] / kl_tokens
-    if teacher_server and teacher_topk:
-        name = "eval/reverse_kl" if beta == 1.0 else f"eval/jsd_beta{beta:g}"
-        metrics[f"{name}_top{teacher_topk}"] = sums["kl_sum"] / kl_tokens
-    elif teacher_server:
-        metrics["eval/reverse_kl_estimate"] = sums["kl_sum"] / kl_tokens
+    if divergence is not None:
+        metrics[f"eval/{divergence.metric_name()}"] = sums["kl_sum"] / kl_tokens
     return metrics
 
 
-def sampled_kl_sum(student, teacher_server, tokenizer, batch: dict, max_new_tokens: int, autocast, chunk_size: int,
-                   seed: int, decoder: Decoder | None = None,
-                   all_stopped: Callable[[bool], bool] | None = None) -> tuple[float, int]:
-    """Sum over the student's sampled tokens y of log p_S(y) - log p_T(y) (a one-sample estimate of the reverse KL
-    at each position), and their number. Row r of the held-out set always samples with seed (seed, -1, r): every
-    evaluation draws with the same random numbers, so the change between evaluations is the model's."""
+def sample_prompts(student, tokenizer, batch: dict, max_new_tokens: int, autocast, seed: int,
+                   decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None):
+    """The student's samples of the batch's prompts. Row r of the held-out set always samples with seed (seed, -1,
+    r): every evaluation draws with the same random numbers, so the change between evaluations is the model's."""
     seeds = [derived_seed(seed, -1, row["row_index"]) for row in batch["rows"]]
     device = batch["prompt_ids"].device
     with autocast():
-        out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=True,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       generator=[torch.Generator(device).manual_seed(s) for s in seeds], vocab_size=len(tokenizer),
-                       decoder=decoder, all_stopped=all_stopped)
-    input_ids, attention_mask, labels = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
-                                                        out.completion_ids, out.completion_mask)
-    teacher_logprobs = teacher_server.completion_logprobs(input_ids, attention_mask,
-                                                          (labels != IGNORE_INDEX).sum(dim=1))
+        return generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=True,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        generator=[torch.Generator(device).manual_seed(s) for s in seeds], vocab_size=len(tokenizer),
+                        decoder=decoder, all_stopped=all_stopped)
+
+
+def completion_divergence(divergence: Divergence, student, teacher, teacher_server, sequences: tuple, vocab_size: int,
+                          chunk_size: int, autocast, teacher_autocast) -> tuple[float, int]:
+    """The divergence summed over the completions' tokens of `sequences` (input_ids, attention_mask, labels), and
+    their number: the teacher's scores first (in its own context), then the student's forward."""
+    scores = teacher_scores(divergence, teacher, teacher_server, teacher_autocast, *sequences)
     with autocast():
-        hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
-        _, kl = chunked_loss(lambda logits, logprobs, chunk_labels: sampled_token_kl_from_logprobs(
-            logits, logprobs, chunk_labels), hidden, student.lm_head.weight, targets, chunk_size=chunk_size,
-            vocab_size=len(tokenizer), teacher_values=teacher_logprobs)
-    return float(kl), int(targets.numel())
-
-
-def served_topk_sum(student, teacher_server, input_ids, attention_mask, labels, k: int, vocab_size: int,
-                    chunk_size: int, beta: float, autocast) -> tuple[float, int]:
-    """The top-K divergence at `beta` (trainer/topk_divergence.py) summed over the completions' tokens, against
-    a served teacher's top-K log-probabilities there, and their number."""
-    support = teacher_server.completion_topk_logprobs(input_ids, attention_mask, (labels != IGNORE_INDEX).sum(dim=1),
-                                                      k)
-    with autocast():
-        hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
-        kl, tokens, _ = chunked_topk_divergence(hidden, student.lm_head.weight, targets, k, teacher_support=support,
-                                                beta=beta, chunk_size=chunk_size, vocab_size=vocab_size)
-    return float(kl), int(tokens)
-
-
-def divergence_sum(student, teacher, input_ids, attention_mask, labels, vocab_size: int, chunk_size: int,
-                   beta: float, autocast=contextlib.nullcontext,
-                   teacher_autocast=contextlib.nullcontext) -> tuple[float, int]:
-    # the teacher's forward in its own context, outside the student's: under fp16 the student's autocast would
-    # lower a bf16 teacher's matmuls to fp16 (model/precision.py)
-    with teacher_autocast():
-        teacher_hidden, _ = completion_hidden(teacher, input_ids, attention_mask, labels)
-    with autocast():
-        student_hidden, targets = completion_hidden(student, input_ids, attention_mask, labels)
-        kl, tokens = chunked_generalized_jsd_loss(student_hidden, student.lm_head.weight, teacher_hidden,
-                                                  teacher.lm_head.weight, targets, beta=beta, chunk_size=chunk_size,
-                                                  vocab_size=vocab_size)
-    return float(kl), int(tokens)
+        hidden, targets = completion_hidden(student, *sequences)
+        sums = divergence_sums(divergence, hidden, student.lm_head.weight, targets, scores,
+                               None if teacher is None else teacher.lm_head.weight, chunk_size, vocab_size)
+    return float(sums.value), int(sums.tokens)
 
 
 class HeldoutEvaluator:
@@ -165,8 +120,12 @@ class HeldoutEvaluator:
     up to rounding, and one rank leaving generation while the others wait in its all-gathers would hang them for
     --dist_timeout. Rank 0 logs."""
 
-    def __init__(self, args, tokenizer, info: DistInfo, start_step: int, decoder: Decoder | None = None):
+    def __init__(self, args, tokenizer, info: DistInfo, start_step: int, decoder: Decoder | None = None,
+                 divergence: Divergence | None = None, teacher=None, teacher_server=None):
+        """`divergence` (trainer/divergences.py's evaluation_divergence), with a local `teacher` or a
+        `teacher_server`: reported on the greedy completions (None: accuracy, length and EOS share only)."""
         self.args, self.tokenizer, self.info = args, tokenizer, info
+        self.divergence, self.teacher, self.teacher_server = divergence, teacher, teacher_server
         self.decoder = decoder  # generate's decode step: OPD's compiled one with --use_compile 1, else eager
         self.lockstep = bool(args.fsdp) and info.enabled
         self.all_stopped = stop_together(info.device) if self.lockstep else None
@@ -197,24 +156,19 @@ class HeldoutEvaluator:
             return False
         return step % self.args.eval_interval == 0 or last
 
-    def evaluate(self, step: int, student, autocast, teacher=None, beta: float = 1.0,
-                 teacher_server=None, teacher_autocast=contextlib.nullcontext) -> dict[str, float]:
-        """Greedy completions of the held-out prompts: accuracy, length, EOS share; with a teacher also the
-        student's divergence from it on those completions (beta=1: reverse KL; OPD passes its training beta);
-        with a teacher on a server, its top-K divergence there (--teacher_topk K) or the sampled-token reverse-KL
-        estimate. Every rank returns the same numbers. `autocast` / `teacher_autocast`: the student's and the local
-        teacher's forward contexts (Run.autocast, Run.teacher_autocast)."""
+    def evaluate(self, step: int, student, autocast, teacher_autocast=contextlib.nullcontext) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: accuracy, length, EOS share, and the divergence from the
+        teacher when there is one. Every rank returns the same numbers. `autocast` / `teacher_autocast`: the
+        student's and the local teacher's forward contexts (Run.autocast, Run.teacher_autocast)."""
         self.evaluated_step = step
         args = self.args
-        # a served teacher's top-K divergence needs the server's K; a local teacher gives the exact divergence
-        topk = getattr(args, "teacher_topk", 0) if teacher_server is not None else 0
 
         def work() -> dict[str, float]:
-            return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, teacher, autocast,
-                                args.loss_chunk_size, beta, teacher_server, args.seed, topk, self.decoder,
-                                self.all_stopped, teacher_autocast)
+            return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, self.divergence,
+                                self.teacher, self.teacher_server, autocast, teacher_autocast, args.loss_chunk_size,
+                                args.seed, self.decoder, self.all_stopped)
         sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
-        return heldout_metrics(sums, teacher is not None, beta, teacher_server is not None, topk)
+        return heldout_metrics(sums, self.divergence)
 
     def all_ranks_sums(self, work: Callable[[], dict[str, float]]) -> dict[str, float]:
         """This rank's sums, all-reduced with the others'. A rank whose share fails (a teacher server that stopped

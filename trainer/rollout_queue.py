@@ -29,7 +29,7 @@ import time
 from typing import Callable, Sequence
 
 from common.errors import RuntimeFailure
-from trainer.setup import print0
+from trainer.distributed import print0
 
 Window = list[dict]                   # collated micro-batches of one optimizer step
 Job = tuple[int, int, Window]         # (step, epoch, window)
@@ -130,20 +130,7 @@ class RolloutQueue:
 
     def add_to(self, metrics) -> None:
         """wait_s (seconds the trainer waited for rollouts) and server_idle_s (the server idle between its jobs)
-        since the last call, the mean over ranks, added to a trainer_utils.WindowMetrics."""
+        since the last call, the mean over ranks, added to a trainer.window_metrics.WindowMetrics."""
         metrics.rank_mean("wait_s", self.waited)
         metrics.rank_mean("server_idle_s", self.idle)
         self.waited = self.idle = 0.0
-
-
-def merge_rollouts(per_rank: list[dict[int, dict]], from_step: int) -> dict[int, dict]:
-    """Every rank's kept rollouts -> one record for the checkpoint: the steps from `from_step` on that every rank
-    has (a step one rank lost with a failed server is dropped whole, and sampled again on resume)."""
-    steps = set.intersection(*(set(kept) for kept in per_rank)) if per_rank else set()
-    merged = {}
-    for s in sorted(x for x in steps if x >= from_step):
-        rows = {}
-        for kept in per_rank:
-            rows.update(kept[s]["rows"])
-        merged[s] = {"version": per_rank[0][s]["version"], "rows": rows}
-    return merged

@@ -9,7 +9,7 @@ import os
 from common.errors import refuse, refuse_first
 from common.http import ApiClient
 from serving.engine import CompletionServer, probe_token_ids
-from trainer.setup import print0
+from trainer.distributed import print0
 
 SERVERS = {  # role -> (what messages call it, default --ROLE_model, what --ROLE_url does)
     "rollout": ("rollout server", "student",
@@ -136,9 +136,3 @@ def say_servers(args: argparse.Namespace) -> None:
         what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
                 if args.teacher_topk else "its log-probabilities of the sampled tokens")
         print0(f"teacher on {args.teacher_url} ({args.teacher_model}): {what}")
-
-
-def rollout_weights_path(args: argparse.Namespace) -> str:
-    """Where rank 0 writes the weights for the rollout server."""
-    folder = args.sync_dir or os.path.join(args.save_dir, f"{args.save_weight}_rollout_weights")
-    return os.path.join(folder, "model.safetensors")

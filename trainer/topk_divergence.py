@@ -10,7 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer.losses import _check_args, _count, _loss_mask, _non_negative, _reduce, chunked_loss
+from trainer.chunked_losses import chunked_loss, count_tokens
+from trainer.losses import _check_args, _loss_mask, _non_negative, _reduce
 
 TAIL_FLOOR = 1e-6  # the least teacher tail mass: fp32 log-probabilities cannot resolve 1 - sum over S any finer
 
@@ -148,6 +149,6 @@ def chunked_topk_divergence(student_hidden: torch.Tensor, student_weight: torch.
         else:
             ids, logprobs = teacher_values
         loss, tail = topk_divergence(logits, ids, logprobs, chunk_labels, beta, temperature, "sum", return_tail=True)
-        return loss, _count(chunk_labels, logits), tail
+        return loss, count_tokens(chunk_labels, logits), tail
     return chunked_loss(loss_fn, student_hidden, student_weight, labels, teacher_hidden, teacher_weight,
                         chunk_size=chunk_size, vocab_size=vocab_size, teacher_values=teacher_support)

@@ -26,11 +26,15 @@ import torch
 from common.errors import ArgumentParser, refuse, run_script
 from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
-from trainer.losses import chunked_loss, completion_hidden, distillation_loss, sft_loss
-from trainer.setup import (ROOT, add_common_args, add_teacher_args, build_model, init_distributed_mode,
-                           load_sft_data, load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.distributed import init_distributed_mode
+from trainer.divergences import evaluation_divergence
+from trainer.flags import ROOT, add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
+from trainer.frozen import frozen_hidden, load_frozen
+from trainer.loading import build_model, load_sft_data
+from trainer.chunked_losses import chunked_loss, completion_hidden
+from trainer.losses import distillation_loss, sft_loss
+from trainer.run import Run
 from trainer.sharding import reshard_root
-from trainer.trainer_utils import Run
 
 DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")
 
@@ -68,19 +72,18 @@ def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
-    teacher = load_teacher(args, tokenizer, student, info.device)
+    teacher = load_frozen(args, args.teacher_path, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, collator, tokenizer_dir)
-    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step,  # each rank its share (--fsdp 1: all)
+                                 divergence=evaluation_divergence(1.0, local_teacher=True), teacher=teacher)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
-        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher,
-                                        teacher_autocast=run.teacher_autocast))
+        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
     for epoch, window in run.windows():
         for i, batch in enumerate(window):
             batch = {k: v.to(run.device) for k, v in batch.items()}
-            with torch.no_grad(), run.teacher_autocast():  # the frozen teacher, at the completion positions
-                teacher_hidden, _ = completion_hidden(teacher, batch["input_ids"], batch["attention_mask"],
-                                                      batch["labels"])
+            teacher_hidden = frozen_hidden(teacher, run.teacher_autocast, batch["input_ids"],  # no gradients
+                                           batch["attention_mask"], batch["labels"])
             with run.micro_step(i, len(window)):  # DDP: gradients sync on the window's last micro-batch
                 with run.autocast():
                     student_hidden, targets = completion_hidden(run.model, batch["input_ids"],
@@ -98,8 +101,7 @@ def train(args: argparse.Namespace) -> None:
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             run.save()
         if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
-            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher,
-                                            teacher_autocast=run.teacher_autocast))
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
             break
     run.finish()

@@ -41,25 +41,21 @@ import torch
 
 from common.errors import ArgumentParser, refuse, refuse_first, run_script
 from common.seeds import derived_seed
-from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, build_sequences
-from dataset.make_demo_data import ensure_demo_data
-from dataset.sources import RowDataset
-from model import Decoder, generate, load_tokenizer
-from serving.engine import CompletionServer, completions_output, probe_token_ids
-from serving.weight_sync import WeightSync
+from dataset.collators import IGNORE_INDEX
+from model import Decoder
 from trainer.console import PhaseClock
+from trainer.divergences import divergence_sums, evaluation_divergence, teacher_scores, training_divergence
+from trainer.distributed import init_distributed_mode
+from trainer.flags import add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
+from trainer.frozen import load_frozen
 from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
-from trainer.rollout_queue import RolloutQueue
-from trainer.losses import (chunked_generalized_jsd_loss, chunked_loss, completion_hidden,
-                            sampled_token_kl_from_logprobs, sampled_token_kl_loss)
-from trainer.servers import (add_server_args, connect_server, rollout_weights_path, say_servers,
-                             validate_server_args)
-from trainer.setup import (add_common_args, add_teacher_args, build_model, check_rows, init_distributed_mode,
-                           load_teacher, resolve_teacher_path, validate_common_args)
+from trainer.loading import build_model, load_prompt_data
+from trainer.chunked_losses import completion_hidden
+from trainer.rollouts import Rollouts
+from trainer.run import Run
+from trainer.servers import add_server_args, connect_server, say_servers, validate_server_args
 from trainer.sharding import reshard_root
-from trainer.topk_divergence import chunked_topk_divergence
-from trainer.trainer_utils import Run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,96 +128,18 @@ def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
     return torch.rand(1, generator=generator).item() < args.lmbda
 
 
-def row_seeds(args: argparse.Namespace, batch: dict, epoch: int) -> list[int]:
-    """One seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
-    or accumulation, and a resumed run draws exactly what the killed one would have."""
-    return [derived_seed(args.seed, epoch, row["row_index"]) for row in batch["rows"]]
-
-
-def sampling_settings(args: argparse.Namespace, tokenizer) -> dict:
-    return dict(do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
-                eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
-
-
-def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
-                       autocast, decoder: Decoder | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-2 on-policy with the built-in engine (KV cache, eval mode, no grad; `decoder`'s decode step, eager by
-    default) -> input_ids, attention_mask and labels on the completion through its first EOS."""
-    prompt_ids = batch["prompt_ids"].to(device)
-    prompt_mask = batch["prompt_attention_mask"].to(device)
-    was_training = student.training
-    student.eval()
-    with autocast():
-        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
-                       generator=[torch.Generator(device).manual_seed(seed) for seed in row_seeds(args, batch, epoch)],
-                       pad_token_id=tokenizer.pad_token_id, decoder=decoder, **sampling_settings(args, tokenizer))
-    student.train(was_training)
-    return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
-
-
-def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer, model_vocab_size: int):
-    """Step 1 on the rollout server, for the rollout queue: (batch, epoch) -> each row's completion token ids,
-    from the weights the server holds (requests only: it runs in the queue's background thread)."""
-    def sample(batch: dict, epoch: int) -> list[list[int]]:
-        return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
-                                    seeds=row_seeds(args, batch, epoch), model_vocab_size=model_vocab_size,
-                                    **sampling_settings(args, tokenizer))
-    return sample
-
-
-def served_sequences(batch: dict, completions: list[list[int]], tokenizer,
-                     device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 2 for served rollouts: the rows' completion token ids -> input_ids, attention_mask and labels."""
-    prompt_ids = batch["prompt_ids"].to(device)
-    prompt_mask = batch["prompt_attention_mask"].to(device)
-    out = completions_output(prompt_ids, completions, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
-
-
-def teacher_scores(teacher, teacher_server: CompletionServer | None, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor, labels: torch.Tensor, autocast,
-                   topk: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Step 3, without gradients: a local teacher's hidden states at the completion positions (its lm_head is
-    applied chunk by chunk inside the loss, where --teacher_topk takes its top-K), or a served teacher's
-    log-probabilities of the sampled tokens -- with topk K, the ids of its top-K and the sampled token and its
-    log-probabilities of them, ((N, K+1), (N, K+1)). `autocast`: the teacher's forward context (Run.teacher_autocast:
-    the teacher's dtype, not the student's)."""
-    if teacher_server is not None:
-        lengths = (labels != IGNORE_INDEX).sum(dim=1)
-        if topk:
-            return teacher_server.completion_topk_logprobs(input_ids, attention_mask, lengths, topk)
-        return teacher_server.completion_logprobs(input_ids, attention_mask, lengths)
-    with torch.no_grad(), autocast():
-        return completion_hidden(teacher, input_ids, attention_mask, labels)[0]
-
-
-def distill_loss(run: Run, args: argparse.Namespace, teacher, scores: torch.Tensor, vocab_size: int,
+def distill_loss(run: Run, args: argparse.Namespace, divergence, teacher, scores, vocab_size: int,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 4: the student's hidden states at the completion positions, the summed per-token loss against the
-    teacher's `scores` (teacher None: they are a served teacher's log-probabilities of the labels, or its top-K)."""
+    teacher's `scores` (trainer/divergences.py); its per-token numbers (the teacher's tail mass of top-K, the
+    sampled-token KL estimate) join the window's metrics."""
     student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-    common = dict(student_weight=run.raw_model.lm_head.weight, labels=targets, chunk_size=args.loss_chunk_size,
-                  vocab_size=vocab_size)
-    heads = dict(teacher_values=scores) if teacher is None else \
-        dict(teacher_hidden=scores, teacher_weight=teacher.lm_head.weight)
-    if args.loss == "jsd" and args.teacher_topk:  # the K+2 buckets: served and local, the same function
-        support = dict(teacher_support=scores) if teacher is None else heads
-        loss_sum, num_tokens, tail_sum = chunked_topk_divergence(student_hidden, k=args.teacher_topk, beta=args.beta,
-                                                                 temperature=args.temperature, **common, **support)
-        run.metrics.token_mean("teacher_tail_mass", tail_sum)  # the teacher's mass outside S, per token
-        return loss_sum, num_tokens
-    if args.loss == "jsd":
-        return chunked_generalized_jsd_loss(student_hidden, beta=args.beta, temperature=args.temperature,
-                                            **common, **heads)
-
-    def sampled_kl(student_logits, teacher_logits_or_logprobs, chunk_labels):
-        loss = sampled_token_kl_from_logprobs if teacher is None else sampled_token_kl_loss
-        surrogate_sum, kl_sum = loss(student_logits, teacher_logits_or_logprobs, chunk_labels, args.temperature)
-        return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
-    surrogate_sum, kl_sum, num_tokens = chunked_loss(sampled_kl, student_hidden, **common, **heads)
-    run.metrics.token_mean("reverse_kl_estimate", kl_sum)
-    return surrogate_sum, num_tokens
+    sums = divergence_sums(divergence, student_hidden, run.raw_model.lm_head.weight, targets, scores,
+                           None if teacher is None else teacher.lm_head.weight, args.loss_chunk_size, vocab_size)
+    for name, value in sums.extras.items():
+        run.metrics.token_mean(name, value)
+    return sums.loss, sums.tokens
 
 
 def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int,
@@ -243,91 +161,55 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
-    tokenizer_dir = args.tokenizer_path or args.model_path
-    tokenizer = load_tokenizer(tokenizer_dir)
-    data_path = args.data_path or ensure_demo_data()["opd_prompts"]
-    dataset = RowDataset(data_path)
-    prompt_collator = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
-    sft_collator = SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
-    check_rows(dataset, sft_collator if args.lmbda < 1.0 else prompt_collator, need_completion=args.lmbda < 1.0)
+    tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", args.lmbda < 1.0)
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
     teacher_server = connect_server(args, "teacher", tokenizer)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
-    teacher = None if teacher_server else load_teacher(args, tokenizer, student, info.device)
-    run = Run(args, info, student, dataset, prompt_collator, tokenizer_dir)
+    teacher = None if teacher_server else load_frozen(args, args.teacher_path, tokenizer, student, info.device)
+    run = Run(args, info, student, dataset, collator, tokenizer_dir)
+    divergence = training_divergence(args.loss, args.beta, args.temperature, args.teacher_topk)
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step (CUDA graphs on CUDA)
-    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder)  # each rank its share (--fsdp 1: all)
-    weight_sync = None if server is None else WeightSync(
-        server, rollout_weights_path(args), probe_token_ids(tokenizer), run.precision.compute,
-        active=info.is_main)
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
+                                 evaluation_divergence(args.beta, teacher is not None, args.teacher_topk), teacher,
+                                 teacher_server)
+    rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda e, s: on_policy_draw(args, e, s))
     say_servers(args)
 
     with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
-            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta, teacher_server,
-                                            teacher_autocast=run.teacher_autocast))
-    # served rollouts: sampled --max_staleness steps ahead, in the background while the trainer trains
-    rollouts = None if server is None else RolloutQueue(
-        served_sampler(server, args, tokenizer, student.config.vocab_size), run.state, args.max_staleness,
-        overlap=bool(args.overlap))
+            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
         clock = PhaseClock(run.device)
         on_policy = on_policy_draw(args, epoch, run.step)  # step 1's coin, for the whole optimizer step
-        # the steps whose rollouts come from the current weights (this one with --max_staleness 0, the one S ahead
-        # otherwise): once the server is done with older weights, it gets these, verified, and starts sampling
-        jobs = [] if rollouts is None else rollouts.due(run.step, [(run.step, epoch, window), *coming],
-                                                        lambda e, s: on_policy_draw(args, e, s))
-        if jobs:
-            with clock("drain"), run.fail_together():  # the rollouts in flight, sampled from older weights, finish
-                rollouts.wait()
-            if weight_sync.due(run.step, args.sync_interval):
-                with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
-                    weight_sync.push(run.raw_model, run.step)  # --fsdp 1: gathered tensor by tensor
-                with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
-                    agreement = weight_sync.verify(run.raw_model, run.autocast)
-                    run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
-                    run.metrics.total("sync_logprob_mean", agreement["mean"])
-            rollouts.start(jobs, run.step)  # a failure is raised where they are waited for
+        rollouts.before_step(epoch, window, coming, clock)  # served: drain, push + verify the weights, sample ahead
         for i, batch in enumerate(window):
-            with clock("gen"), run.fail_together(server is not None):  # steps 1-2: samples or the data's completions
-                if on_policy and rollouts:  # the queue's, waited for when they are not there yet
-                    completions, version = rollouts.take(run.step, batch)
-                    input_ids, attention_mask, labels = served_sequences(batch, completions, tokenizer, run.device)
-                    # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
-                    run.metrics.ratio("staleness", run.step - version, 1)
-                elif on_policy:
-                    input_ids, attention_mask, labels = sample_completions(run.raw_model, args, tokenizer, batch,
-                                                                           epoch, run.device, run.autocast, decoder)
-                else:
-                    data = {k: v.to(run.device) for k, v in sft_collator(batch["rows"]).items()}
-                    input_ids, attention_mask, labels = data["input_ids"], data["attention_mask"], data["labels"]
+            # steps 1-2: the student's samples (or the data's completions), labels on the completion only
+            input_ids, attention_mask, labels = rollouts.sequences(batch, epoch, on_policy, clock)
             with clock("teacher"), run.fail_together(teacher_server is not None):  # step 3: the teacher scores them
-                scores = teacher_scores(teacher, teacher_server, input_ids, attention_mask, labels,
-                                        run.teacher_autocast, args.teacher_topk)
+                scores = teacher_scores(divergence, teacher, teacher_server, run.teacher_autocast, input_ids,
+                                        attention_mask, labels)
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
-                    loss_sum, num_tokens = distill_loss(run, args, teacher, scores, len(tokenizer), input_ids,
-                                                        attention_mask, labels)
+                    loss_sum, num_tokens = distill_loss(run, args, divergence, teacher, scores, len(tokenizer),
+                                                        input_ids, attention_mask, labels)
                 run.backward(loss_sum, num_tokens)
             reshard_root(teacher)  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
-        if rollouts:  # seconds the trainer waited for rollouts, and the server sat idle between its jobs
-            rollouts.add_to(run.metrics)
+        rollouts.add_to(run.metrics)  # served: seconds waited for rollouts, the server's idle time
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s"))
+        run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
+                               "sync_logprob_diff"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
-            if rollouts:  # the checkpoint keeps the rollouts sampled ahead (token ids): a resume needs them
-                with run.fail_together():
-                    rollouts.wait()
+            rollouts.before_save()      # the rollouts sampled ahead are kept in the checkpoint
             run.save()
         with run.fail_together(teacher_server is not None):
             if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
-                run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, teacher, args.beta,
-                                                teacher_server, teacher_autocast=run.teacher_autocast))
+                run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
             break
+    rollouts.close()
     run.finish()
 
 

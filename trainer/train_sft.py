@@ -7,7 +7,7 @@
     ... --from_resume 1                                           # after a preemption: continue exactly
 
 Per optimizer step: for each micro-batch of the accumulation window, collate (chat template, prompt/completion
-boundary, left padding), run the model to its final hidden states, and sum the cross entropy over the completion
+boundary, right padding), run the model to its final hidden states, and sum the cross entropy over the completion
 tokens chunk by chunk through the lm_head (the full B x T x V logits never exist). The skeleton then divides the
 window's gradient by the number of loss tokens of the whole window on all ranks, clips and steps.
 """
@@ -22,9 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.errors import ArgumentParser, run_script
 from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
-from trainer.losses import chunked_sft_loss, completion_hidden
-from trainer.setup import add_common_args, build_model, init_distributed_mode, load_sft_data, validate_common_args
-from trainer.trainer_utils import Run
+from trainer.chunked_losses import chunked_sft_loss, completion_hidden
+from trainer.distributed import init_distributed_mode
+from trainer.flags import add_common_args, validate_common_args
+from trainer.loading import build_model, load_sft_data
+from trainer.run import Run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""Data order that depends on (seed, epoch) alone, sharded across ranks, and resumable mid-epoch.
+"""The data stream: an order that depends on (seed, epoch) alone, sharded across ranks, resumable mid-epoch, and
+cut into optimizer steps (`DataStream`: accumulation windows of collated micro-batches).
 
 EpochSampler: one permutation of the dataset per (seed, epoch), from a torch.Generator seeded with a function of
 seed and epoch only — never of rank or world size. The permutation is cut to a multiple of world_size W (this drops
@@ -24,7 +25,7 @@ import math
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from common.seeds import derived_seed
 
@@ -87,3 +88,59 @@ class SkipBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip_batches)
+
+
+class DataStream:
+    """The run's rows as optimizer steps: (epoch, window), a window being up to accumulation_steps collated
+    micro-batches of this rank (an epoch's last, shorter window is a step of its own), from where the run stands
+    (`state`: epoch, samples consumed in it) to the end of its last epoch. The data position in `state` moves only
+    as windows are yielded, so a checkpoint written after step s resumes at step s + 1's first row."""
+
+    def __init__(self, dataset, collate_fn, args, info, state):
+        self.dataset, self.collate_fn, self.info, self.state = dataset, collate_fn, info, state
+        self.batch_size, self.accumulation_steps = args.batch_size, args.accumulation_steps
+        self.epochs, self.seed, self.num_workers = args.epochs, args.seed, args.num_workers
+        self.total_steps = 0  # set by the run once its length is known (--max_steps)
+
+    def micro_batches_per_epoch(self) -> int:
+        per_rank = len(self.dataset) // self.info.world_size
+        return math.ceil(per_rank / self.batch_size)
+
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.micro_batches_per_epoch() / self.accumulation_steps)
+
+    def windows_ahead(self, count: int):
+        """Yield (epoch, window, coming): `coming` the (step, epoch, window) of the optimizer steps after this one,
+        up to `count` of them and none beyond the run's last (OPD's --max_staleness samples them ahead). Yields
+        nothing for a run already complete; ends early only when the loop breaks (--max_steps, a stop signal)."""
+        stream, step = self._stream(), self.state.step
+        coming = list(itertools.islice(stream, count))
+        while True:
+            coming.extend(itertools.islice(stream, 1))  # one more, while the stream has any
+            if not coming:
+                return
+            epoch, window = coming.pop(0)
+            if epoch != self.state.epoch:  # the previous epoch is done: this one starts from its first sample
+                self.state.epoch, self.state.samples_in_epoch = epoch, 0
+            yield epoch, window, [(step + 1 + i, e, w) for i, (e, w) in enumerate(coming)
+                                  if step + 1 + i < self.total_steps]
+            step += 1
+
+    def _stream(self):
+        """(epoch, window) from the run's data position on, without moving it."""
+        first_epoch = self.epochs if self.state.step >= self.total_steps else self.state.epoch
+        for epoch in range(first_epoch, self.epochs):
+            skip = 0
+            if epoch == first_epoch:
+                skip = batches_to_skip(self.state.samples_in_epoch, self.info.world_size, self.batch_size)
+            sampler = EpochSampler(len(self.dataset), self.seed, epoch, self.info.rank, self.info.world_size)
+            loader = DataLoader(self.dataset, batch_sampler=SkipBatchSampler(sampler, self.batch_size, skip),
+                                collate_fn=self.collate_fn, num_workers=self.num_workers)
+            window = []
+            for batch in loader:
+                window.append(batch)
+                if len(window) == self.accumulation_steps:
+                    yield epoch, window
+                    window = []
+            if window:
+                yield epoch, window

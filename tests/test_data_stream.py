@@ -1,10 +1,10 @@
-# python -m pytest tests/test_sampler.py
+# python -m pytest tests/test_data_stream.py
 """Data order: a function of (seed, epoch) alone; equal optimizer steps across world sizes; exact resume."""
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.sampler import EpochSampler, SkipBatchSampler, batches_to_skip
+from trainer.data_stream import EpochSampler, SkipBatchSampler, batches_to_skip
 
 N, SEED = 103, 7  # N is deliberately not a multiple of any world size used below
 

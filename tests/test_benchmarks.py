@@ -1,0 +1,189 @@
+# python -m pytest tests/test_benchmarks.py
+"""Every benchmark script run at a tiny size, in this process (its main(argv)), its --json read back: the rows it
+measured are there, positive and finite, and what must hold whatever the machine holds (chunked losses equal the
+full ones and take less memory, greedy generate equals transformers', the phases add up to the step).
+Elsewhere: bench_gpu.py in test_bench_gpu.py, bench_fsdp.py in test_fsdp.py / test_fsdp_loading.py, fsdp_estimate.py
+in test_fsdp_estimate.py, demo.py in test_demo.py."""
+import json
+import math
+
+import pytest
+
+from benchmarks import (bench_data, bench_losses, bench_model, bench_opd, bench_rollout, bench_sync, bench_topk,
+                        bench_trl, harness)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the scripts' --threads 1 is torch's global setting
+
+
+def positive(*values: float) -> bool:
+    return all(math.isfinite(value) and value > 0 for value in values)
+
+
+def measured(main, argv: list[str], tmp_path) -> dict:
+    """main(argv + --json), and the JSON it wrote (which must be what it returned, with the machine line)."""
+    path = tmp_path / "results.json"
+    returned = main([*argv, "--json", str(path)])
+    written = json.loads(path.read_text())
+    assert " nproc " in written.pop("machine")  # the date, nproc, the CPU and the commit
+    assert written == json.loads(json.dumps(returned))
+    return written
+
+
+# ------------------------------------------------------------------------------------------------- bench_losses
+
+@pytest.mark.parametrize("argv", [
+    ["--positions", "1024", "--vocab", "32000", "--hidden", "64", "--chunk_size", "128"],
+    ["--loss", "sft", "--batch_size", "2", "--seq_len", "256", "--completion_len", "128", "--pad_step", "32",
+     "--vocab", "32000", "--hidden", "64", "--chunk_size", "64"],
+], ids=["jsd", "sft"])
+def test_the_chunked_losses_equal_the_full_ones_within_their_memory_target(argv, tmp_path):
+    """Each variant in a process of its own; the logits (N x 32,000) dominate, so the chunked loss meets the memory
+    target of the full shapes here too (0.14 of the full logits' for the JSD, 0.20 for SFT, measured); the SFT batch
+    is right padded, as SFTCollator makes it."""
+    results = measured(bench_losses.main, [*argv, "--threads", "1"], tmp_path)
+    full, chunked = results["variants"]["full"], results["variants"]["chunked"]
+    for variant in (full, chunked):
+        assert positive(variant["extra_bytes"], variant["seconds"], variant["loss_per_token"])
+        assert variant["peak_was_reset"]
+    assert full["tokens"] == chunked["tokens"] == (1024 if results["loss"] == "jsd" else 2 * 128)
+    assert results["loss_difference"] <= 1e-5 * full["loss_per_token"]
+    assert math.isclose(chunked["lm_head_grad_norm"], full["lm_head_grad_norm"], rel_tol=1e-4)
+    assert results["memory_ratio"] == chunked["extra_bytes"] / full["extra_bytes"] <= results["target"]
+
+
+def test_the_lm_head_is_cast_once_per_loss_not_per_chunk(tmp_path):
+    results = measured(bench_losses.main, ["--casts", "--positions", "256", "--vocab", "2000", "--hidden", "32",
+                                           "--chunk_size", "64"], tmp_path)
+    before, after = results["casts"]["per chunk (before)"], results["casts"]["once per loss"]
+    assert after["casts"] < before["casts"] and positive(before["seconds"], after["seconds"])
+
+
+# -------------------------------------------------------------------------------------------------- bench_model
+
+def test_ours_against_transformers_forward_backward_and_greedy_generate(tmp_path):
+    results = measured(bench_model.main, [
+        "--only", "train,generate", "--hidden_size", "64", "--num_layers", "1", "--intermediate_size", "128",
+        "--vocab_size", "1024", "--batch_size", "2", "--seq_len", "16", "--num_prompts", "2", "--new_tokens", "4",
+        "--warmup", "0", "--repeats", "1", "--threads", "1"], tmp_path)
+    train, generate = results["rows"]
+    assert train["workload"] == "forward+backward 2x16" and generate["identical_tokens"] == 1.0  # fp32 greedy
+    for row in (train, generate):
+        assert positive(row["ours_ms"], row["transformers_ms"])
+        assert row["transformers_over_ours"] == row["transformers_ms"] / row["ours_ms"]
+    assert results["decode"] == results["lm_head"] == []
+
+
+@pytest.mark.slow
+def test_sampled_generate_the_compiled_decode_step_and_the_lm_head_forms(tmp_path):
+    """Each width compiles (inductor): about 90 s on 2 cores, 15 s with its cache on disk."""
+    results = measured(bench_model.main, [
+        "--only", "sample,decode,lm_head", "--sample_batches", "2", "--sample_tokens", "4", "--vocab_size", "1024",
+        "--sample_model", str(tmp_path / "none"), "--warmup", "0", "--repeats", "1", "--threads", "1"], tmp_path)
+    assert [row["workload"] for row in results["rows"]] == ["generate 2 prompts x 4 new (sampled)",
+                                                            "  same, compiled decode step"]
+    assert all(positive(row["ours_ms"], row["transformers_ms"]) for row in results["rows"])
+    assert [(row["layers"], row["rows"]) for row in results["decode"]] == [(2, 2), (4, 2), (28, 2)]
+    assert all(positive(row["eager_ms"], row["compiled_ms"]) for row in results["decode"])
+    assert [(row["hidden"], row["rows"]) for row in results["lm_head"]] == [(64, 2), (128, 2), (512, 2)]
+    assert all(positive(*(value for key, value in row.items() if key.endswith("_ms"))) for row in results["lm_head"])
+
+
+# ---------------------------------------------------------------------------------------------------- bench_opd
+
+def test_an_opd_step_split_into_its_phases(tmp_path):
+    results = measured(bench_opd.main, ["--batch_size", "2", "--max_new_tokens", "4", "--steps", "2", "--warmup",
+                                        "0", "--breakdown_runs", "1", "--threads", "1"], tmp_path)
+    phases = results["phases_ms"]
+    assert set(phases) == {"generation", "teacher forward", "student forward", "loss forward", "backward",
+                           "optimizer"}
+    assert positive(*phases.values(), results["measured_step_ms"], results["generation_tokens_per_s"])
+    assert math.isclose(results["step_ms"], sum(phases.values()))
+    assert 0 < results["generated_tokens"] <= 2 * 4 and results["decode_steps"] <= 4
+    breakdown = results["generation_breakdown"]
+    assert positive(breakdown["prefill"], breakdown["decode"], breakdown["step_lm_head"])
+    assert math.isclose(breakdown["prefill"] + breakdown["decode"], breakdown["total"])
+
+
+def test_our_side_of_the_trl_comparison_runs_without_trl(tmp_path):
+    """TRL is never a dependency: without an interpreter that imports it only our run takes place (a subprocess, as
+    in the comparison), and the note says how to add TRL's."""
+    results = measured(bench_trl.main, ["--steps", "2", "--warmup", "0", "--batch_size", "2", "--max_new_tokens",
+                                        "4", "--threads", "1", "--trl_python", str(tmp_path / "no-trl" / "python")],
+                       tmp_path)
+    (run,) = results["runs"]
+    assert run["side"] == "ours" and run["threads"] == 1 and "summary" not in results
+    assert len(run["step_ms"]) == len(run["generation_ms"]) == len(run["losses"]) == 2
+    assert positive(*run["step_ms"], *run["generation_ms"], *run["losses"])
+    assert all(g < s for g, s in zip(run["generation_ms"], run["step_ms"])) and max(run["decode_widths"]) <= 4
+    assert "pip install trl" in results["trl_skipped"]
+
+
+# ------------------------------------------------------------------------------------------------ bench_rollout
+
+def test_the_built_in_rollout_engine_without_a_server(tmp_path):
+    results = measured(bench_rollout.main, ["--engines", "built-in", "--rollouts_only", "--config",
+                                            harness.STUDENT_CONFIG, "--batch_size", "2", "--max_new_tokens", "4",
+                                            "--repeats", "1", "--workdir", str(tmp_path / "work")], tmp_path)
+    assert list(results["rollout_tokens_per_s"]) == ["built-in"] and positive(*results["rollout_tokens_per_s"].values())
+    assert results["layouts"] == {}
+
+
+@pytest.mark.slow
+def test_the_opd_layouts_that_need_no_server_and_the_compiled_engine(tmp_path):
+    """Two train_opd.py runs (subprocesses) and a compiled decode step: 25-60 s."""
+    results = measured(bench_rollout.main, ["--engines", "built-in,compiled", "--config", harness.STUDENT_CONFIG,
+                                            "--batch_size", "2", "--max_new_tokens", "4", "--repeats", "1", "--steps",
+                                            "2", "--workdir", str(tmp_path / "work")], tmp_path)
+    assert set(results["rollout_tokens_per_s"]) == {"built-in", "compiled"}
+    assert positive(*results["rollout_tokens_per_s"].values())
+    assert list(results["layouts"]) == ["built-in rollouts, local teacher (jsd)", "built-in rollouts, local teacher"]
+    for layout in results["layouts"].values():
+        assert positive(layout["step_ms"], layout["gen_s"], layout["train_s"])
+        assert layout["sync_s"] == layout["verify_s"] == 0.0
+    assert "overlap" not in results
+
+
+# --------------------------------------------------------------------------------------------------- bench_topk
+
+def test_the_top_k_estimates_against_the_exact_reverse_kl(tmp_path):
+    results = measured(bench_topk.main, ["--random", "1", "--rows", "2", "--max_new_tokens", "8", "--threads", "1"],
+                       tmp_path)
+    exact, sampled, *top = results["estimates"]
+    assert 0 < results["positions"] <= 2 * 8
+    assert exact["k"] is None and exact["mean_over_exact"] == 1.0 and positive(exact["mean"])
+    assert sampled["k"] == 0 and math.isfinite(sampled["error_std"])
+    assert [row["k"] for row in top] == list(bench_topk.KS)
+    masses = [row["teacher_mass_outside"] for row in top]
+    assert all(0 <= mass <= 1 for mass in masses) and masses == sorted(masses, reverse=True)  # more K, less outside
+    assert all(row["bytes_per_position"] is None for row in results["estimates"])  # no server asked for
+
+
+# --------------------------------------------------------------------------------------------------- bench_data
+
+def test_loading_and_collating_dapo_shaped_rows(tmp_path):
+    results = measured(bench_data.main, ["--rows", "200", "--batch_size", "32", "--num_workers", "0"], tmp_path)
+    phases = {phase["phase"]: phase for phase in results["phases"]}
+    assert list(phases) == ["load (RowDataset)", "tokenizer alone (SFT)", "collate SFTCollator",
+                            "collate PromptCollator", "load + SFT collate", "DataLoader SFT, 0 workers"]
+    assert all(phase["rows"] == 200 and positive(phase["rows_per_s"], phase["seconds"]) for phase in phases.values())
+    assert positive(phases["collate SFTCollator"]["tokens_per_s"])
+    headline = phases["load + SFT collate"]
+    assert math.isclose(headline["seconds"], phases["load (RowDataset)"]["seconds"]
+                        + phases["collate SFTCollator"]["seconds"])
+
+
+# --------------------------------------------------------------------------------------------------- bench_sync
+
+@pytest.mark.slow
+def test_the_bf16_sync_criterion_against_a_served_model(tmp_path):
+    """One bf16 vLLM CPU server (about 2-4 minutes): at 2 layers every correct sync passes the tolerance and a
+    skipped step fails it."""
+    from vllm_servers import free_port, require_vllm
+    require_vllm()
+    results = measured(bench_sync.main, ["--layers", "2", "--port", str(free_port()), "--workdir",
+                                         str(tmp_path / "work")], tmp_path)
+    cases = {case["case"]: case for case in results["depths"]["2"]}
+    assert all(case["passes"] for case in cases.values() if case["must_pass"])
+    assert not cases["stale: 1 step skipped"]["passes"] and not cases["stale head: 10 steps old"]["passes"]
+    assert all(positive(case["mean"], case["max"]) for case in cases.values())
+    assert results["margins"]["correct_below"] > 1 and results["margins"]["stale_above"] > 1
