@@ -1,7 +1,8 @@
 """The README's demo, run literally: its commands one after the other, then its table ("What the demo reaches").
 
     python benchmarks/demo.py              # runs COMMANDS below in the repository root, then prints the table
-    python benchmarks/demo.py --dry_run    # prints the commands only, one per line (`... --dry_run | sh` runs them)
+    python benchmarks/demo.py --dry_run    # prints the commands only, one per line (`... --dry_run | sh` runs them,
+                                           # the logit-free row's teacher server in the background)
     python benchmarks/demo.py --fresh      # first moves an earlier demo's runs into checkpoints/demo/previous-TIME/
 
 Each command of COMMANDS runs as a subprocess in the repository root, exactly as written (its leading `python` is the
@@ -13,19 +14,33 @@ When all have finished, the table is printed in Markdown, every number read back
              accuracy on the 200 demo eval problems, its 95% Wilson interval and the count
   notes      the training run's checkpoints/demo/NAME_metrics.jsonl: optimizer steps, the first and the last logged loss
              (KD: also its CE and KD parts), and the in-training evaluations (--eval_interval; greedy completions of
-             the first --eval_rows held-out prompts): the reverse KL to the teacher (KD and OPD) at step 0 and at the
-             end with its change, the share of completions that end with EOS; then eval_math's EOS share
-  wall time  of each command, measured here (training + evaluation)
+             the first --eval_rows held-out prompts): the reverse KL to the teacher (KD, OPD, logit-free) at step 0
+             and at the end with its change, the share of completions that end with EOS; the logit-free run's teacher
+             requests and tokens; then eval_math's EOS share
+  wall time  of each command, measured here (training + evaluation; the logit-free row: the teacher server's
+             start-up first)
 with the date, `nproc`, the CPU and the commit above it. The README's table is this script's output, pasted.
+
+The last row, beside OPD's, is the KD student distilled logit-free (trainer/train_logit_free.py) from the SFT model
+served as a black box: the demo starts SERVE_TEACHER (serving/vllm_launch.py: vLLM's CPU server of
+checkpoints/demo/sft, text only, on 127.0.0.1:8001) as its own background process, waits for it, runs the training
+command (OPD's number of steps and --eval_interval; --eval_teacher_path the SFT model, so its held-out reverse KL to
+the teacher is logged at step 0 and after), stops the server, and evaluates. The demo's 5M-parameter SFT model
+cannot count: asked to continue "1, 2, 3, 4," it writes spaces, so the command passes `--teacher_probe request`
+(the probe's requests must be accepted and answered in full; whether the teacher continues rather than restarts is
+not checked, and the run says so). Without the vLLM environment (serving/setup_vllm_cpu.sh makes it), or with port
+8001 taken, that row is skipped and says so in one line; so it is when the server does not start (its log:
+checkpoints/demo/logit_free_teacher_server.log).
 
 On this project's 2-core CPU machine the whole demo took 10.3 minutes with nothing else running (2026-12-02: SFT
 2.2 min, KD 4.7 min, OPD 2.7 min, each evaluation of 200 problems x 64 new tokens 8-11 s), and 40 minutes with
 other jobs on the same cores. The printed table carries the times actually measured.
 
 The training scripts refuse to start over a run of the same name (`--from_resume 1` / `--start_over 1`), and a new
-table must not mix an old run's files with new ones: if checkpoints/demo/ already holds a run named random, sft, kd
-or opd (its folder, resume file, metrics, lock or evaluation: an earlier demo's), the script refuses with one line,
-unless `--fresh` is given, which first moves all of those files into checkpoints/demo/previous-TIME/. Runs of these
+table must not mix an old run's files with new ones: if checkpoints/demo/ already holds a run named random, sft, kd,
+opd or logit_free (its folder, resume file, metrics, lock, evaluation, teacher cache: an earlier demo's), the
+script refuses with one line, unless `--fresh` is given, which first moves all of those files into
+checkpoints/demo/previous-TIME/. Runs of these
 names elsewhere (the quick start's checkpoints/sft/) are neither refused nor moved. A run that is still in progress
 (its NAME.lock names a live process) is refused either way. A command that fails stops the demo with its exit
 code; Ctrl-C reaches the running command too (a training run saves a checkpoint first) and stops the demo (130).
@@ -33,6 +48,7 @@ code; Ctrl-C reaches the running command too (a training run saves a checkpoint 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -53,6 +69,9 @@ from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
 from trainer.flags import add_common_args  # noqa: E402
 
+# The logit-free row's teacher: the SFT model served by vLLM on this port, as the demo's own background process
+TEACHER_PORT = 8001
+TEACHER_URL = f"http://127.0.0.1:{TEACHER_PORT}/v1"
 # Where the commands write: a folder of the demo's own, so that the quick start's checkpoints/sft/ (the README's
 # first command) and the demo never meet. The training scripts' --save_dir; the model folders lie below it.
 SAVE_DIR = "checkpoints/demo"
@@ -67,7 +86,22 @@ COMMANDS = [
     f"python eval/eval_math.py --model_path {SAVE_DIR}/kd --max_new_tokens 64",
     f"python trainer/train_opd.py --eval_interval 8 --save_dir {SAVE_DIR}",
     f"python eval/eval_math.py --model_path {SAVE_DIR}/opd --max_new_tokens 64",
+    # the KD student distilled logit-free from the SFT model served as a black box (SERVE_TEACHER, started by the
+    # demo around this command): OPD's steps and --eval_interval, the method's values for 25-64-token completions
+    f"python trainer/train_logit_free.py --teacher_url {TEACHER_URL} --teacher_form chat --teacher_probe request "
+    f"--chunk_len 8 --audit_chunks 4 --continuations 4 --eval_interval 8 --eval_teacher_path {SAVE_DIR}/sft "
+    f"--save_dir {SAVE_DIR}",
+    f"python eval/eval_math.py --model_path {SAVE_DIR}/logit_free --max_new_tokens 64",
 ]
+
+
+# The logit-free row's teacher server, run in the background (in its own process group) from before that row's
+# training command until it ends. serving/vllm_launch.py runs it in the vLLM environment's Python. Without chunked
+# prefill: vLLM 0.32's CPU engine dies on a seeded request whose prefill is split over steps ("CPU Generator does not
+# use offset"), and every teacher request of the loop carries a seed (32 in flight split the prefill; measured).
+SERVE_TEACHER = (f"python serving/vllm_launch.py --model {SAVE_DIR}/sft --name teacher --port {TEACHER_PORT} "
+                 f"-- --no-enable-chunked-prefill")
+ENABLE_VLLM = "serving/setup_vllm_cpu.sh makes one; then `python benchmarks/demo.py --fresh`"
 
 
 @dataclass(frozen=True)
@@ -76,6 +110,7 @@ class Row:
     label: str                # the table's model column (the parameter count is added from the saved weights)
     commands: tuple[str, ...]
     trained: bool = True      # a training run: it writes NAME_metrics.jsonl
+    server: str | None = None  # a teacher server the demo runs in the background around the training command
 
 
 ROWS = (
@@ -83,6 +118,8 @@ ROWS = (
     Row("sft", "SFT quick start (the teacher, qwen3-tiny)", tuple(COMMANDS[2:4])),
     Row("kd", "KD student (qwen3-tiny-student)", tuple(COMMANDS[4:6])),
     Row("opd", "OPD of the KD student", tuple(COMMANDS[6:8])),
+    Row("logit_free", "logit-free OPD of the KD student (the SFT teacher served as a black box)",
+        tuple(COMMANDS[8:10]), server=SERVE_TEACHER),
 )
 assert [c for row in ROWS for c in row.commands] == COMMANDS, "every command belongs to one row, in order"
 
@@ -93,10 +130,12 @@ EVAL_STEM = "eval"         # eval_math's default data is dataset/demo/eval.parqu
 
 def run_files(save_dir: str, name: str) -> list[str]:
     """What a run or evaluation named `name` leaves in save_dir: its folder, resume file, metrics, lock, folders set
-    aside by --start_over, eval_math's outputs and half-written temporaries. Other names (opd2, sft_big) are not
-    touched."""
+    aside by --start_over, eval_math's outputs and half-written temporaries; a logit-free run's teacher cache (a new
+    run would take the old answers from it) and the log of the demo's teacher server. Other names (opd2, sft_big)
+    are not touched."""
     patterns = [name, f"{name}_resume.pt", f"{name}_metrics.jsonl", f"{name}.lock", f"{name}.replaced-*",
-                f"{name}_eval_*", f".{name}.tmp-*", f".{name}_resume.pt.tmp-*", f".{name}_eval_*.tmp-*"]
+                f"{name}_eval_*", f".{name}.tmp-*", f".{name}_resume.pt.tmp-*", f".{name}_eval_*.tmp-*",
+                f"{name}_teacher_cache.rank*.jsonl", f"{name}_teacher_server.log"]  # the logit-free row's
     found = set()
     for pattern in patterns:
         found.update(glob.glob(os.path.join(glob.escape(save_dir), pattern)))
@@ -200,6 +239,84 @@ def run_command(command: str, cwd: str) -> float:
     return seconds
 
 
+# ---------------------------------------------------------------------------------------- the served teacher
+
+class ServedTeacher:
+    """The logit-free row's black-box teacher: the demo's SFT model served by vLLM (SERVE_TEACHER, the vLLM
+    environment's server behind serving/vllm_launch.py) on 127.0.0.1:TEACHER_PORT, a subprocess of the demo in its
+    own process group, stopped when the row's training ends (or fails, or Ctrl-C)."""
+
+    def unavailable(self) -> str | None:
+        """Why the row cannot run here (one line, with how to enable it), or None."""
+        from serving.vllm_launch import DEFAULT_VENV, vllm_python
+        if vllm_python() is None:
+            return f"no vLLM environment at {DEFAULT_VENV}: {ENABLE_VLLM}"
+        if port_in_use(TEACHER_PORT):
+            return (f"port {TEACHER_PORT} (the demo's teacher server) is in use: stop what listens there, then "
+                    f"`python benchmarks/demo.py --fresh`")
+        return None
+
+    @contextlib.contextmanager
+    def serving(self, command: str, cwd: str, log_path: str):
+        """The server started (its output into log_path) and ready; stopped however the block ends. ServerFailed
+        when it exits or is not ready in 15 minutes."""
+        from serving.vllm_launch import stop_vllm, wait_ready
+        with open(log_path, "w", encoding="utf-8") as log:
+            process = subprocess.Popen(command_argv(command), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        try:
+            try:
+                wait_ready(process, TEACHER_PORT, log_path)
+            except RuntimeError as error:
+                raise ServerFailed(f"{str(error).splitlines()[0].rstrip(':')}; its log: {log_path}") from None
+            yield
+        finally:
+            stop_vllm(process)
+
+
+class ServerFailed(RuntimeFailure):
+    """The teacher server exited or was not ready in time: its row is not run (the note says where its log is)."""
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((host, port)) == 0
+
+
+def server_log(row: Row) -> str:
+    return f"{SAVE_DIR}/{row.name}_teacher_server.log"
+
+
+def wait_for_teacher(timeout: float = 900.0) -> None:
+    """For the --dry_run script: wait until the teacher server answers GET /health; exit 1 after `timeout`."""
+    import httpx
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{TEACHER_PORT}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    sys.exit(f"error: no teacher server on port {TEACHER_PORT} after {timeout:.0f} s")
+
+
+def script_lines() -> list[str]:
+    """What --dry_run prints: COMMANDS, one per line, and around a served row's training command its server
+    started in the background, waited for and stopped (POSIX sh)."""
+    lines = []
+    for row in ROWS:
+        if row.server is None:
+            lines += row.commands
+            continue
+        train, *rest = row.commands
+        lines += [f"{row.server} > {server_log(row)} 2>&1 & TEACHER_PID=$!",
+                  "python -c \"from benchmarks.demo import wait_for_teacher; wait_for_teacher()\"",
+                  train, "kill $TEACHER_PID", *rest]
+    return lines
+
+
 # ------------------------------------------------------------------------------------------ reading the results
 
 def read_json(path: str, written_by: str) -> dict:
@@ -255,25 +372,39 @@ def count_parameters(folder: str) -> int | None:
 
 
 @dataclass
+class RowRun:
+    """What running a row gave: the seconds of each command that ran, in order; a served row's teacher start-up
+    seconds; and, when its commands did not run, why (one line)."""
+    seconds: list[float]
+    serve_seconds: float | None = None
+    skipped: str | None = None
+
+
+@dataclass
 class RowResult:
     row: Row
-    summary: dict
+    summary: dict | None      # None: the row was skipped
     seconds: list[float]
     steps: list[dict]
     evals: list[dict]
     parameters: int | None
+    serve_seconds: float | None = None
+    skipped: str | None = None
 
 
-def collect(save_dir: str, rows: Sequence[Row], seconds: Sequence[float]) -> list[RowResult]:
-    """Each row's evaluation summary, training metrics and parameter count; `seconds`: one per command, in order."""
-    results, i = [], 0
-    for row in rows:
+def collect(save_dir: str, rows: Sequence[Row], runs: Sequence[RowRun]) -> list[RowResult]:
+    """Each row's evaluation summary, training metrics and parameter count (none for a skipped row); `runs`: one
+    per row, in order."""
+    results = []
+    for row, run in zip(rows, runs, strict=True):
+        if run.skipped is not None:
+            results.append(RowResult(row, None, run.seconds, [], [], None, run.serve_seconds, run.skipped))
+            continue
         summary = read_json(os.path.join(save_dir, f"{row.name}_eval_{EVAL_STEM}.summary.json"), row.commands[-1])
         steps, evals = (read_metrics(os.path.join(save_dir, f"{row.name}_metrics.jsonl"), row.commands[0])
                         if row.trained else ([], []))
-        results.append(RowResult(row, summary, list(seconds[i:i + len(row.commands)]), steps, evals,
-                                 count_parameters(os.path.join(save_dir, row.name))))
-        i += len(row.commands)
+        results.append(RowResult(row, summary, run.seconds, steps, evals,
+                                 count_parameters(os.path.join(save_dir, row.name)), run.serve_seconds))
     return results
 
 
@@ -307,6 +438,10 @@ def notes(result: RowResult) -> str:
             if key in first and key in last:
                 text += f", {key.upper()} {number(first[key])} -> {number(last[key])}"
         parts.append(text)
+    if result.steps and "teacher_requests" in result.steps[0]:  # a black-box teacher: what it was asked
+        requests = sum(m.get("teacher_requests", 0) for m in result.steps)
+        tokens = sum(m.get("teacher_tokens", 0) for m in result.steps)
+        parts.append(f"{requests:,.0f} teacher requests ({tokens:,.0f} tokens)")
     kl = [e for e in result.evals if "eval/reverse_kl" in e]
     if len(kl) >= 2:
         first, last = kl[0]["eval/reverse_kl"], kl[-1]["eval/reverse_kl"]
@@ -335,14 +470,27 @@ def model_label(result: RowResult) -> str:
     return f"{label[:-1]}, {count})" if label.endswith(")") else f"{label} ({count})"
 
 
+def commands_cell(row: Row) -> str:
+    commands = " then ".join(f"`{command}`" for command in row.commands)
+    if row.server is None:
+        return commands
+    return f"`{row.server}` in the background, then " + commands.replace(" then ", " (server stopped) then ", 1)
+
+
+def wall_time(result: RowResult) -> str:
+    parts = [f"{format_seconds(result.serve_seconds)} to serve the teacher"] if result.serve_seconds is not None \
+        else []
+    parts += [format_seconds(s) for s in result.seconds]
+    return " + ".join(parts) or "-"
+
+
 def table(results: Sequence[RowResult]) -> str:
     lines = ["| model | commands | accuracy | notes | wall time |", "|---|---|---|---|---|"]
     for result in results:
-        commands = " then ".join(f"`{command}`" for command in result.row.commands)
-        wall = " + ".join(format_seconds(s) for s in result.seconds)
-        lines.append("| " + " | ".join(cell(text) for text in (model_label(result), commands,
-                                                                   format_accuracy(result.summary),
-                                                                   notes(result), wall)) + " |")
+        accuracy = "-" if result.summary is None else format_accuracy(result.summary)
+        note = result.skipped if result.skipped is not None else notes(result)
+        lines.append("| " + " | ".join(cell(text) for text in (model_label(result), commands_cell(result.row),
+                                                                   accuracy, note, wall_time(result))) + " |")
     return "\n".join(lines)
 
 
@@ -359,6 +507,7 @@ def heldout_settings(commands: Sequence[str]) -> set[tuple[int, int]]:
 
 def intro(results: Sequence[RowResult]) -> str:
     """The sentence above the table: what the accuracy and the notes measure, from the summaries and the flags."""
+    results = [r for r in results if r.summary is not None]  # a skipped row evaluated nothing
     evals = {(s["rows"], s["args"].get("max_new_tokens"), s["args"].get("temperature"))
              for s in (r.summary for r in results)}
     if len(evals) == 1:
@@ -389,19 +538,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
-                        help=f"move an earlier demo's runs (random/sft/kd/opd in {SAVE_DIR}/) into "
-                             f"{SAVE_DIR}/previous-TIME/ first")
+                        help=f"move an earlier demo's runs ({'/'.join(row.name for row in ROWS)} in {SAVE_DIR}/) "
+                             f"into {SAVE_DIR}/previous-TIME/ first")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None, root: str = ROOT,
-         runner: Callable[[str, str], float] = run_command) -> int:
-    """`root` (the folder the commands run in) and `runner` (command, cwd -> seconds) are for the tests."""
+def run_commands(commands: Sequence[str], first: int, root: str, runner: Callable[[str, str], float]) -> list[float]:
+    """Run `commands` (COMMANDS[first - 1:], numbered from `first`) one after the other; -> their seconds."""
+    seconds = []
+    for i, command in enumerate(commands, first):
+        print(f"\n[demo {i}/{len(COMMANDS)}] {command}", flush=True)
+        seconds.append(runner(command, root))
+        print(f"[demo {i}/{len(COMMANDS)}] done in {format_seconds(seconds[-1])}", flush=True)
+    return seconds
+
+
+def run_served_row(row: Row, first: int, root: str, runner: Callable[[str, str], float],
+                   teacher: ServedTeacher) -> RowRun:
+    """A row whose training command needs row.server: skipped (one line, how to enable it) where the teacher
+    cannot be served; else the server started, the training command run, the server stopped, then the
+    evaluation."""
+    where = f"[demo {first}-{first + len(row.commands) - 1}/{len(COMMANDS)}]"
+    note = teacher.unavailable()
+    if note is not None:
+        print(f"\n{where} skipped, the {row.name} row: {note}", flush=True)
+        return RowRun([], skipped=f"skipped: {note}")
+    log = os.path.join(root, server_log(row))
+    print(f"\n{where} {row.server} (in the background, its output in {server_log(row)}; 2-5 minutes to start on 2 "
+          f"CPU cores)", flush=True)
+    start = time.perf_counter()
+    try:
+        with teacher.serving(row.server, root, log):
+            serve_seconds = time.perf_counter() - start
+            print(f"{where} the teacher is served after {format_seconds(serve_seconds)}", flush=True)
+            seconds = run_commands(row.commands[:1], first, root, runner)
+    except ServerFailed as error:
+        note = f"skipped: the teacher server did not start: {error}"
+        print(f"{where} {note}", flush=True)
+        return RowRun([], skipped=note)
+    print(f"{where} the teacher server is stopped", flush=True)
+    return RowRun(seconds + run_commands(row.commands[1:], first + 1, root, runner), serve_seconds)
+
+
+def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str, str], float] = run_command,
+         teacher: ServedTeacher | None = None) -> int:
+    """`root` (the folder the commands run in), `runner` (command, cwd -> seconds) and `teacher` (the served
+    teacher's start and stop) are for the tests."""
     args = parse_args(argv)
     save_dir = os.path.join(root, SAVE_DIR)
     existing = existing_runs(save_dir)
     if args.dry_run:
-        print("\n".join(COMMANDS), flush=True)
+        print("\n".join(script_lines()), flush=True)
         if existing:
             what = "--fresh would move them aside first" if args.fresh else "the demo needs --fresh"
             print(f"note: {SAVE_DIR}/ holds {describe(existing, save_dir)}: {what}", file=sys.stderr, flush=True)
@@ -413,12 +600,13 @@ def main(argv: list[str] | None = None, root: str = ROOT,
     if existing:
         folder = move_aside(save_dir, existing)
         print(f"--fresh: moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)
-    start, seconds = time.perf_counter(), []
-    for i, command in enumerate(COMMANDS, 1):
-        print(f"\n[demo {i}/{len(COMMANDS)}] {command}", flush=True)
-        seconds.append(runner(command, root))
-        print(f"[demo {i}/{len(COMMANDS)}] done in {format_seconds(seconds[-1])}", flush=True)
-    results = collect(save_dir, ROWS, seconds)
+    teacher = teacher or ServedTeacher()
+    start, runs, first = time.perf_counter(), [], 1
+    for row in ROWS:
+        runs.append(run_served_row(row, first, root, runner, teacher) if row.server is not None
+                    else RowRun(run_commands(row.commands, first, root, runner)))
+        first += len(row.commands)
+    results = collect(save_dir, ROWS, runs)
     print("\n" + report(results, time.perf_counter() - start), flush=True)
     return 0
 

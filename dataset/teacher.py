@@ -37,7 +37,8 @@ Messages = list[dict[str, str]]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters sent with every request; they are part of the cache key."""
+    """Sampling parameters sent with every request; they are part of the cache key. `n` > 1 asks for n samples in
+    one request (continuations, dataset/continuations.py); the SFT-data client takes one answer per prompt."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int | None = None
@@ -46,8 +47,8 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict)   # e.g. {"top_k": 20} for vLLM; merged into the payload
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: only n=1 is supported (one answer per prompt; ask again with another seed)")
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -134,8 +135,9 @@ class AnswerCache:
 
     REQUIRED = ("key", "content")
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, read_only: bool = False):
+        """`read_only`: another writer's file (another rank's), read and never appended to or cut."""
+        self.path, self.read_only = path, read_only
         self._records: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._file = None
@@ -158,8 +160,10 @@ class AnswerCache:
                 record = self._parse(line)
             except ValueError as e:
                 if i == last:
+                    then = ("its writer cuts it off before its next append" if self.read_only
+                            else "it will be cut off before the next append")
                     warnings.warn(f"{self.path}:{i + 1}: ignoring a damaged last line ({len(line)} bytes, {e}); "
-                                  f"probably a crash mid-write. It will be cut off before the next append.",
+                                  f"probably a crash mid-write. {then[0].upper()}{then[1:]}.",
                                   RuntimeWarning, stacklevel=3)
                     self._truncate_at = start
                 else:
@@ -189,7 +193,11 @@ class AnswerCache:
         for name in self.REQUIRED:
             if not isinstance(record.get(name), str):
                 raise ValueError(f"field {name!r} missing or not a string")
+        self._check(record)
         return record
+
+    def _check(self, record: dict[str, Any]) -> None:
+        """More checks of a record's shape, for subclasses: ValueError when it is not one of theirs."""
 
     def __len__(self) -> int:
         return len(self._records)
@@ -202,6 +210,8 @@ class AnswerCache:
 
     def put(self, record: dict[str, Any]) -> None:
         """Append one record and make it durable before returning (flush + fsync)."""
+        if self.read_only:
+            raise ValueError(f"{self.path} is another writer's cache file: read only")
         line = json.dumps(record, ensure_ascii=False) + "\n"
         with self._lock:
             if self._file is None:
@@ -265,9 +275,13 @@ class TeacherClient(ApiClient):
 
     def __init__(self, base_url: str, model: str, *, params: SamplingParams | None = None,
                  cache: AnswerCache | None = None, **http: Any):
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the SFT-data client takes one answer per prompt (ask again with another "
+                             f"seed for more)")
         super().__init__(base_url, what="teacher", request_name="prompt", **http)
         self.model = model
-        self.params = params or SamplingParams()
+        self.params = params
         self.cache = cache
 
     def __repr__(self) -> str:

@@ -147,13 +147,40 @@ class QwenTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            enable_thinking: bool = True, tokenize: bool = False, **kwargs):
+                            enable_thinking: bool = True, tokenize: bool = False,
+                            continue_final_message: bool = False, **kwargs):
+        """The conversation rendered through the folder's template (token ids with `tokenize`).
+
+        `continue_final_message`: the rendering stops right after the final message's content, which the model is
+        then to continue (no end-of-turn after it), as transformers' option of that name does: a marker is appended
+        to the final message's content, the conversation rendered, and the text cut where the marker is (spaces
+        the template trimmed from the marker's end are trimmed from the cut too). A ValueError when the content
+        cannot be found in the rendering (a template that rewrites or drops part of it). With Qwen3's template a
+        final assistant message is rendered `<think>\\n{reasoning}\\n</think>\\n\\n{answer}` whatever
+        `enable_thinking` says: an answer without `</think>` gets an empty thinking block in front of it (exactly
+        the `<think>\\n\\n</think>\\n\\n` that the generation prompt adds with enable_thinking False), and a
+        closed block in the content is re-rendered in that canonical spacing (content with other spacing around
+        `</think>` cannot be found in the rendering, and is refused)."""
         if not self.chat_template:
             raise ModelFileError(f"{self.folder} has no chat template (neither chat_template in tokenizer_config.json "
                                  f"nor chat_template.jinja): use the tokenizer files of a chat model")
+        final = None
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt exclude each other: the first "
+                                 "continues the final message, the second starts a new one")
+            if not messages:
+                raise ValueError("continue_final_message: the conversation is empty")
+            final = messages[-1].get("content")
+            if not isinstance(final, str):
+                raise ValueError(f"continue_final_message: the final message's content is {type(final).__name__}, "
+                                 f"not text")
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         text = _compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
             bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token, **kwargs)
+        if final is not None:
+            text = _cut_at_continue_tag(text, final)
         return self.encode(text) if tokenize else text
 
     def save_pretrained(self, out_dir: str) -> None:
@@ -162,6 +189,21 @@ class QwenTokenizer:
             src = os.path.join(self.folder, name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(out_dir, name))
+
+
+# transformers' own marker (utils/chat_template_utils.py): a template sees the very content transformers gives it
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_continue_tag(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ValueError(f"continue_final_message: the final message's content does not appear in the rendered "
+                         f"conversation (the chat template rewrites or drops part of it): {final.strip()[-200:]!r}")
+    where = rendered.rindex(tag)
+    if rendered[where:where + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:where]
+    return rendered[:where].rstrip()         # the template trimmed trailing spaces: the content's are trimmed too
 
 
 def load_tokenizer(path: str | None = None) -> QwenTokenizer:

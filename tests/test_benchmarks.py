@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from benchmarks import (bench_data, bench_losses, bench_model, bench_opd, bench_rollout, bench_sync, bench_topk,
-                        bench_trl, harness)
+from benchmarks import (bench_data, bench_logit_free, bench_losses, bench_model, bench_opd, bench_rollout, bench_sync,
+                        bench_topk, bench_trl, harness)
+from common.errors import FlagError, UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the scripts' --threads 1 is torch's global setting
 
@@ -116,6 +117,48 @@ def test_our_side_of_the_trl_comparison_runs_without_trl(tmp_path):
     assert positive(*run["step_ms"], *run["generation_ms"], *run["losses"])
     assert all(g < s for g, s in zip(run["generation_ms"], run["step_ms"])) and max(run["decode_widths"]) <= 4
     assert "pip install trl" in results["trl_skipped"]
+
+
+# ------------------------------------------------------------------------------------------- bench_logit_free
+
+def test_a_logit_free_step_split_into_its_phases_against_the_stub_teacher(tmp_path):
+    """The real loop for 2 steps against tests/stub_server.py's teacher (in this process): every phase took time, the
+    shares add up to 1 and are the loop's own, and the audit asked what a random student's full-length completions
+    give: 2 rows x 2 chunks, each answered with 3 continuations (the stub's usage: 20 + 4 per continuation)."""
+    results = measured(bench_logit_free.main, [
+        "--stub", "--batch_size", "2", "--max_new_tokens", "8", "--chunk_len", "3", "--audit_chunks", "2",
+        "--continuations", "3", "--steps", "2", "--threads", "1", "--workdir", str(tmp_path / "work")], tmp_path)
+    phases = results["phases_s"]
+    assert list(phases) == ["gen", "entropy", "teacher", "reference", "train"] and results["steps_measured"] == 1
+    assert positive(*phases.values(), results["step_s"], *results["shares"].values())
+    assert math.isclose(sum(results["shares"].values()), 1.0)
+    assert math.isclose(results["shares"]["teacher"], results["loop_teacher_share"], rel_tol=1e-3)
+    assert 0 < results["teacher_share_of_step"] < 1 and sum(phases.values()) <= results["step_s"]
+    assert results["completion_len"] == 8 and results["audited_share"] == 0.75
+    assert results["teacher_requests_per_step"] == 4 and results["teacher_cached_per_step"] == 0
+    assert results["teacher_tokens_per_step"] == 4 * (20 + 4 * 3)
+
+
+def test_the_logit_free_bench_stops_at_a_teacher_the_loop_refuses(tmp_path, monkeypatch):
+    """A served teacher that starts a new reply instead of continuing: the loop's start-up probe refuses it, and so
+    does the benchmark, with the loop's one line (no step is measured)."""
+    for name in bench_logit_free.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    stub_server = bench_logit_free.load_stub_server()
+    server = stub_server.Stub(lambda path, body: (200, stub_server.choices_body(path, [" Sure!"] * body["n"])))
+    try:
+        with pytest.raises(UserError, match="does not continue a partial answer.*it answered ' Sure!'"):
+            bench_logit_free.main(["--teacher_url", server.url, "--batch_size", "2", "--max_new_tokens", "8",
+                                   "--chunk_len", "3", "--steps", "2", "--workdir", str(tmp_path / "work")])
+    finally:
+        server.close()
+    assert [body["messages"][-1]["content"] for _, body in server.posts] == ["1, 2, 3, 4,"]
+
+
+@pytest.mark.parametrize("argv", [[], ["--stub", "--teacher_url", "http://127.0.0.1:1/v1"]], ids=["none", "both"])
+def test_the_logit_free_bench_needs_one_teacher(argv):
+    with pytest.raises(FlagError, match="--teacher_url URL .* or --stub"):
+        bench_logit_free.parse_args(argv)
 
 
 # ------------------------------------------------------------------------------------------------ bench_rollout

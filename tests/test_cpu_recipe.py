@@ -10,6 +10,8 @@ in its checkpoint and, under fp16, the scaler's state saved and no step skipped:
     hold but an fp16 forward turns into inf and NaN -- so an fp16 run whose teacher computed under the student's
     fp16 autocast fails here
   * OPD with --use_compile 1 (the compiled layers and decode step under autocast)
+  * logit-free OPD against a stub black-box teacher, in bf16 and fp16, with the held-out reverse KL to a local
+    copy of the teacher
   * OPD on real vLLM servers: served rollouts (--rollout_url, the bf16 weight sync verified), --max_staleness 1,
     a served top-K teacher (--teacher_url --teacher_topk)
   * eval_math.py and chat.py with bf16 and fp16 weights
@@ -40,8 +42,10 @@ from loop_helpers import (env_one_thread, loop_args, metrics, run_command, torch
                           without_timing)
 from model import Qwen3Config, create_model, save_pretrained
 from support import ROOT, SERVED_CONFIG, TINY_CONFIG, write_chat_jsonl
+from stub_server import Stub, black_box_teacher
 from test_eval import PROBLEMS, write_parquet
 from trainer.train_distillation import main as train_distillation
+from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
 
@@ -77,7 +81,9 @@ def files(tmp_path_factory):
 def recipe_args(files, loop: str, save_dir, dtype: str, **flags) -> list[str]:
     """Two steps of 2 rows under `dtype`, with what each loop needs beyond the common flags."""
     extra = {"sft": {}, "kd": {"teacher_path": files["teacher"]},
-             "opd": {"teacher_path": files["teacher"], "max_new_tokens": 8}}[loop]
+             "opd": {"teacher_path": files["teacher"], "max_new_tokens": 8},
+             "logit_free": {"max_new_tokens": 8, "chunk_len": 3, "audit_chunks": 2, "continuations": 2,
+                            "eval_teacher_path": files["teacher"]}}[loop]
     return loop_args(files["config"], files["data"], save_dir, batch=2, max_steps=2, dtype=dtype,
                      **{**extra, **flags})
 
@@ -116,6 +122,23 @@ def test_each_loop_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, 
         # two random tiny models, near-uniform over the vocabulary, are ~0.03 apart
         assert all(0.0 <= m["kd" if loop == "kd" else "loss"] < 1.0 for m in steps), steps
         assert all(0.0 <= m["eval/reverse_kl"] < 1.0 for m in metrics(tmp_path) if "eval/accuracy" in m)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_logit_free_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype, monkeypatch):
+    """The logit-free loop against a stub black-box teacher (tests/stub_server.py): the audit's entropy pass, the
+    reference (the student's bf16 / fp16-run starting model) and the held-out reverse KL to a local copy of the
+    teacher -- whose activations pass fp16's range -- under the recipe."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    teacher = Stub(black_box_teacher)
+    try:
+        train_logit_free(recipe_args(files, "logit_free", tmp_path, dtype, teacher_url=teacher.url, **EVAL))
+    finally:
+        teacher.close()
+    steps = assert_trained(tmp_path, dtype)
+    assert all(0.0 <= m["pi_hat"] <= 1.0 and math.isfinite(m["anchor_kl"]) for m in steps), steps
+    assert all(0.0 <= m["eval/reverse_kl"] < 1.0 for m in metrics(tmp_path) if "eval/accuracy" in m)
 
 
 def test_opd_with_compile_trains_under_the_recipe(files, tmp_path):

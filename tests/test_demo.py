@@ -3,6 +3,7 @@
 left alone), its guard and --fresh, --dry_run, the reading of metrics.jsonl and eval summaries, and the table, on a
 temporary repository root whose commands are run by a fake runner that writes what the real commands write (small
 files of the same shapes)."""
+import contextlib
 import json
 import os
 import shlex
@@ -18,9 +19,11 @@ from common.errors import UserError, run_script
 from eval.grader import wilson_interval
 from support import ROOT
 
+ServedTeacher = demo.ServedTeacher  # the real one: main()'s default is faked for every test (no_real_server)
+
 # seconds the fake runner reports for each command, in COMMANDS order
-SECONDS = [3.2, 41.0, 630.0, 12.0, 810.0, 55.0, 408.0, 14.0]
-CORRECT = {"random": 0, "sft": 5, "kd": 0, "opd": 2}
+SECONDS = [3.2, 41.0, 630.0, 12.0, 810.0, 55.0, 408.0, 14.0, 522.0, 13.0]
+CORRECT = {"random": 0, "sft": 5, "kd": 0, "opd": 2, "logit_free": 3}
 METRICS = {
     "sft": [{"step": 0, "eval/accuracy": 0.0, "eval/completion_len": 64.0, "eval/eos_share": 0.0},
             {"step": 1, "epoch": 0, "loss": 11.8512, "lr": 0.002},
@@ -36,9 +39,16 @@ METRICS = {
             {"step": 8, "eval/accuracy": 0.0, "eval/eos_share": 0.5, "eval/reverse_kl": 0.8},
             {"step": 32, "epoch": 0, "loss": 0.45, "eos_share": 1.0},
             {"step": 32, "eval/accuracy": 0.0, "eval/eos_share": 1.0, "eval/reverse_kl": 0.516}],
+    "logit_free": [{"step": 0, "eval/accuracy": 0.0, "eval/eos_share": 0.0, "eval/reverse_kl": 0.992},
+                   {"step": 1, "epoch": 0, "loss": 0.31, "pi_hat": 0.4, "teacher_requests": 60, "teacher_cached": 0,
+                    "teacher_tokens": 9000},
+                   {"step": 8, "eval/accuracy": 0.0, "eval/eos_share": 0.25, "eval/reverse_kl": 0.9},
+                   {"step": 32, "epoch": 0, "loss": 0.22, "pi_hat": 0.5, "teacher_requests": 52, "teacher_cached": 0,
+                    "teacher_tokens": 7800},
+                   {"step": 32, "eval/accuracy": 0.0, "eval/eos_share": 0.75, "eval/reverse_kl": 0.711}],
 }
-SCRIPT_RUN = {"trainer/train_sft.py": "sft", "trainer/train_distillation.py": "kd", "trainer/train_opd.py": "opd"}
-
+SCRIPT_RUN = {"trainer/train_sft.py": "sft", "trainer/train_distillation.py": "kd", "trainer/train_opd.py": "opd",
+              "trainer/train_logit_free.py": "logit_free"}
 
 def write_weights(folder, shapes):
     """A model folder whose model.safetensors has a header with these shapes (count_parameters reads the header)."""
@@ -63,11 +73,13 @@ def write_summary(path, correct, rows=200, max_new_tokens=64):
 class FakeRunner:
     """Writes, for each demo command, what the real one writes into ROOT/checkpoints/demo, and reports SECONDS."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, teacher=None):
+        self.calls, self.teacher = [], teacher
 
     def __call__(self, command, cwd):
         self.calls.append((command, cwd))
+        if self.teacher is not None:  # the served teacher is up exactly while the logit-free loop trains
+            assert self.teacher.serving_now == ("train_logit_free.py" in command), command
         argv = shlex.split(command)
         save_dir = os.path.join(cwd, demo.SAVE_DIR)
         if argv[1] == "-c":  # the random init
@@ -85,6 +97,37 @@ class FakeRunner:
                 f.writelines(json.dumps(record) + "\n" for record in METRICS[name])
             open(os.path.join(save_dir, f"{name}_resume.pt"), "wb").close()
         return SECONDS[len(self.calls) - 1]
+
+
+class FakeTeacher:
+    """demo.ServedTeacher's three parts, recorded in `events`: whether it can run (`unavailable`: the note, or None),
+    the server's start and stop (`fails`: its start raises ServerFailed)."""
+
+    def __init__(self, unavailable=None, fails=False):
+        self.note, self.fails = unavailable, fails
+        self.events, self.serving_now = [], False
+
+    def unavailable(self):
+        self.events.append("checked")
+        return self.note
+
+    @contextlib.contextmanager
+    def serving(self, command, cwd, log_path):
+        self.events.append(("start", command, os.path.relpath(log_path, cwd)))
+        if self.fails:
+            raise demo.ServerFailed(f"the vLLM server exited (1); its log: {log_path}")
+        self.serving_now = True
+        try:
+            yield
+        finally:
+            self.serving_now = False
+            self.events.append("stop")
+
+
+@pytest.fixture(autouse=True)
+def no_real_server(monkeypatch):
+    """No test here starts vLLM: main()'s default teacher is a FakeTeacher that serves."""
+    monkeypatch.setattr(demo, "ServedTeacher", FakeTeacher)
 
 
 def never(command, cwd):
@@ -116,7 +159,7 @@ def test_commands_are_the_readme_demo_in_table_order():
     """The README's quick-start commands, each run written into checkpoints/demo/ (the loops' other defaults, the
     teacher and the student, follow --save_dir)."""
     assert demo.SAVE_DIR == "checkpoints/demo"
-    assert [row.name for row in demo.ROWS] == ["random", "sft", "kd", "opd"]
+    assert [row.name for row in demo.ROWS] == ["random", "sft", "kd", "opd", "logit_free"]
     assert [c for row in demo.ROWS for c in row.commands] == demo.COMMANDS
     for row in demo.ROWS:
         *train, evaluate = row.commands
@@ -130,6 +173,37 @@ def test_commands_are_the_readme_demo_in_table_order():
     assert "'checkpoints/demo/random'" in demo.COMMANDS[0] and "seed=42" in demo.COMMANDS[0]
     assert demo.command_argv(demo.COMMANDS[2]) == [sys.executable, "trainer/train_sft.py", "--eval_interval", "50",
                                                    "--save_dir", "checkpoints/demo"]
+    assert [row.name for row in demo.ROWS if row.server] == ["logit_free"]
+
+
+def flags(command):
+    argv = shlex.split(command)
+    return dict(zip(argv[2::2], argv[3::2]))
+
+
+def test_the_logit_free_row_distils_the_kd_student_from_the_served_sft_model():
+    """The SFT model served by vLLM under the name the loop asks for, on the port of --teacher_url; the chat form;
+    the method's values for the demo's 25-64-token completions; OPD's steps (neither sets a flag that changes the
+    step count: both take the same default prompts and batch) and --eval_interval; the SFT model for the held-out
+    reverse KL."""
+    opd, logit_free = demo.ROWS[3], demo.ROWS[4]
+    train, evaluate = logit_free.commands
+    assert shlex.split(train)[:2] == ["python", "trainer/train_logit_free.py"]
+    server = shlex.split(logit_free.server)
+    assert server[:2] == ["python", "serving/vllm_launch.py"] and os.path.isfile(os.path.join(ROOT, server[1]))
+    served = dict(zip(server[2:8:2], server[3:8:2]))
+    assert served == {"--model": "checkpoints/demo/sft", "--name": "teacher", "--port": str(demo.TEACHER_PORT)}
+    assert server[8:] == ["--", "--no-enable-chunked-prefill"]  # vLLM's CPU engine and seeded requests
+    lf, opd_flags = flags(train), flags(opd.commands[0])
+    assert lf["--teacher_url"] == demo.TEACHER_URL == f"http://127.0.0.1:{served['--port']}/v1"
+    assert lf.get("--teacher_model", "teacher") == served["--name"]  # the loop's default name
+    assert (lf["--teacher_form"], lf["--chunk_len"], lf["--audit_chunks"], lf["--continuations"]) == \
+        ("chat", "8", "4", "4")
+    assert lf["--eval_interval"] == opd_flags["--eval_interval"] == "8"
+    assert lf["--eval_teacher_path"] == served["--model"]
+    for flag in ("--max_steps", "--batch_size", "--accumulation_steps", "--epochs", "--data_path", "--model_path"):
+        assert flag not in lf and flag not in opd_flags
+    assert evaluate == "python eval/eval_math.py --model_path checkpoints/demo/logit_free --max_new_tokens 64"
 
 
 @pytest.mark.slow
@@ -144,16 +218,25 @@ def test_random_init_command_runs_as_written(tmp_path):
 # -------------------------------------------------------------------------------------------------- --dry_run
 
 def test_dry_run_prints_the_commands_only(root, capsys):
-    assert demo.main(["--dry_run"], root=str(root), runner=never) == 0
+    assert demo.main(["--dry_run"], root=str(root), runner=never, teacher=FakeTeacher()) == 0
     out, err = capsys.readouterr()
-    assert out == "\n".join(demo.COMMANDS) + "\n" and err == ""
+    assert out == "\n".join(demo.script_lines()) + "\n" and err == ""
+    lines = out.splitlines()
+    assert [line for line in lines if line in demo.COMMANDS] == demo.COMMANDS
+    # the shell form (`| sh`): the teacher served in the background around the logit-free training command only
+    train = demo.ROWS[4].commands[0]
+    at = lines.index(train)
+    assert lines[at - 2] == (f"{demo.SERVE_TEACHER} > checkpoints/demo/logit_free_teacher_server.log 2>&1 & "
+                             f"TEACHER_PID=$!")
+    assert "wait_for_teacher()" in lines[at - 1] and lines[at + 1] == "kill $TEACHER_PID"
+    assert len(lines) == len(demo.COMMANDS) + 3
 
 
 def test_dry_run_with_earlier_runs_notes_them_and_moves_nothing(demo_dir, capsys):
     (demo_dir / "sft_resume.pt").touch()
     assert demo.main(["--dry_run", "--fresh"], root=str(demo_dir.parent.parent), runner=never) == 0
     out, err = capsys.readouterr()
-    assert out == "\n".join(demo.COMMANDS) + "\n"
+    assert out == "\n".join(demo.script_lines()) + "\n"
     assert "sft_resume.pt" in err and "--fresh would move" in err
     assert os.listdir(demo_dir) == ["sft_resume.pt"]
 
@@ -219,7 +302,8 @@ def test_other_run_names_are_neither_refused_nor_moved(demo_dir, capsys):
     assert "--fresh: moved" not in capsys.readouterr().out
 
 
-def test_fresh_moves_every_file_of_the_four_runs_aside(demo_dir, capsys):
+def test_fresh_moves_every_file_of_the_five_runs_aside(demo_dir, capsys):
+    """The logit-free run's teacher cache too: a new run would answer its requests from the old one's."""
     root, checkpoints = demo_dir.parent.parent, demo_dir
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a lock left by a process that is gone
@@ -227,7 +311,9 @@ def test_fresh_moves_every_file_of_the_four_runs_aside(demo_dir, capsys):
            "sft": ["sft/", "sft_resume.pt", "sft_metrics.jsonl", "sft.replaced-20260101-000000/",
                    "sft_eval_dapo.summary.json", ".sft.tmp-123-abcd/"],
            "kd": ["kd_resume.pt", ".kd_resume.pt.tmp-1-ab"],
-           "opd": ["opd/", "opd.lock", "opd_metrics.jsonl"]}
+           "opd": ["opd/", "opd.lock", "opd_metrics.jsonl"],
+           "logit_free": ["logit_free_metrics.jsonl", "logit_free_teacher_cache.rank0.jsonl",
+                          "logit_free_teacher_cache.rank1.jsonl", "logit_free_teacher_server.log"]}
     for files in old.values():
         for name in files:
             (checkpoints / name.rstrip("/")).mkdir() if name.endswith("/") else (checkpoints / name).write_text("old")
@@ -262,8 +348,13 @@ def test_a_lock_from_another_host_is_refused(demo_dir):
 # ----------------------------------------------------------------------------------------------------- the table
 
 def test_the_table_from_the_files_the_commands_write(root, capsys):
-    assert demo.main([], root=str(root), runner=FakeRunner()) == 0
+    teacher = FakeTeacher()
+    assert demo.main([], root=str(root), runner=FakeRunner(teacher), teacher=teacher) == 0
     out = capsys.readouterr().out
+    train = demo.ROWS[4].commands[0]
+    log = "checkpoints/demo/logit_free_teacher_server.log"
+    assert teacher.events == ["checked", ("start", demo.SERVE_TEACHER, log), "stop"]
+    assert "--teacher_probe request" in train      # the SFT teacher cannot count: the probe's requests only
     for i, command in enumerate(demo.COMMANDS, 1):
         assert f"[demo {i}/{len(demo.COMMANDS)}] {command}\n" in out
     report = out[out.index("### What the demo reaches"):]
@@ -271,9 +362,9 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
     assert "nproc " in heading and "commit " in heading and "in all)" in heading
     assert "(greedy, 64 new tokens" in report and "of the first 64 eval prompts" in report
     rows = table_rows(report)
-    assert len(rows) == 4
+    assert len(rows) == 5
     assert all(row.count(" | ") == 4 for row in rows)  # five cells: no unescaped pipe inside
-    random, sft, kd, opd = rows
+    random, sft, kd, opd, logit_free = rows
     assert random.startswith("| random init (qwen3-tiny, 20.0M parameters) | `python -c ")
     assert "0.0% [0.0, 1.9] (0/200)" in random and "0% of completions end with EOS, mean 64 tokens" in random
     assert random.endswith("| 3 s + 41 s |")
@@ -290,6 +381,74 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
     assert ("32 steps, loss 0.95 -> 0.45; held-out reverse KL 0.992 (step 0) -> 0.516 (step 32), -48%; "
             "held-out greedy EOS share 0% -> 100%; eval_math: 100% of completions end with EOS, mean 41 tokens") in opd
     assert opd.endswith("| 6.8 min + 14 s |")
+    assert logit_free.startswith("| logit-free OPD of the KD student (the SFT teacher served as a black box, 9.8M "
+                                 f"parameters) | `{demo.SERVE_TEACHER}` in the background, then `{train}` (server "
+                                 "stopped) then `python eval/eval_math.py --model_path checkpoints/demo/logit_free "
+                                 "--max_new_tokens 64` | 1.5% [0.5, 4.3] (3/200) | ")
+    assert ("32 steps, loss 0.31 -> 0.22; 112 teacher requests (16,800 tokens); held-out reverse KL 0.992 (step 0) "
+            "-> 0.711 (step 32), -28%; held-out greedy EOS share 0% -> 75%; eval_math: 100% of completions end with "
+            "EOS, mean 41 tokens") in logit_free
+    assert logit_free.endswith(" to serve the teacher + 8.7 min + 13 s |")
+
+
+def run_demo(root, teacher, capsys):
+    """The demo with this teacher -> (the commands run, what it printed, the logit-free table row)."""
+    runner = FakeRunner(teacher)
+    assert demo.main([], root=str(root), runner=runner, teacher=teacher) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out[out.index("### What the demo reaches"):])
+    assert len(rows) == 5 and rows[3].startswith("| OPD of the KD student")  # the others as before
+    return [command for command, _ in runner.calls], out, rows[4]
+
+
+def test_without_the_vllm_environment_the_row_is_skipped_with_how_to_enable_it(root, capsys, monkeypatch):
+    """The real check: no vLLM environment -> one line naming serving/setup_vllm_cpu.sh; nothing of the row runs
+    and the table says so in its row."""
+    import serving.vllm_launch
+    monkeypatch.setattr(serving.vllm_launch, "vllm_python", lambda venv=None: None)
+    note = ServedTeacher().unavailable()
+    assert "serving/setup_vllm_cpu.sh" in note and "\n" not in note
+    teacher = FakeTeacher(unavailable=note)
+    commands, out, row = run_demo(root, teacher, capsys)
+    assert commands == demo.COMMANDS[:8] and teacher.events == ["checked"]
+    skipped = [line for line in out.splitlines() if line.startswith("[demo") and "setup_vllm_cpu.sh" in line]
+    assert skipped == [f"[demo 9-10/10] skipped, the logit_free row: {note}"]
+    assert row.endswith(f"| - | skipped: {note} | - |")
+
+
+def test_a_taken_port_skips_the_row(monkeypatch):
+    import serving.vllm_launch
+    monkeypatch.setattr(serving.vllm_launch, "vllm_python", lambda venv=None: sys.executable)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        monkeypatch.setattr(demo, "TEACHER_PORT", listener.getsockname()[1])
+        note = ServedTeacher().unavailable()
+    assert f"port {demo.TEACHER_PORT}" in note and "in use" in note
+    monkeypatch.setattr(demo, "port_in_use", lambda port: False)
+    assert ServedTeacher().unavailable() is None
+
+
+def test_a_server_that_does_not_start_skips_the_row(root, capsys):
+    teacher = FakeTeacher(fails=True)
+    commands, out, row = run_demo(root, teacher, capsys)
+    assert commands == demo.COMMANDS[:8] and "stop" not in teacher.events
+    assert "| - | skipped: the teacher server did not start: the vLLM server exited (1); its log: " in row
+    assert row.endswith("logit_free_teacher_server.log | - |")
+
+
+def test_a_failed_logit_free_run_stops_the_demo_and_the_server(root):
+    teacher = FakeTeacher()
+
+    class Failing(FakeRunner):
+        def __call__(self, command, cwd):
+            super().__call__(command, cwd)
+            if "train_logit_free.py" in command:
+                raise demo.CommandFailed("failed", 3)
+            return SECONDS[len(self.calls) - 1]
+    with pytest.raises(demo.CommandFailed):
+        demo.main([], root=str(root), runner=Failing(teacher), teacher=teacher)
+    assert teacher.events[-1] == "stop" and not teacher.serving_now
 
 
 def test_a_missing_result_names_the_command_that_writes_it(root):

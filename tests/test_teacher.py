@@ -231,8 +231,11 @@ def test_cache_key_is_sha256_and_stable_across_processes():
 
 
 def test_sampling_params_validation():
-    with pytest.raises(ValueError, match="n=2"):
-        SamplingParams(n=2)
+    assert SamplingParams(n=2).n == 2                         # n samples in one request: continuations
+    with pytest.raises(ValueError, match="n=0"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="n=2: the SFT-data client takes one answer per prompt"):
+        TeacherClient("http://127.0.0.1:9/v1", "m", api_key_env=None, params=SamplingParams(n=2))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     payload = SamplingParams(temperature=0.6, max_tokens=10, seed=1, extra={"top_k": 20}).to_payload()

@@ -11,6 +11,7 @@ A test module that needs a server in another --dtype starts its own (`start_serv
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -91,10 +92,12 @@ def start_servers(folder: str) -> VllmServers:
     return VllmServers(started[0][0], started[1][0], student_dir, teacher_dir)
 
 
-def start_server(folder: str, model_dir: str, name: str, dtype: str) -> VllmServer:
-    """One more server, ready (for the tests that need another --dtype; the caller stops it)."""
+def start_server(folder: str, model_dir: str, name: str, dtype: str, extra: list[str] | None = None) -> VllmServer:
+    """One more server, ready (for the tests that need another --dtype or model; the caller stops it). `extra`:
+    more vLLM flags (e.g. --enforce-eager: no torch.compile, a start in about a minute instead of several)."""
     port, log = free_port(), os.path.join(folder, f"{name}_{dtype}_server.log")
-    server = VllmServer(port, start_vllm(vllm_command(vllm_python(), model_dir, name, port, dtype), log))
+    server = VllmServer(port, start_vllm(vllm_command(vllm_python(), model_dir, name, port, dtype, extra=extra),
+                                         log))
     try:
         wait_ready(server.process, port, log, timeout=READY_TIMEOUT)
     except BaseException:
@@ -187,3 +190,72 @@ def dies_before_call(monkeypatch, method: str, proxy: TcpProxy, call: int) -> No
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(CompletionServer, method, dying)
+
+
+# greedy bigrams that make a model "count" for the black-box teacher's start-up probe (dataset/continuations.py):
+# after "1, 2, 3, 4," it goes on " 5, 5, 5, ..." (a continuation); after "<|im_start|>assistant\n" (a new reply) it
+# starts with "1". Each text must be one token of the model's tokenizer (any byte-level BPE has them).
+COUNTING_BIGRAMS = {",": " ", " ": "5", "5": ",", "\n": "1", "1": ","}
+
+
+def make_counting(model, tokenizer, bigrams: dict[str, str] = COUNTING_BIGRAMS) -> None:
+    """In place, on an untied Qwen3: every layer's output projections zeroed (the last hidden state is the last
+    token's embedding, scaled by the final norm), and the embedding rows of the bigrams' sources and the head's
+    columns 0..len(bigrams)-1 set so that greedy decoding maps each source to its target (logit 5 * sqrt(hidden)
+    against 0: at temperature 1 as well). Other tokens keep their random rows (their continuations stay random).
+    The same weights as tests/test_continuations.py's `counting_teacher` pushes."""
+    assert not model.config.tie_word_embeddings, "the embedding and the head are set apart: an untied model"
+    ids = {text: tokenizer.encode(text) for text in {*bigrams, *bigrams.values()}}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                parameter.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for dim, (source, target) in enumerate(bigrams.items()):
+            embed[ids[source][0]] = 0.0
+            embed[ids[source][0], dim] = 1.0
+            head[:, dim] = 0.0
+            head[ids[target][0], dim] = 5.0
+
+
+@contextlib.contextmanager
+def counting_weights(server: VllmServer, model_dir: str, name: str, folder: str):
+    """`server` (serving `model_dir` as `name`, with the weight-sync extension) holds `make_counting`'s version of
+    model_dir's weights inside the block; model_dir's own weights are pushed back after it."""
+    from model import load_pretrained, load_tokenizer
+    from serving.engine import CompletionServer
+    from serving.weight_sync import WeightSync
+    model = load_pretrained(model_dir)
+    make_counting(model, load_tokenizer(model_dir))
+    client = CompletionServer(server.url, name, what=f"{name} server")
+    sync = WeightSync(client, os.path.join(folder, "counting_weights", "model.safetensors"), [], torch.float32)
+    sync.push(model, 0)
+    try:
+        yield server
+    finally:
+        sync.push(load_pretrained(model_dir), 0)
+        client.close()
+
+
+def served_requests(server: VllmServer, path: str) -> int:
+    """POSTs to `path` (e.g. /v1/completions) the server has handled, any status, from vLLM's Prometheus /metrics
+    (http_requests_total: one per HTTP request, whatever its n; vllm:request_success_total counts n per request)."""
+    import httpx
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=60).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("http_requests_total{") and f'handler="{path}"' in line
+                   and 'method="POST"' in line))
+
+
+def settled_requests(server: VllmServer, path: str, quiet: float = 2.0, timeout: float = 120.0) -> int:
+    """`served_requests` once the count has not moved for `quiet` seconds (requests of a killed client finish or
+    are aborted at the server a little after the kill)."""
+    deadline = time.time() + timeout
+    count = served_requests(server, path)
+    while True:
+        time.sleep(quiet)
+        again = served_requests(server, path)
+        if again == count or time.time() > deadline:
+            return again
+        count = again

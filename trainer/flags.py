@@ -163,7 +163,8 @@ def resume_change_names(args: argparse.Namespace) -> set[str]:
 def add_teacher_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("teacher")
     g.add_argument("--teacher_path", default=None,
-                   help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's output")
+                   help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's "
+                        "output")
     g.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
                    help="with --fsdp 1: 1 keeps a whole teacher on every rank (faster when it fits) instead of "
                         "sharding it")

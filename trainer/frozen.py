@@ -10,7 +10,7 @@ import os
 import torch
 
 from common.errors import refuse
-from model import load_pretrained, load_tokenizer
+from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
 from model.precision import resolve_precision
 from trainer.distributed import print0
 from trainer.loading import sharding_ranks
@@ -58,3 +58,16 @@ def frozen_hidden(model: torch.nn.Module, autocast, input_ids: torch.Tensor, att
     the student's autocast would lower a bf16 model's matmuls to fp16 (model/precision.py)."""
     with autocast():
         return completion_hidden(model, input_ids, attention_mask, labels)[0]
+
+
+def load_reference(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The frozen starting model a KL anchor holds the student to: --reference_path, else the student's own
+    starting point -- its --model_path, or with --model_config the same random init (the config and --seed), built
+    again and frozen."""
+    path = args.reference_path or args.model_path
+    if path:
+        return load_frozen(args, path, tokenizer, student, device, role="reference")
+    print0(f"the reference: the student's random init again ({os.path.relpath(args.model_config)}, seed {args.seed})")
+    precision = resolve_precision(device, args.dtype, args.teacher_dtype)
+    reference = create_model(Qwen3Config.from_json(args.model_config), seed=args.seed, device=device)
+    return reference.to(precision.teacher).eval().requires_grad_(False)

@@ -29,7 +29,8 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
     if path:
         print0(f"loading {path} on {device}" + (" (each rank its shards)" if sharded else ""))
         return load_pretrained(path, dtype=precision.master, device=device,
-                               shard=(lambda m: shard(m, precision.device_type, precision.compute)) if sharded else None)
+                               shard=(lambda m: shard(m, precision.device_type, precision.compute)) if sharded
+                               else None)
     config_path = config_path or DEFAULT_MODEL_CONFIG
     print0(f"random weights from {os.path.relpath(config_path)} on {device}")
     config, seed = Qwen3Config.from_json(config_path), args.seed if seed is None else seed

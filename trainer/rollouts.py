@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from common.errors import refuse_first
 from common.seeds import derived_seed
 from dataset.collators import build_sequences
 from model import Decoder, generate
@@ -105,6 +106,28 @@ class Rollouts:
         """The weights written for the server are removed (a resumed run pushes its own before it samples)."""
         if self.weight_sync is not None and self.run.dist.is_main:
             self.weight_sync.remove_file()
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """How the student samples its completions (the built-in engine and a rollout server alike)."""
+    g = parser.add_argument_group("the student's sampling")
+    g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
+    g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
+    g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
+
+
+def validate_sampling_args(args: argparse.Namespace) -> None:
+    a = args
+    refuse_first([
+        (a.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {a.max_new_tokens}"),
+        (a.max_prompt_length + a.max_new_tokens > a.max_length,
+         f"--max_prompt_length ({a.max_prompt_length}) + --max_new_tokens ({a.max_new_tokens}) must be <= "
+         f"--max_length ({a.max_length}): raise --max_length or lower one of the budgets"),
+        (a.gen_temperature <= 0, f"--gen_temperature must be > 0, got {a.gen_temperature}"),
+        (not 0.0 < a.top_p <= 1.0, f"--top_p must be in (0, 1], got {a.top_p}"),
+        (a.top_k < 0, f"--top_k must be >= 0, got {a.top_k}"),
+    ])
 
 
 def rollout_weights_path(args: argparse.Namespace) -> str:

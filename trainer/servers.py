@@ -22,11 +22,13 @@ SERVERS = {  # role -> (what messages call it, default --ROLE_model, what --ROLE
 }
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """--rollout_url / --teacher_url with their model name and API-key variable; the rollout server's sync and
-    request settings."""
+def add_server_args(parser: argparse.ArgumentParser, teacher: bool = True) -> None:
+    """--rollout_url (and, with `teacher`, --teacher_url: a teacher that returns log-probabilities) with their model
+    name and API-key variable; the rollout server's sync and request settings."""
     groups = {}
     for role, (what, name, url_help) in SERVERS.items():
+        if role == "teacher" and not teacher:
+            continue
         g = groups[role] = parser.add_argument_group(f"{what} (docs/serving.md)")
         g.add_argument(f"--{role}_url", default=None, help=url_help)
         g.add_argument(f"--{role}_model", default=name, help=f"the {what}'s --served-model-name")
@@ -48,17 +50,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rollout_timeout", type=float, default=600.0, help="seconds to wait for one request")
 
 
-def validate_server_args(args: argparse.Namespace) -> None:
+def validate_server_args(args: argparse.Namespace, samples: bool, teacher: bool = True) -> None:
+    """The rollout server's rules (`samples`: some steps sample, so a sharded student needs a server) and, with
+    `teacher`, those of a --teacher_url that returns log-probabilities (OPD's --loss and --teacher_topk)."""
     a = args
-    refuse_first([
-        (a.teacher_url and a.loss != "sampled_kl" and not getattr(a, "teacher_topk", 0),
-         "--teacher_url gives the log-probabilities of the sampled tokens and of the teacher's top-K only, not the "
-         "whole distribution --loss jsd needs: add --teacher_topk K (the divergence over the top-K, the sampled "
-         "token and a tail bucket; docs/serving.md), use --loss sampled_kl, or a local --teacher_path"),
-        (a.teacher_url and a.temperature != 1.0,
-         f"--teacher_url: a server's log-probabilities are at temperature 1, not --temperature {a.temperature}: use "
-         f"--temperature 1 or a local --teacher_path"),
-        (a.fsdp and not a.rollout_url and a.lmbda > 0,
+    rules = [
+        (a.fsdp and not a.rollout_url and samples,
          "--fsdp 1: the built-in engine cannot decode with a sharded student; sample on a rollout server "
          "(--rollout_url, docs/serving.md)"),
         (a.sync_interval < 1, f"--sync_interval must be >= 1, got {a.sync_interval}"),
@@ -71,32 +68,43 @@ def validate_server_args(args: argparse.Namespace) -> None:
         (a.max_staleness and a.sync_interval > 1,
          f"--max_staleness {a.max_staleness} with --sync_interval {a.sync_interval}: two ways of sampling from older "
          f"weights; --max_staleness pushes the weights every step (keep --sync_interval 1)"),
-        (a.loss == "sampled_kl" and a.max_staleness,
-         f"--loss sampled_kl needs samples from the current student: with --max_staleness {a.max_staleness} they "
-         f"come from weights {a.max_staleness} step(s) older (a biased estimate); use --loss jsd"),
-        (a.loss == "sampled_kl" and a.rollout_url and a.sync_interval > 1,
-         f"--loss sampled_kl needs samples from the current student: with --sync_interval {a.sync_interval} the "
-         f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd"),
-    ])
-    check_server_wait(args)
+    ]
+    if teacher:
+        rules[:0] = [
+            (a.teacher_url and a.loss != "sampled_kl" and not a.teacher_topk,
+             "--teacher_url gives the log-probabilities of the sampled tokens and of the teacher's top-K only, not "
+             "the whole distribution --loss jsd needs: add --teacher_topk K (the divergence over the top-K, the "
+             "sampled token and a tail bucket; docs/serving.md), use --loss sampled_kl, or a local --teacher_path"),
+            (a.teacher_url and a.temperature != 1.0,
+             f"--teacher_url: a server's log-probabilities are at temperature 1, not --temperature {a.temperature}: "
+             f"use --temperature 1 or a local --teacher_path"),
+        ]
+    refuse_first(rules)
+    check_server_wait(args, teacher_url=a.teacher_url if teacher else None)
 
 
 def server_wait_seconds(args: argparse.Namespace) -> float:
-    """The longest a rank can wait for one batch of server requests (a batch's rollouts or teacher scores) before
-    they fail, while the other ranks wait in the next collective: every attempt of a request (retries + 1) up to
-    the client's connect timeout plus --rollout_timeout, between attempts up to the longest backoff or Retry-After
-    the client honours (common/http.py), and a batch's rows sent --rollout_concurrency at a time."""
-    client = ApiClient.__init__.__kwdefaults__  # what CompletionServer leaves to the client
-    attempts = CompletionServer.__init__.__kwdefaults__["max_retries"] + 1
-    request = (attempts * (client["connect_timeout"] + args.rollout_timeout)
+    """The longest a rank can wait for one batch of rollout or teacher-score requests before they fail, while the
+    other ranks wait in the next collective (`requests_wait_seconds` of a batch's rows at --rollout_concurrency)."""
+    max_retries = CompletionServer.__init__.__kwdefaults__["max_retries"]
+    return requests_wait_seconds(args.batch_size, args.rollout_concurrency, args.rollout_timeout, max_retries)
+
+
+def requests_wait_seconds(requests: int, concurrency: int, timeout: float, max_retries: int) -> float:
+    """Every attempt of a request (retries + 1) up to the client's connect timeout plus `timeout`, between attempts
+    up to the longest backoff or Retry-After the client honours (common/http.py), the requests sent `concurrency`
+    at a time."""
+    client = ApiClient.__init__.__kwdefaults__
+    attempts = max_retries + 1
+    request = (attempts * (client["connect_timeout"] + timeout)
                + (attempts - 1) * max(client["backoff_max"], client["max_retry_after"]))
-    return math.ceil(args.batch_size / args.rollout_concurrency) * request
+    return math.ceil(requests / concurrency) * request
 
 
-def check_server_wait(args: argparse.Namespace) -> None:
+def check_server_wait(args: argparse.Namespace, teacher_url: str | None) -> None:
     """With more than one rank, a batch of server requests that could outlast --dist_timeout is refused at once:
     the other ranks would be failed by the process group before the failure protocol (fail_together) saves."""
-    if not (args.rollout_url or args.teacher_url) or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if not (args.rollout_url or teacher_url) or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
     seconds = server_wait_seconds(args)
     if seconds > args.dist_timeout:
@@ -119,20 +127,20 @@ def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> Compl
     server.check(args.max_length)
     if tokenizer is not None:
         server.check_tokenizer(tokenizer)
-        if role == "teacher" and getattr(args, "teacher_topk", 0):
+        if role == "teacher" and args.teacher_topk:
             server.check_topk(args.teacher_topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
     return server
 
 
-def say_servers(args: argparse.Namespace) -> None:
-    """One start-up line per server: what it does for the run."""
+def say_servers(args: argparse.Namespace, teacher: bool = True) -> None:
+    """One start-up line per server: what it does for the run (`teacher`: a --teacher_url of log-probabilities)."""
     if args.rollout_url:
         print0(f"rollouts on {args.rollout_url} ({args.rollout_model}): rank 0 pushes the student's weights every "
                f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
                f"against the server's log-probabilities of a probe before sampling"
                + (f"; step s samples from the weights of step s-{args.max_staleness}, in the background while the "
                   f"trainer trains" if args.max_staleness else ""))
-    if args.teacher_url:
+    if teacher and args.teacher_url:
         what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
                 if args.teacher_topk else "its log-probabilities of the sampled tokens")
         print0(f"teacher on {args.teacher_url} ({args.teacher_model}): {what}")

@@ -54,8 +54,8 @@ def topk_divergence(student_logits: torch.Tensor, support_ids: torch.Tensor, tea
     all the mass (the floor aside). With fp32 log-probabilities (a server's, or topk_support's) a small teacher
     tail is a difference of nearly equal numbers, known to a few percent: where the student puts most of its mass
     there, the tail's term can exceed the full divergence (measured on the demo's pair: top-64 at 1.001 of the exact
-    mean, 0.4% at the worst position; docs/serving.md). Same reductions as generalized_jsd_loss; with return_tail also the teacher's tail mass per token
-    (reduced alike).
+    mean, 0.4% at the worst position; docs/serving.md). Same reductions as generalized_jsd_loss; with return_tail
+    also the teacher's tail mass per token (reduced alike).
     """
     _check_args(reduction, temperature, beta)
     if support_ids.shape != teacher_logprobs.shape or support_ids.shape[:-1] != student_logits.shape[:-1]:

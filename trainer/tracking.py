@@ -2,7 +2,8 @@
 
 The logged config is what the run actually used: the flags, with `dtype` as trained (--dtype auto resolved:
 bfloat16 on CUDA, float32 elsewhere), the device and the world size, and no None placeholders (swanlab shows None
-as `{}`; here it is "none"). See docs/training.md, "swanlab", for the versions whose local dashboard shows every series."""
+as `{}`; here it is "none"). See docs/training.md, "swanlab", for the versions whose local dashboard shows every
+series."""
 from __future__ import annotations
 
 import argparse

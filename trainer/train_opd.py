@@ -52,7 +52,7 @@ from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
 from trainer.loading import build_model, load_prompt_data
 from trainer.chunked_losses import completion_hidden
-from trainer.rollouts import Rollouts
+from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
 from trainer.servers import add_server_args, connect_server, say_servers, validate_server_args
 from trainer.sharding import reshard_root
@@ -72,11 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and one tail bucket per position (what a --teacher_url server returns; with --teacher_path "
                         "the same from its logits); 0: the full vocabulary (local teacher only)")
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that an optimizer step is on-policy")
-    g = parser.add_argument_group("the student's sampling")
-    g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
-    g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
-    g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
-    g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
+    add_sampling_args(parser)
     add_server_args(parser)
     args = parser.parse_args(argv)
     if not args.model_path and not args.model_config:
@@ -87,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     validate_common_args(args)
     if not args.teacher_url:
         resolve_teacher_path(args)
+    validate_sampling_args(args)
     validate_opd_args(args)
-    validate_server_args(args)
+    validate_server_args(args, samples=args.lmbda > 0)
     return args
 
 
@@ -100,13 +97,6 @@ def validate_opd_args(args: argparse.Namespace) -> None:
     refuse_first([
         (not 0.0 <= a.lmbda <= 1.0, f"--lmbda must be in [0, 1], got {a.lmbda}"),
         (not 0.0 <= a.beta <= 1.0, f"--beta must be in [0, 1], got {a.beta}"),
-        (a.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {a.max_new_tokens}"),
-        (a.max_prompt_length + a.max_new_tokens > a.max_length,
-         f"--max_prompt_length ({a.max_prompt_length}) + --max_new_tokens ({a.max_new_tokens}) must be <= "
-         f"--max_length ({a.max_length}): raise --max_length or lower one of the budgets"),
-        (a.gen_temperature <= 0, f"--gen_temperature must be > 0, got {a.gen_temperature}"),
-        (not 0.0 < a.top_p <= 1.0, f"--top_p must be in (0, 1], got {a.top_p}"),
-        (a.top_k < 0, f"--top_k must be >= 0, got {a.top_k}"),
         (a.teacher_topk < 0, f"--teacher_topk must be >= 0, got {a.teacher_topk}"),
         (sampled_kl and a.teacher_topk > 0,
          "--teacher_topk is for --loss jsd (the top-K divergence); --loss sampled_kl needs the sampled tokens' "
@@ -117,6 +107,12 @@ def validate_opd_args(args: argparse.Namespace) -> None:
          f"--loss sampled_kl needs samples from the student at --temperature {a.temperature}: --gen_temperature "
          f"{a.temperature} --top_k 0 --top_p 1 (got --gen_temperature {a.gen_temperature} --top_k {a.top_k} "
          f"--top_p {a.top_p}: a biased estimate); --loss jsd samples any way"),
+        (sampled_kl and a.max_staleness,
+         f"--loss sampled_kl needs samples from the current student: with --max_staleness {a.max_staleness} they "
+         f"come from weights {a.max_staleness} step(s) older (a biased estimate); use --loss jsd"),
+        (sampled_kl and a.rollout_url and a.sync_interval > 1,
+         f"--loss sampled_kl needs samples from the current student: with --sync_interval {a.sync_interval} the "
+         f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd"),
     ])
 
 

@@ -1,0 +1,188 @@
+# python -m pytest tests/test_train_logit_free.py
+"""train_logit_free.py on tiny Qwen3s (CPU) against a stub black-box teacher (a deterministic OpenAI-compatible
+endpoint in this process): the first step's loss is the method's closed form recomputed from the run's own audit,
+the teacher's answers are cached (a second run of the same steps asks nothing), bad set-ups are refused at start-up,
+and accumulation, 2 ranks and a SIGKILL + resume give what one uninterrupted batch gives (the last with no answered
+request sent again). The math of the audit is in tests/test_audit.py; a real vLLM teacher in
+tests/test_logit_free_vllm.py."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import trainer.train_logit_free as logit_free
+from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
+                          run_command, script_exit, assert_one_line_error, torchrun_command, weights,
+                          without_timing)
+from stub_server import Stub, black_box_teacher
+from support import ROOT
+
+SCRIPT = os.path.join(ROOT, "trainer", "train_logit_free.py")
+METHOD = {"max_new_tokens": 8, "chunk_len": 3, "audit_chunks": 2, "continuations": 3, "anchor_beta": 0.5}
+
+
+@pytest.fixture
+def teacher(monkeypatch):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = Stub(black_box_teacher)
+    yield server
+    server.close()
+
+
+def args_for(config, data, save_dir, teacher, **flags) -> list[str]:
+    return loop_args(config, data, save_dir, **{**METHOD, "teacher_url": teacher.url, **flags})
+
+
+def continuation_posts(teacher) -> list[dict]:
+    """The requests the teacher answered, but for the start-up probes."""
+    return [body for _, body in teacher.posts if "1, 2, 3, 4," not in str(body)]
+
+
+def test_a_run_logs_the_methods_numbers_and_asks_each_chunk_once(tiny_config_path, chat_jsonl, tmp_path, teacher,
+                                                                 one_thread):
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "a", teacher, max_steps=2))
+    rows = metrics(tmp_path / "a")
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        assert 0.0 <= m["pi_hat"] <= 1.0 and 0.0 <= m["phi"] <= 1.0 and m["anchor_kl"] >= 0.0
+        assert 0.0 < m["audited_share"] <= 1.0 and math.isfinite(m["loss"])
+        assert m["teacher_requests"] > 0 and m["teacher_tokens"] > 0 and "teacher_s" in m
+    asked = continuation_posts(teacher)
+    assert sum(m["teacher_requests"] for m in rows) == len(asked)
+    assert all(body["n"] == 3 and body["max_tokens"] == math.ceil(1.5 * 3) for body in asked)
+    assert len({body["seed"] for body in asked}) == len(asked)  # a seed per (step, row, chunk)
+    # the same run again from scratch (--start_over 1 sets the run aside, not the teacher's answers): every answer
+    # comes from the cache, nothing is sent, and the run computes the same
+    before = len(asked)
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "a", teacher, max_steps=2, start_over=1))
+    assert len(continuation_posts(teacher)) == before
+    again = metrics(tmp_path / "a")
+    assert [m["teacher_cached"] for m in again] == [m["teacher_requests"] for m in rows]
+    usage = ("teacher_requests", "teacher_cached", "teacher_tokens")
+    assert [{k: v for k, v in m.items() if k not in usage} for m in without_timing(again)] == \
+        [{k: v for k, v in m.items() if k not in usage} for m in without_timing(rows)]
+
+
+def test_the_first_loss_is_the_closed_form_of_its_own_audit(tiny_config_path, chat_jsonl, tmp_path, teacher,
+                                                            monkeypatch, one_thread):
+    """The logged loss of step 1 = (- sum_c pi_hat_c sum_{t in c} log p(y_t) + beta sum_{t unaudited} KL_t) / tokens,
+    recomputed here from the pieces the loop handed to the loss (its weights, the student's and the reference's
+    full distributions), densely in float64."""
+    seen = []
+    chunked_audit_loss = logit_free.chunked_audit_loss
+
+    def spy(hidden, head, targets, weights, chunk_size, vocab):
+        seen.append((hidden.detach().double(), head.detach().double()[:vocab], targets.clone(), weights.clone()))
+        return chunked_audit_loss(hidden, head, targets, weights, chunk_size, vocab)
+    monkeypatch.setattr(logit_free, "chunked_audit_loss", spy)
+    references = []
+    frozen_hidden = logit_free.frozen_hidden
+
+    def reference_spy(model, *args):
+        hidden = frozen_hidden(model, *args)
+        references.append((hidden.double(), model.lm_head.weight.detach().double()))
+        return hidden
+    monkeypatch.setattr(logit_free, "frozen_hidden", reference_spy)
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path, teacher, max_steps=1, batch=4))
+    total, tokens = 0.0, 0
+    for (hidden, head, targets, weights), (ref_hidden, ref_head) in zip(seen, references):
+        logp = torch.log_softmax(hidden @ head.T, -1)
+        ref_logp = torch.log_softmax(ref_hidden @ ref_head[:head.shape[0]].T, -1)
+        chosen = logp.gather(1, targets[:, None]).squeeze(1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+        audited = weights > 0
+        total += float(-(weights.double() * chosen).sum() + METHOD["anchor_beta"] * kl[~audited].sum())
+        tokens += targets.numel()
+    assert audited.any() and metrics(tmp_path)[0]["loss"] == pytest.approx(total / tokens, rel=1e-4)
+
+
+@pytest.mark.parametrize("flags, names", [
+    ({"teacher_url": None}, ["--teacher_url"]),
+    ({"teacher_form": "completions"}, ["--teacher_tokenizer_path"]),
+    ({"chunk_len": 20}, ["--chunk_len 20", "--max_new_tokens 8"]),
+    ({"teacher_options": "[1]"}, ["--teacher_options"]),
+    ({"teacher_options": '{"n": 2}'}, ["--teacher_options", "'n'"]),
+    ({"alpha": 0}, ["--alpha"]),
+])
+def test_bad_set_ups_are_refused_in_one_line(tiny_config_path, chat_jsonl, tmp_path, teacher, capsys, flags, names):
+    argv = args_for(tiny_config_path, chat_jsonl, tmp_path / "out", teacher, **flags)
+    code, stderr = script_exit(logit_free.main, argv, capsys)
+    assert_one_line_error(code, stderr, 2, *names)
+    assert not (tmp_path / "out").exists(), "a refused run leaves nothing behind"
+
+
+def test_a_teacher_that_starts_a_new_reply_is_refused_before_any_model_loads(tiny_config_path, chat_jsonl, tmp_path,
+                                                                            capsys, monkeypatch):
+    from stub_server import choices_body
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = Stub(lambda path, body: (200, choices_body(path, ["Sure! Here are the numbers."] * body.get("n", 1))))
+    try:
+        code, stderr = script_exit(logit_free.main, args_for(tiny_config_path, chat_jsonl, tmp_path / "out", server),
+                                   capsys)
+    finally:
+        server.close()
+    assert code in (1, 2) and "continue" in stderr and server.url in stderr, stderr
+    assert "random weights" not in capsys.readouterr().out
+    assert not (tmp_path / "out").exists(), "a refused teacher leaves nothing behind"
+
+
+def test_a_teacher_that_cannot_count_trains_with_the_request_probe_and_split_n(tiny_config_path, chat_jsonl,
+                                                                               tmp_path, capsys, monkeypatch):
+    """--teacher_probe request: the teacher's probe answer is not read (the run warns), its requests still are
+    checked; --teacher_split_n 1: each chunk's N continuations are N requests of n=1, seeds seed + i."""
+    from stub_server import choices_body
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = Stub(lambda path, body: (200, choices_body(path, ["Sure! 1 2"] * body.get("n", 1))))
+    try:
+        logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path, server, max_steps=1, teacher_probe="request",
+                                 teacher_split_n=1))
+    finally:
+        server.close()
+    assert "--teacher_probe request" in capsys.readouterr().out
+    asked = continuation_posts(server)
+    assert asked and all(body["n"] == 1 for body in asked)
+    assert metrics(tmp_path)[0]["teacher_requests"] * METHOD["continuations"] == len(asked)
+    seeds = sorted(body["seed"] for body in asked)
+    assert len(set(seeds)) == len(seeds)
+
+
+@pytest.mark.slow
+def test_accumulation_and_two_ranks_equal_one_batch(tiny_config_path, chat_jsonl, tmp_path, teacher, one_thread):
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "big", teacher, batch=4, max_steps=2))
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "acc", teacher, batch=2, accumulation=2,
+                             max_steps=2))
+    run_command(torchrun_command(SCRIPT, args_for(tiny_config_path, chat_jsonl, tmp_path / "ddp", teacher, batch=1,
+                                                  accumulation=2, max_steps=2)))
+    for other in ("acc", "ddp"):
+        assert max_weight_diff(weights(tmp_path / "big"), weights(tmp_path / other)) <= 1e-5
+        assert [m["tokens"] for m in metrics(tmp_path / other)] == [m["tokens"] for m in metrics(tmp_path / "big")]
+        assert [m["pi_hat"] for m in metrics(tmp_path / other)] == pytest.approx(
+            [m["pi_hat"] for m in metrics(tmp_path / "big")], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical_and_asks_nothing_twice(tiny_config_path, long_chat_jsonl, tmp_path,
+                                                                     teacher, one_thread):
+    flags = dict(batch=2, accumulation=2, save_interval=2)  # 24 rows: 6 optimizer steps, a checkpoint every 2
+    logit_free.main(args_for(tiny_config_path, long_chat_jsonl, tmp_path / "full", teacher, **flags))
+    uninterrupted = len(continuation_posts(teacher))
+    killed = tmp_path / "killed"
+    kill_after_first_checkpoint([sys.executable, SCRIPT, *args_for(tiny_config_path, long_chat_jsonl, killed,
+                                                                   teacher, **flags)],
+                                str(killed / "run_resume.pt"))
+    assert checkpoint_step(killed / "run_resume.pt") < 6, "the run finished before it could be killed"
+    logit_free.main(args_for(tiny_config_path, long_chat_jsonl, killed, teacher, **flags, from_resume=1))
+    full, resumed = weights(tmp_path / "full"), weights(killed)
+    assert all(torch.equal(full[k], resumed[k]) for k in full), "resumed weights are not bit-identical"
+    usage = ("teacher_requests", "teacher_cached", "teacher_tokens")
+    timeless = [{k: v for k, v in m.items() if k not in usage} for m in without_timing(metrics(killed))]
+    assert timeless == [{k: v for k, v in m.items() if k not in usage}
+                        for m in without_timing(metrics(tmp_path / "full"))]
+    # every answer the killed run received was cached: the resumed run re-asked at most one micro-batch's chunks
+    resent = len(continuation_posts(teacher)) - 2 * uninterrupted
+    assert 0 <= resent <= 2 * METHOD["audit_chunks"], resent
