@@ -21,7 +21,7 @@ When all have finished, the table is printed in Markdown, every number read back
              start-up first)
 with the date, `nproc`, the CPU and the commit above it. The README's table is this script's output, pasted.
 
-The last row, beside OPD's, is the KD student distilled logit-free (trainer/train_logit_free.py) from the SFT model
+The fifth row, beside OPD's, is the KD student distilled logit-free (trainer/train_logit_free.py) from the SFT model
 served as a black box: the demo starts SERVE_TEACHER (serving/vllm_launch.py: vLLM's CPU server of
 checkpoints/demo/sft, text only, on 127.0.0.1:8001) as its own background process, waits for it, runs the training
 command (OPD's number of steps and --eval_interval; --eval_teacher_path the SFT model, so its held-out reverse KL to
@@ -32,13 +32,18 @@ not checked, and the run says so). Without the vLLM environment (serving/setup_v
 8001 taken, that row is skipped and says so in one line; so it is when the server does not start (its log:
 checkpoints/demo/logit_free_teacher_server.log).
 
+The last row is RL with verifiable rewards (trainer/train_rl.py, docs/rl.md) from the SFT model: the KD student
+never ends an answer, so all its groups would be wrong together and give no signal. Groups of 4, 8 prompts a step,
+OPD's 32 steps; its notes add the reward and pass@4 of the first and last step and the share of groups without
+signal over the run.
+
 On this project's 2-core CPU machine the whole demo took 10.3 minutes with nothing else running (2026-12-02: SFT
 2.2 min, KD 4.7 min, OPD 2.7 min, each evaluation of 200 problems x 64 new tokens 8-11 s), and 40 minutes with
 other jobs on the same cores. The printed table carries the times actually measured.
 
 The training scripts refuse to start over a run of the same name (`--from_resume 1` / `--start_over 1`), and a new
 table must not mix an old run's files with new ones: if checkpoints/demo/ already holds a run named random, sft, kd,
-opd or logit_free (its folder, resume file, metrics, lock, evaluation, teacher cache: an earlier demo's), the
+opd, logit_free or rl (its folder, resume file, metrics, lock, evaluation, teacher cache: an earlier demo's), the
 script refuses with one line, unless `--fresh` is given, which first moves all of those files into
 checkpoints/demo/previous-TIME/. Runs of these
 names elsewhere (the quick start's checkpoints/sft/) are neither refused nor moved. A run that is still in progress
@@ -92,6 +97,11 @@ COMMANDS = [
     f"--chunk_len 8 --audit_chunks 4 --continuations 4 --eval_interval 8 --eval_teacher_path {SAVE_DIR}/sft "
     f"--save_dir {SAVE_DIR}",
     f"python eval/eval_math.py --model_path {SAVE_DIR}/logit_free --max_new_tokens 64",
+    # RL with verifiable rewards, from the SFT model (the KD student never ends an answer: every group would be
+    # all wrong, no signal): groups of 4, 8 prompts a step, OPD's number of steps
+    f"python trainer/train_rl.py --num_generations 4 --batch_size 8 --max_steps 32 --eval_interval 8 "
+    f"--save_dir {SAVE_DIR}",
+    f"python eval/eval_math.py --model_path {SAVE_DIR}/rl --max_new_tokens 64",
 ]
 
 
@@ -120,6 +130,7 @@ ROWS = (
     Row("opd", "OPD of the KD student", tuple(COMMANDS[6:8])),
     Row("logit_free", "logit-free OPD of the KD student (the SFT teacher served as a black box)",
         tuple(COMMANDS[8:10]), server=SERVE_TEACHER),
+    Row("rl", "RL with verifiable rewards of the SFT model (GRPO, groups of 4)", tuple(COMMANDS[10:12])),
 )
 assert [c for row in ROWS for c in row.commands] == COMMANDS, "every command belongs to one row, in order"
 
@@ -442,6 +453,12 @@ def notes(result: RowResult) -> str:
         requests = sum(m.get("teacher_requests", 0) for m in result.steps)
         tokens = sum(m.get("teacher_tokens", 0) for m in result.steps)
         parts.append(f"{requests:,.0f} teacher requests ({tokens:,.0f} tokens)")
+    if result.steps and "reward" in result.steps[0]:  # RL: the rewards of its groups
+        group = next(k for k in result.steps[0] if k.startswith("pass@") and k != "pass@1")
+        first, last = result.steps[0], result.steps[-1]
+        silent = sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
+        parts.append(f"reward {first['reward']:.3f} -> {last['reward']:.3f}, {group} {first[group]:.0%} -> "
+                     f"{last[group]:.0%}, groups without signal {silent:.0%} of all")
     kl = [e for e in result.evals if "eval/reverse_kl" in e]
     if len(kl) >= 2:
         first, last = kl[0]["eval/reverse_kl"], kl[-1]["eval/reverse_kl"]

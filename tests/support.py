@@ -28,7 +28,8 @@ def write_chat_jsonl(path, num_rows: int, seed: int = 0) -> str:
             words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "seven", "plus"])
                              for _ in range(rng.choice([1, 2, 40, 60])))
             row = {"messages": [{"role": "user", "content": f"Question {i}: say something."},
-                                {"role": "assistant", "content": f"{words} \\boxed{{{i}}}"}]}
+                                {"role": "assistant", "content": f"{words} \\boxed{{{i}}}"}],
+                   "ground_truth": str(i)}  # what the RL loop's reward compares with
             f.write(json.dumps(row) + "\n")
     return str(path)
 

@@ -12,6 +12,8 @@ in its checkpoint and, under fp16, the scaler's state saved and no step skipped:
   * OPD with --use_compile 1 (the compiled layers and decode step under autocast)
   * logit-free OPD against a stub black-box teacher, in bf16 and fp16, with the held-out reverse KL to a local
     copy of the teacher
+  * RL with verifiable rewards (a stand-in reward that varies), its k3 KL to the start and the OPD term from that
+    teacher, in bf16 and fp16
   * OPD on real vLLM servers: served rollouts (--rollout_url, the bf16 weight sync verified), --max_staleness 1,
     a served top-K teacher (--teacher_url --teacher_topk)
   * eval_math.py and chat.py with bf16 and fp16 weights
@@ -48,6 +50,7 @@ from trainer.train_distillation import main as train_distillation
 from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
+from rl_length_reward import main as train_rl_varied
 
 # in-process runs with one thread, as the subprocesses have (OMP_NUM_THREADS=1): the resume test compares a run in
 # this process with one killed in a subprocess, bit for bit
@@ -83,7 +86,9 @@ def recipe_args(files, loop: str, save_dir, dtype: str, **flags) -> list[str]:
     extra = {"sft": {}, "kd": {"teacher_path": files["teacher"]},
              "opd": {"teacher_path": files["teacher"], "max_new_tokens": 8},
              "logit_free": {"max_new_tokens": 8, "chunk_len": 3, "audit_chunks": 2, "continuations": 2,
-                            "eval_teacher_path": files["teacher"]}}[loop]
+                            "eval_teacher_path": files["teacher"]},
+             "rl": {"max_new_tokens": 8, "num_generations": 2, "kl_coef": 0.1, "opd_coef": 0.5,
+                    "teacher_path": files["teacher"]}}[loop]
     return loop_args(files["config"], files["data"], save_dir, batch=2, max_steps=2, dtype=dtype,
                      **{**extra, **flags})
 
@@ -138,6 +143,17 @@ def test_logit_free_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype
         teacher.close()
     steps = assert_trained(tmp_path, dtype)
     assert all(0.0 <= m["pi_hat"] <= 1.0 and math.isfinite(m["anchor_kl"]) for m in steps), steps
+    assert all(0.0 <= m["eval/reverse_kl"] < 1.0 for m in metrics(tmp_path) if "eval/accuracy" in m)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rl_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype):
+    """The RL loop (tests/rl_length_reward.py's stand-in reward: groups that differ) with its k3 KL to the start and
+    the OPD term from the teacher whose activations pass fp16's range, and the held-out reverse KL to it."""
+    train_rl_varied(recipe_args(files, "rl", tmp_path, dtype, **EVAL))
+    steps = assert_trained(tmp_path, dtype)
+    assert all(math.isfinite(m["kl"]) and math.isfinite(m["reverse_kl_estimate"]) for m in steps), steps
+    assert any(m["zero_variance_share"] < 1 for m in steps), "no group had a signal"
     assert all(0.0 <= m["eval/reverse_kl"] < 1.0 for m in metrics(tmp_path) if "eval/accuracy" in m)
 
 

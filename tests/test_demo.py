@@ -22,8 +22,8 @@ from support import ROOT
 ServedTeacher = demo.ServedTeacher  # the real one: main()'s default is faked for every test (no_real_server)
 
 # seconds the fake runner reports for each command, in COMMANDS order
-SECONDS = [3.2, 41.0, 630.0, 12.0, 810.0, 55.0, 408.0, 14.0, 522.0, 13.0]
-CORRECT = {"random": 0, "sft": 5, "kd": 0, "opd": 2, "logit_free": 3}
+SECONDS = [3.2, 41.0, 630.0, 12.0, 810.0, 55.0, 408.0, 14.0, 522.0, 13.0, 610.0, 12.5]
+CORRECT = {"random": 0, "sft": 5, "kd": 0, "opd": 2, "logit_free": 3, "rl": 6}
 METRICS = {
     "sft": [{"step": 0, "eval/accuracy": 0.0, "eval/completion_len": 64.0, "eval/eos_share": 0.0},
             {"step": 1, "epoch": 0, "loss": 11.8512, "lr": 0.002},
@@ -46,9 +46,13 @@ METRICS = {
                    {"step": 32, "epoch": 0, "loss": 0.22, "pi_hat": 0.5, "teacher_requests": 52, "teacher_cached": 0,
                     "teacher_tokens": 7800},
                    {"step": 32, "eval/accuracy": 0.0, "eval/eos_share": 0.75, "eval/reverse_kl": 0.711}],
+    "rl": [{"step": 0, "eval/accuracy": 0.02, "eval/eos_share": 1.0},
+           {"step": 1, "epoch": 1, "loss": 0.01, "reward": 0.031, "pass@4": 0.125, "zero_variance_share": 0.875},
+           {"step": 32, "epoch": 1, "loss": -0.02, "reward": 0.0625, "pass@4": 0.25, "zero_variance_share": 0.625},
+           {"step": 32, "eval/accuracy": 0.03, "eval/eos_share": 1.0}],
 }
 SCRIPT_RUN = {"trainer/train_sft.py": "sft", "trainer/train_distillation.py": "kd", "trainer/train_opd.py": "opd",
-              "trainer/train_logit_free.py": "logit_free"}
+              "trainer/train_logit_free.py": "logit_free", "trainer/train_rl.py": "rl"}
 
 def write_weights(folder, shapes):
     """A model folder whose model.safetensors has a header with these shapes (count_parameters reads the header)."""
@@ -159,7 +163,7 @@ def test_commands_are_the_readme_demo_in_table_order():
     """The README's quick-start commands, each run written into checkpoints/demo/ (the loops' other defaults, the
     teacher and the student, follow --save_dir)."""
     assert demo.SAVE_DIR == "checkpoints/demo"
-    assert [row.name for row in demo.ROWS] == ["random", "sft", "kd", "opd", "logit_free"]
+    assert [row.name for row in demo.ROWS] == ["random", "sft", "kd", "opd", "logit_free", "rl"]
     assert [c for row in demo.ROWS for c in row.commands] == demo.COMMANDS
     for row in demo.ROWS:
         *train, evaluate = row.commands
@@ -362,9 +366,9 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
     assert "nproc " in heading and "commit " in heading and "in all)" in heading
     assert "(greedy, 64 new tokens" in report and "of the first 64 eval prompts" in report
     rows = table_rows(report)
-    assert len(rows) == 5
+    assert len(rows) == 6
     assert all(row.count(" | ") == 4 for row in rows)  # five cells: no unescaped pipe inside
-    random, sft, kd, opd, logit_free = rows
+    random, sft, kd, opd, logit_free, rl = rows
     assert random.startswith("| random init (qwen3-tiny, 20.0M parameters) | `python -c ")
     assert "0.0% [0.0, 1.9] (0/200)" in random and "0% of completions end with EOS, mean 64 tokens" in random
     assert random.endswith("| 3 s + 41 s |")
@@ -389,6 +393,12 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
             "-> 0.711 (step 32), -28%; held-out greedy EOS share 0% -> 75%; eval_math: 100% of completions end with "
             "EOS, mean 41 tokens") in logit_free
     assert logit_free.endswith(" to serve the teacher + 8.7 min + 13 s |")
+    assert rl.startswith("| RL with verifiable rewards of the SFT model (GRPO, groups of 4, 9.8M parameters) | "
+                         "`python trainer/train_rl.py --num_generations 4 --batch_size 8 --max_steps 32 "
+                         "--eval_interval 8 --save_dir checkpoints/demo` then ")
+    assert ("| 3.0% [1.4, 6.4] (6/200) | 32 steps, loss 0.01 -> -0.02; reward 0.031 -> 0.062, pass@4 12% -> 25%, "
+            "groups without signal 75% of all; held-out greedy EOS share 100% -> 100%") in rl
+    assert rl.endswith("| 10.2 min + 12 s |")
 
 
 def run_demo(root, teacher, capsys):
@@ -397,7 +407,7 @@ def run_demo(root, teacher, capsys):
     assert demo.main([], root=str(root), runner=runner, teacher=teacher) == 0
     out = capsys.readouterr().out
     rows = table_rows(out[out.index("### What the demo reaches"):])
-    assert len(rows) == 5 and rows[3].startswith("| OPD of the KD student")  # the others as before
+    assert len(rows) == 6 and rows[3].startswith("| OPD of the KD student")  # the others as before
     return [command for command, _ in runner.calls], out, rows[4]
 
 
@@ -410,9 +420,9 @@ def test_without_the_vllm_environment_the_row_is_skipped_with_how_to_enable_it(r
     assert "serving/setup_vllm_cpu.sh" in note and "\n" not in note
     teacher = FakeTeacher(unavailable=note)
     commands, out, row = run_demo(root, teacher, capsys)
-    assert commands == demo.COMMANDS[:8] and teacher.events == ["checked"]
+    assert commands == demo.COMMANDS[:8] + demo.COMMANDS[10:] and teacher.events == ["checked"]
     skipped = [line for line in out.splitlines() if line.startswith("[demo") and "setup_vllm_cpu.sh" in line]
-    assert skipped == [f"[demo 9-10/10] skipped, the logit_free row: {note}"]
+    assert skipped == [f"[demo 9-10/12] skipped, the logit_free row: {note}"]
     assert row.endswith(f"| - | skipped: {note} | - |")
 
 
@@ -432,7 +442,7 @@ def test_a_taken_port_skips_the_row(monkeypatch):
 def test_a_server_that_does_not_start_skips_the_row(root, capsys):
     teacher = FakeTeacher(fails=True)
     commands, out, row = run_demo(root, teacher, capsys)
-    assert commands == demo.COMMANDS[:8] and "stop" not in teacher.events
+    assert commands == demo.COMMANDS[:8] + demo.COMMANDS[10:] and "stop" not in teacher.events
     assert "| - | skipped: the teacher server did not start: the vLLM server exited (1); its log: " in row
     assert row.endswith("logit_free_teacher_server.log | - |")
 

@@ -1,5 +1,5 @@
 # python -m pytest tests/test_loop_invariants.py
-"""The skeleton's invariants, held by every training loop (SFT, KD, OPD) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
+"""The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
 accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, a run killed with SIGKILL
 right after a checkpoint and resumed ends bit-identical to one never interrupted, and resuming across a world-size
 change that keeps the global batch reaches the same weights."""
@@ -16,6 +16,7 @@ from model import Qwen3Config, create_model, save_pretrained
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
+from rl_length_reward import main as train_rl_varied
 
 # 2-process torchrun runs and full loops: the whole suite, not the fast tier. One thread in-process, as the
 # subprocesses have (OMP_NUM_THREADS=1): the in-process and subprocess runs then sum in the same order.
@@ -25,12 +26,18 @@ LOOPS = {
     "sft": (train_sft, os.path.join(ROOT, "trainer", "train_sft.py")),
     "kd": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
     "opd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
+    # RL with tests/rl_length_reward.py's stand-in reward (a random model never answers right: no group would differ)
+    "rl": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
 # its steps are on-, off-, on-, on-, off-, off-policy: the per-step coin must not depend on those either
 LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
-              "opd": {"max_new_tokens": 8, "beta": 0.5, "lmbda": 0.5}}
+              "opd": {"max_new_tokens": 8, "beta": 0.5, "lmbda": 0.5},
+              # groups of 3 with per-(row, generation) seeds; the KL to the start and the OPD term read both frozen
+              # models; asymmetric clipping (on-policy: rho = 1, so it never clips)
+              "rl": {"max_new_tokens": 8, "num_generations": 3, "kl_coef": 0.1, "opd_coef": 0.5,
+                     "clip_eps_high": 0.28}}
 
 
 @pytest.fixture
@@ -95,7 +102,7 @@ def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):
         "every step logged once, same numbers"
 
 
-@pytest.mark.parametrize("loop", ["sft"], indirect=True)  # the skeleton's data position, loop-independent
+@pytest.mark.parametrize("loop", ["sft", "rl"], indirect=True)  # the data position; RL: groups across ranks
 def test_resume_across_world_size_change(loop, long_chat_jsonl, tmp_path):
     main, script, args = loop
     # 24 rows, global batch 8: 3 optimizer steps, a checkpoint after each

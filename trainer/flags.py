@@ -23,7 +23,7 @@ DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
 
 
 def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
-    """The flags every loop shares (docs/training.md, "Flags shared by the three loops"), group by group; each
+    """The flags every loop shares (docs/training.md, "Flags shared by the loops"), group by group; each
     script adds its own algorithm's flags."""
     add_model_and_data_args(parser)
     add_optimisation_and_evaluation_args(parser)

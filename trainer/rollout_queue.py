@@ -17,7 +17,7 @@ reference the tests compare against).
         for batch in window:
             completions = rollouts.take(run.step, batch)   # waits for them when they are not there yet
 
-What is sampled is kept, as token ids, in `RunState.rollouts` (step -> {"version", "rows": {row_index: ids}}), which
+What is sampled is kept, as token ids, in `RunState.rollouts` (step -> {"version", "rows": {sample_key: ids}}), which
 every checkpoint saves (gathered from all ranks): a resumed run trains on exactly the rollouts the killed one had
 sampled from weights older than its checkpoint, which it no longer has. Only the server's requests run in the
 background thread (plain lists of ids, no tensor work): the trainer's own threads compute undisturbed.
@@ -88,7 +88,7 @@ class RolloutQueue:
                 rows = {}
                 for batch in window:
                     completions = self.sample(batch, epoch)
-                    rows.update({row["row_index"]: ids for row, ids in zip(batch["rows"], completions)})
+                    rows.update({sample_key(row): ids for row, ids in zip(batch["rows"], completions)})
                 with self.kept:
                     self.state.rollouts[s] = {"version": step, "rows": rows}  # a save sees all or none of a step
                     self.kept.notify_all()
@@ -126,7 +126,7 @@ class RolloutQueue:
             for old in [s for s in self.state.rollouts if s < step]:
                 del self.state.rollouts[old]
         record = self.state.rollouts[step]
-        return [record["rows"][row["row_index"]] for row in batch["rows"]], record["version"]
+        return [record["rows"][sample_key(row)] for row in batch["rows"]], record["version"]
 
     def add_to(self, metrics) -> None:
         """wait_s (seconds the trainer waited for rollouts) and server_idle_s (the server idle between its jobs)
@@ -134,3 +134,9 @@ class RolloutQueue:
         metrics.rank_mean("wait_s", self.waited)
         metrics.rank_mean("server_idle_s", self.idle)
         self.waited = self.idle = 0.0
+
+
+def sample_key(row: dict) -> int | tuple[int, int]:
+    """Which sample of the run a row is: its row index, and for the g-th member (g > 0) of an RL group (the rows
+    of a GroupCollator batch) the pair (row index, g): the G samples of one prompt are kept apart."""
+    return (row["row_index"], row["generation"]) if row.get("generation") else row["row_index"]

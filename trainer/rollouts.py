@@ -138,8 +138,10 @@ def rollout_weights_path(args: argparse.Namespace) -> str:
 
 def row_seeds(args: argparse.Namespace, batch: dict, epoch: int) -> list[int]:
     """One seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
-    or accumulation, and a resumed run draws exactly what the killed one would have."""
-    return [derived_seed(args.seed, epoch, row["row_index"]) for row in batch["rows"]]
+    or accumulation, and a resumed run draws exactly what the killed one would have. A group's rows (the RL loop's
+    GroupCollator: `generation` g) draw with (seed, epoch, row, g), the first of them as a lone row does."""
+    return [derived_seed(args.seed, epoch, row["row_index"], *((row["generation"],) if row.get("generation") else ()))
+            for row in batch["rows"]]
 
 
 def sampling_settings(args: argparse.Namespace, tokenizer) -> dict:

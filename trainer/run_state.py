@@ -15,7 +15,8 @@ class RunState:
     skipped_steps: int = 0           # --dtype float16: steps the GradScaler skipped (their gradients overflowed)
     elapsed_s: float = 0.0           # wall seconds of the run up to its last save, over all its processes
     # served rollouts sampled for coming steps from weights older than these (--max_staleness; this rank's, and
-    # after a resume every rank's): step -> {"version", "rows": {row_index: completion token ids}}
+    # after a resume every rank's): step -> {"version", "rows": {sample key: completion token ids}}
+    # (trainer/rollout_queue.py's sample_key)
     rollouts: dict[int, dict] = field(default_factory=dict)
 
 

@@ -114,10 +114,10 @@ def check_server_wait(args: argparse.Namespace, teacher_url: str | None) -> None
                f"lower --rollout_timeout")
 
 
-def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> CompletionServer | None:
+def connect_server(args: argparse.Namespace, role: str, tokenizer=None, topk: int = 0) -> CompletionServer | None:
     """The --ROLE_url server (None without one), checked at once: up, serving --ROLE_model with a context of at
-    least --max_length, and, given the student's tokenizer, the same tokenizer (a teacher with --teacher_topk K:
-    and K log-probabilities per position)."""
+    least --max_length, and, given the student's tokenizer, the same tokenizer (a teacher asked for its top-`topk`:
+    and that many log-probabilities per position)."""
     url = getattr(args, f"{role}_url")
     if not url:
         return None
@@ -127,20 +127,21 @@ def connect_server(args: argparse.Namespace, role: str, tokenizer=None) -> Compl
     server.check(args.max_length)
     if tokenizer is not None:
         server.check_tokenizer(tokenizer)
-        if role == "teacher" and args.teacher_topk:
-            server.check_topk(args.teacher_topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
+        if topk:
+            server.check_topk(topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
     return server
 
 
-def say_servers(args: argparse.Namespace, teacher: bool = True) -> None:
-    """One start-up line per server: what it does for the run (`teacher`: a --teacher_url of log-probabilities)."""
+def say_servers(args: argparse.Namespace, teacher_topk: int | None = 0) -> None:
+    """One start-up line per server: what it does for the run (a --teacher_url of log-probabilities: of its top-K
+    with `teacher_topk` K, of the sampled tokens with 0; None: the loop has no such teacher)."""
     if args.rollout_url:
         print0(f"rollouts on {args.rollout_url} ({args.rollout_model}): rank 0 pushes the student's weights every "
                f"{args.sync_interval} on-policy step{'s' if args.sync_interval > 1 else ''} and verifies them "
                f"against the server's log-probabilities of a probe before sampling"
                + (f"; step s samples from the weights of step s-{args.max_staleness}, in the background while the "
                   f"trainer trains" if args.max_staleness else ""))
-    if teacher and args.teacher_url:
-        what = (f"its top-{args.teacher_topk} log-probabilities and the sampled token's at every position"
-                if args.teacher_topk else "its log-probabilities of the sampled tokens")
+    if teacher_topk is not None and args.teacher_url:
+        what = (f"its top-{teacher_topk} log-probabilities and the sampled token's at every position"
+                if teacher_topk else "its log-probabilities of the sampled tokens")
         print0(f"teacher on {args.teacher_url} ({args.teacher_model}): {what}")

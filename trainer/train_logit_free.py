@@ -270,7 +270,7 @@ def train(args: argparse.Namespace) -> None:
                                  None if eval_teacher is None else evaluation_divergence(1.0, local_teacher=True),
                                  eval_teacher)
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda epoch, step: True)
-    say_servers(args, teacher=False)
+    say_servers(args, teacher_topk=None)
     head, vocab = run.raw_model.lm_head.weight, len(tokenizer)
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against

@@ -160,7 +160,7 @@ def train(args: argparse.Namespace) -> None:
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
     tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", args.lmbda < 1.0)
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
-    teacher_server = connect_server(args, "teacher", tokenizer)
+    teacher_server = connect_server(args, "teacher", tokenizer, args.teacher_topk)
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     teacher = None if teacher_server else load_frozen(args, args.teacher_path, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, collator, tokenizer_dir)
@@ -170,7 +170,7 @@ def train(args: argparse.Namespace) -> None:
                                  evaluation_divergence(args.beta, teacher is not None, args.teacher_topk), teacher,
                                  teacher_server)
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda e, s: on_policy_draw(args, e, s))
-    say_servers(args)
+    say_servers(args, args.teacher_topk)
 
     with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against

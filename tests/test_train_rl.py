@@ -1,0 +1,158 @@
+# python -m pytest tests/test_train_rl.py
+"""train_rl.py on tiny Qwen3s (CPU): groups are a prompt's G rows with seeds apart (the first as OPD's lone row),
+the rewards of a micro-batch become each token's group advantage and the first step's loss is its closed form, the
+metrics of the groups (reward, pass@1, pass@G, zero-variance share) are the rewards', math-verify rewards and the
+format bonus, `--reward none --opd_coef 1` with G = 1 is train_opd.py's sampled-token step, bad set-ups are refused
+at start-up in one line; accumulation with rollouts from a real vLLM server equals one batch. A random tiny model
+never answers right, so the loop tests use tests/rl_length_reward.py's stand-in reward; the math is in
+tests/test_policy_gradient.py, the skeleton's invariants (accumulation, DDP, SIGKILL, world size) in
+tests/test_loop_invariants.py."""
+import math
+
+import pytest
+import torch
+
+import trainer.train_rl as train_rl
+from common.seeds import derived_seed
+from dataset.collators import IGNORE_INDEX, PromptCollator
+from dataset.sources import RowDataset
+from loop_helpers import assert_one_line_error, loop_args, max_weight_diff, metrics, script_exit, weights
+from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
+from rl_length_reward import length_reward, main as train_rl_varied
+from trainer.policy_gradient import ADVANTAGE
+from trainer.rewards import GroupCollator, reward_of
+from trainer.rollouts import row_seeds
+from trainer.train_opd import main as train_opd
+
+RL = {"max_new_tokens": 8, "num_generations": 3}
+
+
+@pytest.fixture
+def teacher_dir(tiny_config_path, tmp_path):
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=123), str(tmp_path / "teacher"))
+    return str(tmp_path / "teacher")
+
+
+def rl_args(config, data, save_dir, **flags) -> list[str]:
+    return loop_args(config, data, save_dir, **{**RL, **flags})
+
+
+def test_a_group_is_one_prompt_g_times_with_seeds_apart(chat_jsonl):
+    import argparse
+    rows = [RowDataset(chat_jsonl)[i] for i in (4, 9)]
+    batch = GroupCollator(PromptCollator(load_tokenizer(None), 32), 3)(rows)
+    assert batch["prompt_ids"].shape[0] == 6 and [r["row_index"] for r in batch["rows"]] == [4, 4, 4, 9, 9, 9]
+    assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][2])
+    assert [r["generation"] for r in batch["rows"]] == [0, 1, 2, 0, 1, 2]
+    seeds = row_seeds(argparse.Namespace(seed=7), batch, 1)
+    assert len(set(seeds)) == 6
+    assert seeds[0] == derived_seed(7, 1, 4) and seeds[3] == derived_seed(7, 1, 9)  # the lone row's (OPD's) seed
+
+
+def test_rewards_are_math_verify_verdicts_plus_the_format_bonus():
+    texts = ["so \\boxed{5}", "\\boxed{4}", "five", "<think>\\boxed{5}"]
+    rewards, correct = reward_of(texts, ["5"] * 4, "math", format_weight=0.25)
+    assert correct.tolist() == [True, False, False, False]
+    assert rewards.tolist() == [1.25, 0.25, 0.0, 0.0]    # an answer left inside an open <think> is no answer
+    rewards, correct = reward_of(texts, ["5"] * 4, "none")
+    assert rewards.tolist() == [0.0] * 4 and not correct.any()
+
+
+def test_the_first_loss_is_the_closed_form_of_its_groups(tiny_config_path, chat_jsonl, tmp_path, monkeypatch,
+                                                          one_thread):
+    """On-policy rho = 1, so the loss per token is -A of its row: the logged loss of step 1 is minus the
+    token-weighted mean of the rows' advantages, recomputed here from the rewards the loop was given (grpo's
+    formula written out); and the step's group metrics are the rewards'."""
+    seen = []
+    token_values = train_rl.token_values
+
+    def spy(args, run, advantages, labels, *rest):
+        values = token_values(args, run, advantages, labels, *rest)
+        seen.append((labels.clone(), values[:, ADVANTAGE].clone()))
+        return values
+    rewards_seen = []
+
+    def reward_spy(texts, truths, kind, format_weight=0.0):
+        rewards, correct = length_reward(texts, truths, kind, format_weight)
+        rewards_seen.append(rewards)
+        return rewards, correct
+    monkeypatch.setattr(train_rl, "token_values", spy)
+    monkeypatch.setattr(train_rl, "reward_of", reward_spy)
+    train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1))
+    total, tokens = 0.0, 0
+    for (labels, advantage), rewards in zip(seen, rewards_seen):
+        groups = rewards.double().view(-1, 3)
+        expected = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
+        lengths = (labels != IGNORE_INDEX).sum(1)
+        assert torch.allclose(advantage.double(), expected.repeat_interleave(lengths), atol=1e-6)
+        total += float(-(expected * lengths).sum())
+        tokens += int(lengths.sum())
+    step = metrics(tmp_path)[0]
+    assert step["loss"] == pytest.approx(total / tokens, abs=1e-5) and step["tokens"] == tokens
+    rewards = torch.cat(rewards_seen)
+    assert step["reward"] == pytest.approx(float(rewards.mean())) and step["pass@1"] == pytest.approx(
+        float((rewards == 1).float().mean()))
+    assert step["pass@3"] == pytest.approx(float((rewards.view(-1, 3) == 1).any(1).float().mean()))
+    groups = rewards.view(-1, 3)
+    assert step["zero_variance_share"] == pytest.approx(float((groups == groups[:, :1]).all(1).float().mean()))
+    assert step["reward_std"] == pytest.approx(float(rewards.std(unbiased=False)), abs=1e-6)
+    assert step["clip_fraction"] == 0.0 and math.isfinite(step["entropy"])
+
+
+def test_reward_none_with_the_opd_term_is_the_sampled_kl_opd_step(tiny_config_path, chat_jsonl, teacher_dir,
+                                                                   tmp_path, one_thread):
+    """--reward none --opd_coef 1 --num_generations 1 --kl_coef 0: the advantage of token t is -(log p_S - log p_T),
+    on the OPD loop's per-row samples; two steps land on train_opd.py --loss sampled_kl's weights."""
+    common = dict(batch=4, max_steps=2, max_new_tokens=8, teacher_path=teacher_dir)
+    train_rl.main(loop_args(tiny_config_path, chat_jsonl, tmp_path / "rl", reward="none", opd_coef=1,
+                            num_generations=1, **common))
+    train_opd(loop_args(tiny_config_path, chat_jsonl, tmp_path / "opd", loss="sampled_kl", **common))
+    assert max_weight_diff(weights(tmp_path / "rl"), weights(tmp_path / "opd")) <= 1e-6
+    rl, opd = metrics(tmp_path / "rl"), metrics(tmp_path / "opd")
+    assert [m["tokens"] for m in rl] == [m["tokens"] for m in opd]
+    assert [m["reverse_kl_estimate"] for m in rl] == pytest.approx([m["reverse_kl_estimate"] for m in opd],
+                                                                   abs=1e-6)
+
+
+@pytest.mark.parametrize("flags, names", [
+    ({"num_generations": 1}, ["--num_generations 1"]),
+    ({"opd_coef": 1}, ["--opd_coef", "--teacher_path"]),
+    ({"max_staleness": 1, "rollout_url": "http://127.0.0.1:1/v1"}, ["--max_staleness 1"]),
+    ({"clip_eps": 1.5}, ["--clip_eps"]),
+    ({"reward": "none"}, ["--reward none"]),
+])
+def test_bad_set_ups_are_refused_in_one_line(tiny_config_path, chat_jsonl, tmp_path, capsys, flags, names):
+    code, stderr = script_exit(train_rl.main, rl_args(tiny_config_path, chat_jsonl, tmp_path / "out", **flags), capsys)
+    assert_one_line_error(code, stderr, 2, *names)
+    assert not (tmp_path / "out").exists(), "a refused run leaves nothing behind"
+
+
+def test_a_row_without_a_ground_truth_is_refused_at_start_up(tiny_config_path, tmp_path, capsys):
+    import json
+    data = tmp_path / "no_truth.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}"}], "ground_truth": str(i)} for i in range(3)]
+    del rows[2]["ground_truth"]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, stderr = script_exit(train_rl.main, rl_args(tiny_config_path, str(data), tmp_path / "out"), capsys)
+    assert_one_line_error(code, stderr, 2, "row 2", "ground truth", "--reward none")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rollouts from a real vLLM CPU server
+
+@pytest.mark.slow
+def test_served_rollouts_accumulation_equals_one_batch(vllm_servers, chat_jsonl, tmp_path, one_thread):
+    """The session's student server samples every group (seeded per row and generation, so the same whatever the
+    split), its weights pushed and verified before each step's rollouts; 2 micro-batches of 2 prompts x 3 land on
+    one batch of 4 x 3."""
+    flags = dict(model_path=vllm_servers.student_dir, rollout_url=vllm_servers.rollout.url, max_steps=2,
+                 kl_coef=0.1)
+    train_rl_varied(rl_args(None, chat_jsonl, tmp_path / "big", batch=4, **flags))
+    train_rl_varied(rl_args(None, chat_jsonl, tmp_path / "acc", batch=2, accumulation=2, **flags))
+    big, acc = metrics(tmp_path / "big"), metrics(tmp_path / "acc")
+    assert [m["tokens"] for m in big] == [m["tokens"] for m in acc]
+    assert [m["reward"] for m in big] == [m["reward"] for m in acc]
+    assert any(m["zero_variance_share"] < 1 for m in big), "no group had a signal"
+    assert max_weight_diff(weights(tmp_path / "big"), weights(tmp_path / "acc")) <= 1e-5
+    assert all(m["sync_logprob_diff"] < 1e-3 for m in big)

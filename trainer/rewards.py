@@ -1,0 +1,66 @@
+"""Verifiable rewards for the RL loop, and the groups they are compared within.
+
+    collator = GroupCollator(prompt_collator, G)     # each prompt row G times, consecutively: one group
+    rewards = reward_of(texts, truths, "math", format_weight=0.1)
+
+A reward is math-verify's verdict against the row's ground truth (eval/grader.py: the last \\boxed{} after the
+thinking, equivalence by sympy), 1.0 or 0.0, plus `format_weight` when the completion has a final boxed answer at
+all (whatever its value): the signal a student that never boxes needs before any group can differ. `none`: 0 for
+every completion (the OPD term alone teaches).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.errors import refuse
+from eval.grader import grade_batch, last_boxed, final_text
+
+REWARDS = ("math", "none")
+
+
+class GroupCollator:
+    """A PromptCollator's batch with each row repeated G times, consecutively (the rows' dicts gain `generation`
+    0..G-1, which seeds their samples apart): the data stream cuts ranks and micro-batches from prompts, so a group
+    is never split across them."""
+
+    def __init__(self, collator, group_size: int):
+        self.collator, self.group_size = collator, group_size
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = self.collator(rows)
+        g = self.group_size
+        return {"prompt_ids": batch["prompt_ids"].repeat_interleave(g, dim=0),
+                "prompt_attention_mask": batch["prompt_attention_mask"].repeat_interleave(g, dim=0),
+                "rows": [{**row, "generation": i} for row in batch["rows"] for i in range(g)]}
+
+
+def check_ground_truths(dataset, path: str) -> None:
+    """Every row has a ground truth (a `ground_truth` column or DAPO's reward_model.ground_truth), or the run is
+    refused at start-up naming the first row without one."""
+    for index in range(len(dataset)):
+        if dataset[index].get("ground_truth") in (None, ""):
+            refuse(f"{path} row {index} has no ground truth (a `ground_truth` column, or DAPO's "
+                   f"reward_model.ground_truth): --reward math needs one in every row; --reward none trains "
+                   f"without rewards")
+
+
+def reward_of(texts: Sequence[str], truths: Sequence[str | None], kind: str,
+              format_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rewards (n,) float32, correct (n,) bool) for the decoded completions."""
+    if kind == "none":
+        zeros = torch.zeros(len(texts))
+        return zeros, zeros.bool()
+    correct = torch.tensor([result.correct for result in grade_batch(texts, [str(t) for t in truths])],
+                           dtype=torch.bool)
+    rewards = correct.float()
+    if format_weight:
+        boxed = torch.tensor([_has_final_box(text) for text in texts], dtype=torch.float32)
+        rewards = rewards + format_weight * boxed
+    return rewards, correct
+
+
+def _has_final_box(text: str) -> bool:
+    answer = final_text(text)
+    return answer is not None and last_boxed(answer) is not None
