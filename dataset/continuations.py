@@ -106,7 +106,7 @@ class ContinuationRequest:
             raise ValueError("messages end with an assistant message: pass its text as `partial` instead")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.partial.rfind("<think>") > self.partial.rfind("</think>"):
+        if ends_inside_thinking(self.partial):
             raise ValueError(f"{self.name or 'a continuation request'}: the partial ends inside the student's thinking (an open <think>): a "
                              f"final assistant message is rendered after an empty thinking block of its own, so the "
                              f"teacher would read these thoughts as an answer. Choose anchors after </think>, or "
@@ -480,6 +480,12 @@ class ContinuationClient(ApiClient):
                 raise UserError(f"{message}; try {other}, or other request options (a chat API that "
                                 f"cannot prefill an assistant message is out of scope)") from None
             raise RuntimeFailure(message) from None
+
+
+def ends_inside_thinking(partial: str) -> bool:
+    """Whether a partial answer ends inside a thinking block (a `<think>` with no `</think>` after it): such a
+    partial cannot be continued as a final assistant message (module docstring)."""
+    return partial.rfind("<think>") > partial.rfind("</think>")
 
 
 def resumes(text: str) -> bool:

@@ -20,17 +20,18 @@ from trainer.losses import sampled_token_kl_loss
 
 # ----------------------------------------------------------------------------- the scheduler
 
-def reference_chunks(entropy, chunk_len, max_chunks):
+def reference_chunks(entropy, chunk_len, max_chunks, allowed=None):
     """The same rule written differently: repeatedly scan every start from the last to the first and keep the first
-    one of strictly highest entropy among those whose chunk fits in the completion and in the gaps left so far
-    (scanning backwards with a strict > is what sends ties to the later start)."""
+    one of strictly highest entropy among those allowed whose chunk fits in the completion and in the gaps left so
+    far (scanning backwards with a strict > is what sends ties to the later start)."""
     n = len(entropy)
     free = [True] * n
+    allowed = allowed or [True] * n
     anchors = []
     while len(anchors) < max_chunks:
         best = None
         for s in range(n - chunk_len, -1, -1):
-            if all(free[s:s + chunk_len]) and (best is None or entropy[s] > entropy[best]):
+            if allowed[s] and all(free[s:s + chunk_len]) and (best is None or entropy[s] > entropy[best]):
                 best = s
         if best is None:
             break
@@ -90,6 +91,36 @@ def test_scheduler_matches_reference_on_random_entropies():
             assert not any(all(t not in covered for t in range(s, s + chunk_len)) for s in range(n - chunk_len + 1))
         cases += bool(got)
     assert cases > 250   # most trials choose something: the comparison is not vacuous
+
+
+def test_scheduler_skips_anchors_that_are_not_allowed():
+    rng = random.Random(1)
+    for _ in range(300):
+        n, chunk_len, max_chunks = rng.randint(0, 40), rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 4, 10])
+        entropy = [float(rng.randint(0, 3)) for _ in range(n)]
+        allowed = [rng.random() < 0.6 for _ in range(n)]
+        got = choose_chunks(entropy, chunk_len, max_chunks, allowed)
+        assert got == reference_chunks(entropy, chunk_len, max_chunks, allowed)
+        assert all(allowed[s] for s in got)
+
+
+THINK, END_THINK = 151667, 151668
+
+
+def test_no_anchor_inside_a_thinking_block():
+    """An anchor's partial is the completion before it: from the token after a <think> up to its </think> the
+    partial ends inside thinking (a stray <think> mid-answer: to the end). The planner takes only allowed anchors."""
+    from trainer.audit import anchors_outside_thinking
+    a, b = 11, 12
+    rows = [[a, THINK, b, b, END_THINK, a, a], [a, a, THINK, a, a]]
+    targets = torch.tensor([t for row in rows for t in row])
+    allowed = anchors_outside_thinking(targets, [7, 5], THINK, END_THINK)
+    assert allowed.tolist() == [True, True, False, False, False, True, True,   # inside: after <think> .. </think>
+                                True, True, True, False, False]                 # a stray <think>: to the end
+    assert anchors_outside_thinking(targets, [7, 5], None, None).all()
+    entropy = torch.arange(12, dtype=torch.float32)   # the latest positions rank highest
+    chunks = plan_audits(entropy, torch.zeros(12), [7, 5], 1, 2, allowed)
+    assert [(c.row, c.anchor) for c in chunks] == [(0, 5), (0, 6), (1, 1), (1, 2)]
 
 
 # ----------------------------------------------------------------------------- the student's numbers

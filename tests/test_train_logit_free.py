@@ -151,6 +151,24 @@ def test_a_teacher_that_cannot_count_trains_with_the_request_probe_and_split_n(t
     assert len(set(seeds)) == len(seeds)
 
 
+def test_a_partial_that_ends_inside_thinking_is_not_asked():
+    """A `<think>` spelled with ordinary tokens (the scheduler's token mask sees only the real <think> token): the
+    chunk after it is dropped from the audit, the others are asked."""
+    import argparse
+    from model import load_tokenizer
+    from trainer.audit import Chunk
+    tokenizer = load_tokenizer(None)
+    spelled = [i for piece in ("<", "think", ">") for i in tokenizer.encode(piece)]
+    assert tokenizer.decode(spelled) == "<think>" and 151667 not in spelled
+    words = tokenizer.encode(" one two three four")
+    labels = torch.tensor([words + spelled + words])
+    batch = {"rows": [{"row_index": 3, "messages": [{"role": "user", "content": "Say four words."}]}]}
+    chunks = [Chunk(0, 1, 2, 0.5), Chunk(0, len(words) + len(spelled), 2, 0.5)]
+    args = argparse.Namespace(seed=7, chunk_len=2)
+    kept, requests, texts = logit_free.audit_requests(args, tokenizer, batch, labels, chunks, 0, 0)
+    assert kept == chunks[:1] and len(requests) == len(texts) == 1 and requests[0].partial == " one"
+
+
 @pytest.mark.slow
 def test_accumulation_and_two_ranks_equal_one_batch(tiny_config_path, chat_jsonl, tmp_path, teacher, one_thread):
     logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "big", teacher, batch=4, max_steps=2))

@@ -128,13 +128,13 @@ def position_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 # ----------------------------------------------------------------------------- the scheduler
 
 def choose_chunks(entropy: Sequence[float] | torch.Tensor, chunk_len: int = CHUNK_LEN,
-                  max_chunks: int = MAX_CHUNKS) -> list[int]:
+                  max_chunks: int = MAX_CHUNKS, allowed: Sequence[bool] | torch.Tensor | None = None) -> list[int]:
     """The peak-entropy scheduler on one completion: the anchors (0-based offsets into it), increasing.
 
     Candidates are the starts s with s + chunk_len <= len(entropy) (a chunk never runs past the completion, so a
-    completion shorter than chunk_len gets none), ranked by entropy[s] (the chunk's first token), higher first, equal
-    entropies the later s first. Going down that ranking, a start is taken when its chunk overlaps none taken so far
-    (|s - s'| >= chunk_len), until max_chunks are taken or the candidates run out.
+    completion shorter than chunk_len gets none) and allowed[s] (default: all), ranked by entropy[s] (the chunk's
+    first token), higher first, equal entropies the later s first. Going down that ranking, a start is taken when its
+    chunk overlaps none taken so far (|s - s'| >= chunk_len), until max_chunks are taken or the candidates run out.
     """
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
@@ -146,7 +146,8 @@ def choose_chunks(entropy: Sequence[float] | torch.Tensor, chunk_len: int = CHUN
     last = len(values) - chunk_len
     if last < 0 or max_chunks == 0:
         return []
-    ranking = sorted(range(last + 1), key=lambda s: (values[s], s), reverse=True)
+    allowed = [True] * len(values) if allowed is None else [bool(a) for a in allowed]
+    ranking = sorted((s for s in range(last + 1) if allowed[s]), key=lambda s: (values[s], s), reverse=True)
     taken: list[int] = []
     for s in ranking:
         if all(abs(s - t) >= chunk_len for t in taken):
@@ -157,21 +158,44 @@ def choose_chunks(entropy: Sequence[float] | torch.Tensor, chunk_len: int = CHUN
 
 
 def plan_audits(entropy: torch.Tensor, logprob: torch.Tensor, lengths: Sequence[int], chunk_len: int = CHUNK_LEN,
-                max_chunks: int = MAX_CHUNKS) -> list[Chunk]:
+                max_chunks: int = MAX_CHUNKS, allowed: torch.Tensor | None = None) -> list[Chunk]:
     """`choose_chunks` on every row of a micro-batch: entropy and logprob (N,) from `position_stats`, lengths from
-    `completion_lengths`. Returns the chunks row by row, anchors increasing within a row, each with its prior mean
+    `completion_lengths`, `allowed` (N,) the positions that may be anchors (`anchors_outside_thinking`; default
+    all). Returns the chunks row by row, anchors increasing within a row, each with its prior mean
     pi_bar = exp(mean of logprob over the chunk's tokens) (temperature 1, a constant)."""
     if sum(lengths) != entropy.numel() or entropy.shape != logprob.shape:
         raise ValueError(f"lengths sum to {sum(lengths)}, entropy has {entropy.numel()} positions and logprob "
                          f"{logprob.numel()}: pass completion_lengths(labels) of the same batch")
     entropy_rows = entropy.detach().float().cpu().split(list(lengths))
     logprob_rows = logprob.detach().double().cpu().split(list(lengths))
+    allowed_rows = (None,) * len(lengths) if allowed is None else allowed.cpu().split(list(lengths))
     chunks = []
     for row, (row_entropy, row_logprob) in enumerate(zip(entropy_rows, logprob_rows)):
-        for anchor in choose_chunks(row_entropy, chunk_len, max_chunks):
+        for anchor in choose_chunks(row_entropy, chunk_len, max_chunks, allowed_rows[row]):
             pi_bar = math.exp(float(row_logprob[anchor:anchor + chunk_len].mean()))
             chunks.append(Chunk(row, anchor, chunk_len, pi_bar))
     return chunks
+
+
+def anchors_outside_thinking(targets: torch.Tensor, lengths: Sequence[int], think_open: int | None,
+                             think_close: int | None) -> torch.Tensor:
+    """(N,) bool: whether a chunk may start at each completion position, i.e. whether the completion before it
+    (what the teacher is asked to continue) does not end inside a thinking block -- a `<think>` token with no
+    `</think>` after it. Such a partial cannot be handed to a teacher (dataset/continuations.py's
+    ContinuationRequest: the template would put an empty thinking block in front of it); a student may also write a
+    stray `<think>` mid-answer, after which every position is inside. `targets` (N,) row after row, as
+    `completion_hidden` returns them; ids None (a tokenizer without thinking tokens): everything allowed."""
+    allowed = torch.ones(targets.shape[0], dtype=torch.bool)
+    if think_open is None or think_close is None:
+        return allowed
+    position = 0
+    for length in lengths:
+        inside = False
+        for t, token in enumerate(targets[position:position + length].tolist()):
+            allowed[position + t] = not inside  # the partial is the row's tokens before t
+            inside = True if token == think_open else False if token == think_close else inside
+        position += length
+    return allowed
 
 
 # ----------------------------------------------------------------------------- agreement and the weight

@@ -14,7 +14,8 @@ sure, and the student's chunks are weighted by how well the teacher's continuati
 Per micro-batch (docs/logit_free.md: the method, its equations and which parts are the paper's):
   1. the student samples y ~ pi_student(.|x) (built-in engine or --rollout_url, as OPD's), labels on y
   2. the audit: the student's exact entropy at every completion position (no grad); up to M non-overlapping
-     chunks of C tokens from the highest entropy at a chunk's first token down (trainer/audit.py)
+     chunks of C tokens from the highest entropy at a chunk's first token down (trainer/audit.py), none starting
+     inside a thinking block (after a `<think>` with no `</think>`: a teacher cannot be asked to continue there)
   3. the teacher continues prompt + y[:anchor] N times per chunk (temperature 1, at most ceil(1.5 C) tokens), all
      of the micro-batch's chunks in flight at once; k = sum of the similarities of the student's chunk text and each
      continuation cut to its length; pi_hat = (k + alpha * pi_bar) / (N + alpha), pi_bar = exp(mean log p_S(y_t))
@@ -41,11 +42,11 @@ from common.http import ApiClient
 from common.seeds import derived_seed
 from dataset.collators import split_conversation
 from dataset.continuations import (FORMS, RESERVED, ContinuationCache, ContinuationClient,
-                                   ContinuationRequest)
+                                   ContinuationRequest, ends_inside_thinking)
 from dataset.teacher import SamplingParams
 from model import Decoder
-from trainer.audit import (SIMILARITIES, agreement, anchor_labels, chunked_audit_loss, completion_lengths,
-                           plan_audits, position_stats, position_weights, posterior_weight)
+from trainer.audit import (SIMILARITIES, agreement, anchor_labels, anchors_outside_thinking, chunked_audit_loss,
+                           completion_lengths, plan_audits, position_stats, position_weights, posterior_weight)
 from trainer.chunked_losses import completion_hidden
 from trainer.console import PhaseClock
 from trainer.distributed import init_distributed_mode, print0
@@ -215,22 +216,27 @@ def connect_teacher(args: argparse.Namespace, rank: int) -> ContinuationClient:
 
 
 def audit_requests(args: argparse.Namespace, tokenizer, batch: dict, labels: torch.Tensor, chunks, epoch: int,
-                   step: int) -> tuple[list[ContinuationRequest], list[str]]:
+                   step: int) -> tuple[list, list[ContinuationRequest], list[str]]:
     """Step 3's questions: per chunk, the row's prompt messages and the student's completion up to the chunk's
     first token, as text (the teacher re-tokenises it), with a seed from (seed, epoch, step, row, chunk); and the
-    student's own text of the chunk, which the continuations are compared with."""
-    requests, texts = [], []
+    student's own text of the chunk, which the continuations are compared with. -> (the chunks asked about, their
+    requests, their texts): a chunk whose partial text still ends inside a thinking block (a `<think>` spelled
+    with ordinary tokens, which the token-level mask of step 2 cannot see) is not audited."""
+    kept, requests, texts = [], [], []
     for chunk in chunks:
         row = batch["rows"][chunk.row]
         completion = labels[chunk.row][labels[chunk.row] != -100].tolist()
         prompt_messages, _ = split_conversation(row["messages"])
         partial = tokenizer.decode(completion[:chunk.anchor], skip_special_tokens=True)
+        if ends_inside_thinking(partial):
+            continue
+        kept.append(chunk)
         texts.append(tokenizer.decode(completion[chunk.anchor:chunk.anchor + chunk.length], skip_special_tokens=True))
         seed = derived_seed(args.seed, epoch, step, row["row_index"], chunk.anchor)
         requests.append(ContinuationRequest(prompt_messages, partial, max_tokens=math.ceil(1.5 * args.chunk_len),
                                             seed=seed, name=f"step {step + 1} row {row['row_index']} "
                                                             f"chunk at token {chunk.anchor}"))
-    return requests, texts
+    return kept, requests, texts
 
 
 def add_audit_stats(metrics, entropy: torch.Tensor, audited: torch.Tensor, pi_hats: list[float],
@@ -272,6 +278,7 @@ def train(args: argparse.Namespace) -> None:
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda epoch, step: True)
     say_servers(args, teacher_topk=None)
     head, vocab = run.raw_model.lm_head.weight, len(tokenizer)
+    thinking_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
 
     if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
         run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
@@ -286,8 +293,9 @@ def train(args: argparse.Namespace) -> None:
                 entropy, logprob = position_stats(hidden, head, targets, vocab, args.gen_temperature,
                                                   args.loss_chunk_size)
             lengths = completion_lengths(labels)
-            chunks = plan_audits(entropy, logprob, lengths, args.chunk_len, args.audit_chunks)
-            requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, epoch, run.step)
+            allowed = anchors_outside_thinking(targets.cpu(), lengths, *thinking_ids)  # no anchor inside <think>
+            chunks = plan_audits(entropy, logprob, lengths, args.chunk_len, args.audit_chunks, allowed)
+            chunks, requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, epoch, run.step)
             with clock("teacher"), run.fail_together():  # 3. the teacher's continuations, all chunks at once
                 answers = teacher.continue_batch(requests)
             ks = [agreement(text, continuations, args.similarity) for text, continuations in zip(texts, answers.texts)]
