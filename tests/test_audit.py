@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX
-from trainer.audit import (CHUNK_LEN, MAX_CHUNKS, TEXT_CAP, Chunk, agreement, anchor_labels, audit_loss_sum,
+from trainer.agreement import TEXT_CAP, agreement, similarity
+from trainer.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking, audit_loss_sum,
                            choose_chunks, chunked_audit_loss, completion_lengths, plan_audits, position_stats,
-                           position_weights, posterior_weight, similarity)
+                           position_weights, posterior_weight)
 from trainer.chunked_losses import completion_hidden
 from trainer.losses import sampled_token_kl_loss
 
@@ -110,7 +111,6 @@ THINK, END_THINK = 151667, 151668
 def test_no_anchor_inside_a_thinking_block():
     """An anchor's partial is the completion before it: from the token after a <think> up to its </think> the
     partial ends inside thinking (a stray <think> mid-answer: to the end). The planner takes only allowed anchors."""
-    from trainer.audit import anchors_outside_thinking
     a, b = 11, 12
     rows = [[a, THINK, b, b, END_THINK, a, a], [a, a, THINK, a, a]]
     targets = torch.tensor([t for row in rows for t in row])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trainer.train_logit_free as logit_free
+from trainer.black_box_teacher import audit_requests
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, script_exit, assert_one_line_error, torchrun_command, weights,
                           without_timing)
@@ -165,7 +166,7 @@ def test_a_partial_that_ends_inside_thinking_is_not_asked():
     batch = {"rows": [{"row_index": 3, "messages": [{"role": "user", "content": "Say four words."}]}]}
     chunks = [Chunk(0, 1, 2, 0.5), Chunk(0, len(words) + len(spelled), 2, 0.5)]
     args = argparse.Namespace(seed=7, chunk_len=2)
-    kept, requests, texts = logit_free.audit_requests(args, tokenizer, batch, labels, chunks, 0, 0)
+    kept, requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, 0, 0)
     assert kept == chunks[:1] and len(requests) == len(texts) == 1 and requests[0].partial == " one"
 
 

@@ -16,7 +16,7 @@ Everything else here is this reimplementation's reading, stated once:
   non-overlapping chunks of CHUNK_LEN = 50 tokens, taken greedily from the highest entropy at a chunk's FIRST token
   down; a chunk that would run past the completion is skipped; equal entropies go to the later position; a
   completion shorter than CHUNK_LEN gets no audit.
-* Agreement (`similarity`, `agreement`): each continuation is cut to the student chunk's character length, then
+* Agreement (trainer/agreement.py's `similarity`, `agreement`): each continuation is cut to the student chunk's character length, then
   k = sum over the N continuations of phi(student chunk, continuation), phi in [0, 1]: by default
   1 - Levenshtein(a, b) / max(len a, len b) on characters (rapidfuzz), each string capped at TEXT_CAP = 4,000
   characters, two empty strings 1.0; or ROUGE-1 F on whitespace tokens.
@@ -50,13 +50,11 @@ is in that order, and `completion_lengths` splits it into rows):
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from rapidfuzz.distance import Levenshtein
 
 from dataset.collators import IGNORE_INDEX
 from trainer.chunked_losses import chunked_loss
@@ -64,8 +62,6 @@ from trainer.chunked_losses import chunked_loss
 MAX_CHUNKS = 10     # M: audited chunks per completion, at most
 CHUNK_LEN = 50      # C: tokens per chunk
 ALPHA = 1.0         # the prior's weight, in pseudo-continuations
-TEXT_CAP = 4000     # characters of each string that `similarity` compares
-SIMILARITIES = ("levenshtein", "rouge1")
 
 
 @dataclass(frozen=True)
@@ -198,38 +194,7 @@ def anchors_outside_thinking(targets: torch.Tensor, lengths: Sequence[int], thin
     return allowed
 
 
-# ----------------------------------------------------------------------------- agreement and the weight
-
-def similarity(a: str, b: str, kind: str = "levenshtein") -> float:
-    """phi(a, b) in [0, 1], symmetric; 1 for equal strings. Each string is first cut to its first TEXT_CAP
-    characters.
-
-    levenshtein: 1 - Levenshtein(a, b) / max(len a, len b) on characters (unit insert / delete / substitute costs,
-        rapidfuzz); two empty strings 1.0.
-    rouge1: ROUGE-1 F on whitespace tokens (str.split): overlap = sum over tokens of min(count in a, count in b),
-        F = 2 * overlap / (tokens in a + tokens in b) (the harmonic mean of precision and recall); both without
-        tokens (empty or whitespace only) 1.0, exactly one without tokens 0.0.
-    """
-    a, b = a[:TEXT_CAP], b[:TEXT_CAP]
-    if kind == "levenshtein":
-        longest = max(len(a), len(b))
-        return 1.0 if longest == 0 else 1.0 - Levenshtein.distance(a, b) / longest
-    if kind == "rouge1":
-        ta, tb = a.split(), b.split()
-        if not ta and not tb:
-            return 1.0
-        overlap = sum((Counter(ta) & Counter(tb)).values())
-        return 2.0 * overlap / (len(ta) + len(tb))
-    raise ValueError(f"similarity kind must be one of {SIMILARITIES}, got {kind!r}")
-
-
-def agreement(student_text: str, continuations: Sequence[str], kind: str = "levenshtein") -> float:
-    """k = sum over the teacher's continuations of similarity(student_text, continuation cut to len(student_text)
-    characters), in [0, len(continuations)]. A continuation shorter than the student's text (the teacher stopped) is
-    compared as it is."""
-    n = len(student_text)
-    return float(sum(similarity(student_text, c[:n], kind) for c in continuations))
-
+# ----------------------------------------------------------------------------- the weight
 
 def posterior_weight(k: float, n: int, pi_bar: float, alpha: float = ALPHA) -> float:
     """pi_hat = (k + alpha * pi_bar) / (n + alpha): the posterior mean of the chance that the teacher agrees with the
