@@ -152,9 +152,10 @@ def test_a_teacher_that_cannot_count_trains_with_the_request_probe_and_split_n(t
     assert len(set(seeds)) == len(seeds)
 
 
-def test_a_partial_that_ends_inside_thinking_is_not_asked():
-    """A `<think>` spelled with ordinary tokens (the scheduler's token mask sees only the real <think> token): the
-    chunk after it is dropped from the audit, the others are asked."""
+def test_a_partial_no_template_can_hand_over_is_not_asked():
+    """A `<think>` spelled with ordinary tokens (the scheduler's token mask sees only the real <think> token), and a
+    stray `</think>` token mid-answer (the template would split the answer there; vLLM answers HTTP 400): the chunks
+    after them are dropped from the audit, the others are asked."""
     import argparse
     from model import load_tokenizer
     from trainer.audit import Chunk
@@ -168,6 +169,10 @@ def test_a_partial_that_ends_inside_thinking_is_not_asked():
     args = argparse.Namespace(seed=7, chunk_len=2)
     kept, requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, 0, 0)
     assert kept == chunks[:1] and len(requests) == len(texts) == 1 and requests[0].partial == " one"
+    stray = torch.tensor([words + [151668] + words])              # " one two three four</think> one ..."
+    chunks = [Chunk(0, 2, 2, 0.5), Chunk(0, len(words) + 2, 2, 0.5)]
+    kept, requests, _ = audit_requests(args, tokenizer, batch, stray, chunks, 0, 0)
+    assert kept == chunks[:1] and requests[0].partial == " one two"
 
 
 @pytest.mark.slow

@@ -132,15 +132,15 @@ def audit_requests(args: argparse.Namespace, tokenizer, batch: dict, labels: tor
     """Step 3's questions: per chunk, the row's prompt messages and the student's completion up to the chunk's
     first token, as text (the teacher re-tokenises it), with a seed from (seed, epoch, step, row, chunk); and the
     student's own text of the chunk, which the continuations are compared with. -> (the chunks asked about, their
-    requests, their texts): a chunk whose partial text still ends inside a thinking block (a `<think>` spelled
-    with ordinary tokens, which the token-level mask of step 2 cannot see) is not audited."""
+    requests, their texts): a chunk whose partial a chat template cannot hand over as the start of an answer is
+    not audited (`continuable`)."""
     kept, requests, texts = [], [], []
     for chunk in chunks:
         row = batch["rows"][chunk.row]
         completion = labels[chunk.row][labels[chunk.row] != -100].tolist()
         prompt_messages, _ = split_conversation(row["messages"])
         partial = tokenizer.decode(completion[:chunk.anchor], skip_special_tokens=True)
-        if ends_inside_thinking(partial):
+        if not continuable(tokenizer, prompt_messages, partial):
             continue
         kept.append(chunk)
         texts.append(tokenizer.decode(completion[chunk.anchor:chunk.anchor + chunk.length], skip_special_tokens=True))
@@ -149,3 +149,20 @@ def audit_requests(args: argparse.Namespace, tokenizer, batch: dict, labels: tor
                                             seed=seed, name=f"step {step + 1} row {row['row_index']} "
                                                             f"chunk at token {chunk.anchor}"))
     return kept, requests, texts
+
+
+def continuable(tokenizer, messages, partial: str) -> bool:
+    """Whether the student's own (Qwen3) chat template renders `partial` back unchanged as the start of the answer
+    to `messages`: not inside a thinking block (a `<think>` spelled with ordinary tokens, which the scheduler's
+    token mask cannot see), and no `</think>` the template would move (a weak student writes stray ones mid-answer;
+    the template splits the answer there, and vLLM's continue_final_message then refuses the request with HTTP
+    400). A Qwen3 teacher's template does the same; another family's reads such text as text, and loses only those
+    rare chunks."""
+    if ends_inside_thinking(partial):
+        return False
+    try:
+        tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": partial}],
+                                      continue_final_message=True)
+    except ValueError:
+        return False
+    return True

@@ -173,8 +173,9 @@ def train(args: argparse.Namespace) -> None:
                                                   args.loss_chunk_size)
             lengths = completion_lengths(labels)
             allowed = anchors_outside_thinking(targets.cpu(), lengths, *thinking_ids)  # no anchor inside <think>
-            chunks = plan_audits(entropy, logprob, lengths, args.chunk_len, args.audit_chunks, allowed)
-            chunks, requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, epoch, run.step)
+            planned = plan_audits(entropy, logprob, lengths, args.chunk_len, args.audit_chunks, allowed)
+            chunks, requests, texts = audit_requests(args, tokenizer, batch, labels, planned, epoch, run.step)
+            run.metrics.total("audits_skipped", len(planned) - len(chunks))  # partials no template can hand over
             with clock("teacher"), run.fail_together():  # 3. the teacher's continuations, all chunks at once
                 answers = teacher.continue_batch(requests)
             ks = [agreement(text, continuations, args.similarity) for text, continuations in zip(texts, answers.texts)]
