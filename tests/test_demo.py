@@ -395,7 +395,7 @@ def test_the_table_from_the_files_the_commands_write(root, capsys):
     assert logit_free.endswith(" to serve the teacher + 8.7 min + 13 s |")
     assert rl.startswith("| RL with verifiable rewards of the SFT model (GRPO, groups of 4, 9.8M parameters) | "
                          "`python trainer/train_rl.py --num_generations 4 --batch_size 8 --max_steps 32 "
-                         "--eval_interval 8 --save_dir checkpoints/demo` then ")
+                         "--learning_rate 1e-4 --eval_interval 8 --save_dir checkpoints/demo` then ")
     assert ("| 3.0% [1.4, 6.4] (6/200) | 32 steps, loss 0.01 -> -0.02; reward 0.031 -> 0.062, pass@4 12% -> 25%, "
             "groups without signal 75% of all; held-out greedy EOS share 100% -> 100%") in rl
     assert rl.endswith("| 10.2 min + 12 s |")

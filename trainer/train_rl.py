@@ -2,8 +2,8 @@
 each against the row's ground truth, and each answer's reward relative to its group is the advantage of every one
 of its tokens; optionally OPD's dense signal, a teacher's per-token log-ratio, added to that advantage.
 
-    python trainer/train_rl.py --model_path checkpoints/sft --num_generations 4 --eval_interval 8
-                                   # CPU demo: the SFT model (the only demo model that ends its answers) by RL
+    python trainer/train_rl.py --num_generations 4 --batch_size 8 --max_steps 32 --learning_rate 1e-4 \
+        --eval_interval 8          # CPU demo: checkpoints/sft (the only demo model that ends its answers) by RL
     python trainer/train_rl.py --model_path Qwen3-0.6B --data_path dapo-math-17k.parquet --device cuda \
         --batch_size 16 --num_generations 8 --accumulation_steps 4 --max_new_tokens 2048 --max_length 2560 \
         --learning_rate 1e-6 --warmup_ratio 0 --grad_clip 1.0 --clip_eps 0.2 --clip_eps_high 0.28 \
