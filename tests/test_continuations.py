@@ -18,6 +18,7 @@ from dataset.continuations import (DEFAULT_OPTIONS, PROBE_PARTIAL, ContinuationC
 from dataset.teacher import SamplingParams
 from model.tokenizer import default_tokenizer_dir, load_tokenizer
 from stub_server import Stub, choices_body
+from vllm_servers import counting_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -424,38 +425,12 @@ def test_n_seeded_continuations_repeat_and_a_cached_request_sends_nothing(vllm_s
 
 @pytest.fixture
 def counting_teacher(vllm_servers, tmp_path):
-    """The teacher server with weights that count: every layer's output projections zeroed (the last hidden state
-    is the last token's embedding) and the embedding and head set so that greedy decoding maps "," -> " ",
-    " " -> "5", "5" -> "," and "\\n" -> "1": a continuation of "1, 2, 3, 4," reads " 5, 5, ...", and a new reply
-    (after "<|im_start|>assistant\\n") starts with "1". The served teacher's own weights are put back after."""
-    import torch
-
-    from model import load_pretrained
-    from serving.engine import CompletionServer
-    from serving.weight_sync import WeightSync
-    tokenizer = load_tokenizer(vllm_servers.teacher_dir)
-    ids = {text: tokenizer.encode(text) for text in (",", " ", "5", "\n", "1")}
-    assert all(len(v) == 1 for v in ids.values())
-    bigram = {",": " ", " ": "5", "5": ",", "\n": "1", "1": ","}
-    model = load_pretrained(vllm_servers.teacher_dir)
-    server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
-    sync = WeightSync(server, str(tmp_path / "weights" / "model.safetensors"), [], torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                parameter.zero_()
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        for dim, (source, target) in enumerate(bigram.items()):
-            embed[ids[source][0]] = 0.0
-            embed[ids[source][0], dim] = 1.0
-            head[:, dim] = 0.0
-            head[ids[target][0], dim] = 5.0
-    sync.push(model, 0)
-    try:
+    """The teacher server with weights that count (tests/vllm_servers.py's make_counting: greedy decoding maps
+    "," -> " ", " " -> "5", "5" -> "," and "\\n" -> "1": a continuation of "1, 2, 3, 4," reads " 5, 5, ...", and a
+    new reply (after "<|im_start|>assistant\\n") starts with "1"). The served teacher's own weights are put back
+    after."""
+    with counting_weights(vllm_servers.teacher, vllm_servers.teacher_dir, "teacher", str(tmp_path)):
         yield vllm_servers
-    finally:
-        sync.push(load_pretrained(vllm_servers.teacher_dir), 0)
-        server.close()
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ def make_counting(model, tokenizer, bigrams: dict[str, str] = COUNTING_BIGRAMS) 
     token's embedding, scaled by the final norm), and the embedding rows of the bigrams' sources and the head's
     columns 0..len(bigrams)-1 set so that greedy decoding maps each source to its target (logit 5 * sqrt(hidden)
     against 0: at temperature 1 as well). Other tokens keep their random rows (their continuations stay random).
-    The same weights as tests/test_continuations.py's `counting_teacher` pushes."""
+    tests/test_continuations.py's `counting_teacher` and tests/test_logit_free_vllm.py push them (counting_weights)."""
     assert not model.config.tie_word_embeddings, "the embedding and the head are set apart: an untied model"
     ids = {text: tokenizer.encode(text) for text in {*bigrams, *bigrams.values()}}
     assert all(len(v) == 1 for v in ids.values()), ids
