@@ -1,4 +1,5 @@
 """Helpers shared by the training-loop tests: flags, outputs, subprocess runs and kills."""
+import glob
 import json
 import os
 import signal
@@ -74,6 +75,29 @@ def kill_after_first_checkpoint(command: list[str], resume_path: str) -> None:
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    wait_until_gone(process.pid)
+
+
+def wait_until_gone(group: int, timeout: float = 60.0) -> None:
+    """Until no process of process group `group` runs any more (zombies do not run): waiting for the group's leader
+    is not enough -- torchrun's ranks, SIGKILLed with it, may still be tearing down, holding the run's lock, when
+    the test's resume starts (seen on a loaded machine)."""
+    deadline = time.time() + timeout
+    while group_running(group):
+        assert time.time() < deadline, f"process group {group} still runs {timeout:.0f} s after SIGKILL"
+        time.sleep(0.02)
+
+
+def group_running(group: int) -> bool:
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, encoding="utf-8") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # ended while we looked
+        if int(pgrp) == group and state not in ("Z", "X"):
+            return True
+    return False
 
 
 def checkpoint_step(resume_path) -> int:
