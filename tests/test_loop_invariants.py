@@ -1,8 +1,10 @@
 # python -m pytest tests/test_loop_invariants.py
-"""The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
-accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, a run killed with SIGKILL
-right after a checkpoint and resumed ends bit-identical to one never interrupted, and resuming across a world-size
-change that keeps the global batch reaches the same weights."""
+"""The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
+rows routed by a column) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a
+short tail window), DDP with 2 ranks equals one process, a run killed with SIGKILL right after a checkpoint and
+resumed ends bit-identical to one never interrupted, and resuming across a world-size change that keeps the global
+batch reaches the same weights."""
+import json
 import os
 import sys
 
@@ -28,6 +30,10 @@ LOOPS = {
     "opd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # RL with tests/rl_length_reward.py's stand-in reward (a random model never answers right: no group would differ)
     "rl": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
+    # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
+    # a rank has no row for one of them
+    "kd_teachers": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
+    "opd_teachers": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
@@ -38,6 +44,7 @@ LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
               # models; asymmetric clipping (on-policy: rho = 1, so it never clips)
               "rl": {"max_new_tokens": 8, "num_generations": 3, "kl_coef": 0.1, "opd_coef": 0.5,
                      "clip_eps_high": 0.28}}
+LOOP_FLAGS["kd_teachers"], LOOP_FLAGS["opd_teachers"] = LOOP_FLAGS["kd"], LOOP_FLAGS["opd"]
 
 
 @pytest.fixture
@@ -47,14 +54,34 @@ def teacher_dir(tiny_config_path, tmp_path):
     return str(tmp_path / "teacher")
 
 
+@pytest.fixture
+def teachers_file(tiny_config_path, teacher_dir, tmp_path):
+    """--teachers: the teacher above as "a", another seed as "b"."""
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=321), str(tmp_path / "teacher_b"))
+    path = tmp_path / "teachers.json"
+    path.write_text(json.dumps({"a": {"path": teacher_dir}, "b": {"path": str(tmp_path / "teacher_b")}}))
+    return str(path)
+
+
+def routed(data: str) -> str:
+    """A copy of `data` whose rows name teacher a or b (rows 0, 3, 6, ...: b; so whole micro-batches of a occur)."""
+    rows = [json.loads(line) for line in open(data, encoding="utf-8")]
+    path = data.removesuffix(".jsonl") + "_routed.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({**row, "teacher": "b" if i % 3 == 0 else "a"}) + "\n" for i, row in enumerate(rows))
+    return path
+
+
 @pytest.fixture(params=list(LOOPS))
-def loop(request, tiny_config_path, teacher_dir):
+def loop(request, tiny_config_path, teacher_dir, teachers_file):
     """(main, script, args-builder) of one training loop, with what that loop needs beyond the common flags."""
     main, script = LOOPS[request.param]
-    extra = {**LOOP_FLAGS[request.param], **({"teacher_path": teacher_dir} if request.param != "sft" else {})}
+    several = request.param.endswith("_teachers")
+    teacher = {"teachers": teachers_file} if several else {"teacher_path": teacher_dir}
+    extra = {**LOOP_FLAGS[request.param], **(teacher if request.param != "sft" else {})}
 
     def args(data, save_dir, **flags):
-        return loop_args(tiny_config_path, data, save_dir, **{**extra, **flags})
+        return loop_args(tiny_config_path, routed(data) if several else data, save_dir, **{**extra, **flags})
     return main, script, args
 
 

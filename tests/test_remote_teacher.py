@@ -240,7 +240,7 @@ def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_
     """With --teacher_topk K the held-out evaluation against a served teacher logs the training loss's top-K
     divergence on the student's greedy completions (not the sampled-token estimate): the same number as the local
     teacher's top-K from its logits on those completions."""
-    from trainer.heldout import heldout_metrics, heldout_sums
+    from trainer.heldout import EvalTeacher, heldout_metrics, heldout_sums
     from trainer.chunked_losses import completion_hidden
     from trainer.topk_divergence import chunked_topk_divergence
     tokenizer = load_tokenizer(None)
@@ -253,8 +253,9 @@ def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_
              "rows": [{"row_index": i} for i in range(4)]}
     server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
     divergence = evaluation_divergence(beta, local_teacher=False, teacher_topk=8)
-    sums = heldout_sums(student, tokenizer, [batch], 24, divergence, teacher_server=server)
-    served = heldout_metrics(sums, divergence)
+    teachers = [EvalTeacher("teacher", divergence, server=server)]
+    sums = heldout_sums(student, tokenizer, [batch], 24, teachers)
+    served = heldout_metrics(sums, teachers)
     name = "eval/reverse_kl_top8" if beta == 1.0 else "eval/jsd_beta0.5_top8"
     assert list(served) == ["eval/accuracy", "eval/completion_len", "eval/eos_share", name]
     with torch.no_grad():
@@ -269,7 +270,7 @@ def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_
                                                    teacher_hidden=teacher_hidden,
                                                    teacher_weight=teacher.lm_head.weight, beta=beta,
                                                    vocab_size=len(tokenizer))
-    assert sums["kl_tokens"] == int(tokens) > 0
+    assert sums["kl_tokens/teacher"] == int(tokens) > 0
     assert served[name] == pytest.approx(float(local) / int(tokens), rel=1e-4)
 
 

@@ -111,6 +111,8 @@ def format_metric(name: str, value) -> str:
     """`gen_share 0.58` -> `gen 58%`, `accuracy 0.025` -> `accuracy 2.5%`; other numbers with 4 significant digits."""
     if name.endswith("_share"):
         return f"{name.removesuffix('_share')} {100.0 * value:.0f}%"
+    if name.startswith("teacher/"):  # teacher/math/loss -> math loss
+        name = " ".join(name.split("/")[1:])
     if name == "accuracy":
         return f"accuracy {100.0 * value:.1f}%"
     return f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}"

@@ -39,6 +39,10 @@ class Divergence:
     temperature: float = 1.0  # the softmax temperature of both distributions
     topk: int = 0             # topk: K
 
+    def extra_names(self) -> tuple[str, ...]:
+        """The per-token numbers `divergence_sums` logs beside the loss (DivergenceSums.extras)."""
+        return {"topk": ("teacher_tail_mass",), "sampled_kl": ("reverse_kl_estimate",)}.get(self.kind, ())
+
     def metric_name(self) -> str:
         """How its value is logged: reverse_kl / jsd_beta<b>, with _top<K> for topk; reverse_kl_estimate."""
         if self.kind == "sampled_kl":

@@ -25,10 +25,7 @@ def load_frozen(args: argparse.Namespace, path: str, tokenizer, student: torch.n
     Token-level losses compare distributions position by position, so student and frozen model must mean the same
     thing by every id: their tokenizers' vocabularies are compared and a difference is refused at start-up.
     """
-    own_tokenizer = load_tokenizer(path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None)
-    if own_tokenizer.get_vocab() != tokenizer.get_vocab():
-        refuse(f"the {role}'s tokenizer ({own_tokenizer.folder}) differs from the student's ({tokenizer.folder}); "
-               f"token-level distillation needs the same vocabulary")
+    same_vocabulary(path, tokenizer, role)
     frozen = read_frozen(args, path, device, role)
     for name, model in (("student", student), (role, frozen)):
         if model.config.vocab_size < len(tokenizer):
@@ -36,6 +33,16 @@ def load_frozen(args: argparse.Namespace, path: str, tokenizer, student: torch.n
                    f"{len(tokenizer)} tokens")
     frozen.eval().requires_grad_(False)
     return frozen
+
+
+def same_vocabulary(path: str, tokenizer, role: str = "teacher"):
+    """The tokenizer of the model at `path` (its folder's files, else the packaged Qwen3 ones), refused unless its
+    vocabulary is the student's `tokenizer`'s."""
+    own_tokenizer = load_tokenizer(path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None)
+    if own_tokenizer.get_vocab() != tokenizer.get_vocab():
+        refuse(f"the {role}'s tokenizer ({own_tokenizer.folder}) differs from the student's ({tokenizer.folder}); "
+               f"token-level distillation needs the same vocabulary")
+    return own_tokenizer
 
 
 def read_frozen(args: argparse.Namespace, path: str, device: str, role: str = "teacher") -> torch.nn.Module:

@@ -6,12 +6,13 @@ length of a whole evaluation (--dist_timeout)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.errors import RuntimeFailure
+from common.errors import RuntimeFailure, UserError
 from common.seeds import derived_seed
 from dataset.collators import PromptCollator, build_sequences
 from dataset.make_demo_data import ensure_demo_data
@@ -23,26 +24,40 @@ from trainer.divergences import Divergence, divergence_sums, teacher_scores
 from trainer.chunked_losses import completion_hidden
 from trainer.sharding import reshard_root
 
-# what an evaluation adds up over its prompts: one process's total, or the ranks' shares all-reduced
-SUMS = ("correct", "rows", "generated", "ended", "kl_sum", "kl_tokens")
+# what an evaluation adds up over its prompts, besides each teacher's divergence sums (`divergence_keys`): one
+# process's total, or the ranks' shares all-reduced
+SUMS = ("correct", "rows", "generated", "ended")
+
+
+@dataclass(frozen=True)
+class EvalTeacher:
+    """A teacher as the evaluation reads it: its name, the divergence it reports (trainer/divergences.py's
+    evaluation_divergence) and a local `model` or a `server`."""
+    name: str
+    divergence: Divergence
+    model: torch.nn.Module | None = None
+    server: object | None = None
+
+
+def divergence_keys(teacher: EvalTeacher) -> tuple[str, str]:
+    return f"kl_sum/{teacher.name}", f"kl_tokens/{teacher.name}"
 
 
 @torch.no_grad()
-def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, divergence: Divergence | None = None,
-                 teacher=None, teacher_server=None, autocast=contextlib.nullcontext,
+def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teachers: Sequence[EvalTeacher] = (),
+                 teacher_of: Callable[[dict], str | None] | None = None, autocast=contextlib.nullcontext,
                  teacher_autocast=contextlib.nullcontext, chunk_size: int = 512, seed: int = 0,
                  decoder: Decoder | None = None, all_stopped: Callable[[bool], bool] | None = None) -> dict[str, float]:
     """`batches`: PromptCollator outputs (on the right device) -> the SUMS over their rows: graded correct, rows,
-    generated tokens, rows that ended with EOS and, with a `divergence` (trainer/divergences.py's
-    evaluation_divergence) and a local `teacher` or a `teacher_server`, the divergence summed over the greedy
-    completions' tokens and their number (sampled_kl: over the student's own samples of the prompts, drawn with
-    fixed seeds). `decoder`: generate's decode step (default: eager). `all_stopped`: generate's, for ranks that
-    decode in lockstep. `autocast`: the student's forward context; `teacher_autocast`: the local teacher's (in its
+    generated tokens, rows that ended with EOS and, per teacher (`teachers`; `teacher_of(row)` names a row's, None:
+    no divergence for that row; default: every row is the one teacher's), its divergence summed over its rows'
+    greedy completion tokens and their number (sampled_kl: over the student's own samples of the prompts, drawn
+    with fixed seeds). `decoder`: generate's decode step (default: eager). `all_stopped`: generate's, for ranks that
+    decode in lockstep. `autocast`: the student's forward context; `teacher_autocast`: the local teachers' (in their
     own dtype: Run.teacher_autocast)."""
     was_training = student.training
     student.eval()
-    correct = rows = generated = ended = 0
-    kl_sum, kl_tokens = 0.0, 0
+    sums = dict.fromkeys(SUMS + tuple(key for t in teachers for key in divergence_keys(t)), 0.0)
     for batch in batches:
         with autocast():
             out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens,
@@ -52,33 +67,52 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, d
                  for ids, mask in zip(out.completion_ids, out.completion_mask)]
         truths = [row.get("ground_truth") for row in batch["rows"]]
         if all(truth is not None for truth in truths):
-            correct += sum(result.correct for result in grade_batch(texts, [str(t) for t in truths]))
-        rows += len(texts)
-        generated += int(out.completion_mask.sum())
-        ended += int((out.completion_ids == tokenizer.eos_token_id).any(dim=1).sum())
-        if divergence is not None:
-            if divergence.kind == "sampled_kl":  # an estimate needs the student's own samples, not greedy ones
-                out = sample_prompts(student, tokenizer, batch, max_new_tokens, autocast, seed, decoder, all_stopped)
-            sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
-                                        out.completion_mask)
-            kl, tokens = completion_divergence(divergence, student, teacher, teacher_server, sequences,
-                                               len(tokenizer), chunk_size, autocast, teacher_autocast)
-            kl_sum, kl_tokens = kl_sum + kl, kl_tokens + tokens
+            sums["correct"] += sum(result.correct for result in grade_batch(texts, [str(t) for t in truths]))
+        sums["rows"] += len(texts)
+        sums["generated"] += int(out.completion_mask.sum())
+        sums["ended"] += int((out.completion_ids == tokenizer.eos_token_id).any(dim=1).sum())
+        completions = {"greedy": out}
+        for teacher in teachers:
+            rows = [i for i, row in enumerate(batch["rows"])
+                    if teacher_of is None or teacher_of(row) == teacher.name]
+            if not rows:
+                continue
+            form = "sampled" if teacher.divergence.kind == "sampled_kl" else "greedy"
+            if form not in completions:  # an estimate needs the student's own samples, not greedy ones
+                completions[form] = sample_prompts(student, tokenizer, batch, max_new_tokens, autocast, seed,
+                                                   decoder, all_stopped)
+            sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
+                                        completions[form].completion_ids, completions[form].completion_mask)
+            if len(rows) < len(batch["rows"]):
+                sequences = tuple(t[rows] for t in sequences)
+            kl, tokens = completion_divergence(teacher, student, sequences, len(tokenizer), chunk_size, autocast,
+                                               teacher_autocast)
+            kl_key, tokens_key = divergence_keys(teacher)
+            sums[kl_key], sums[tokens_key] = sums[kl_key] + kl, sums[tokens_key] + tokens
     student.train(was_training)
-    if teacher is not None:  # its gathered head is not held on into training (no backward frees it)
-        reshard_root(teacher)
-    return {"correct": correct, "rows": rows, "generated": generated, "ended": ended, "kl_sum": kl_sum,
-            "kl_tokens": kl_tokens}
+    for teacher in teachers:  # a sharded teacher's gathered head is not held on into training (no backward frees it)
+        if teacher.model is not None:
+            reshard_root(teacher.model)
+    return sums
 
 
-def heldout_metrics(sums: dict[str, float], divergence: Divergence | None = None) -> dict[str, float]:
-    """The SUMS of all prompts -> accuracy, mean completion length, EOS share (per row) and, with a divergence,
-    its token-weighted mean as eval/<its metric name> (eval/reverse_kl for beta=1 with a local teacher)."""
-    rows, kl_tokens = max(sums["rows"], 1), max(sums["kl_tokens"], 1)
+def heldout_metrics(sums: dict[str, float], teachers: Sequence[EvalTeacher] = ()) -> dict[str, float]:
+    """The sums of all prompts -> accuracy, mean completion length, EOS share (per row) and each teacher's
+    divergence as its token-weighted mean: eval/<its metric name> with one teacher (eval/reverse_kl for beta=1 with
+    a local teacher); with several eval/<name>/<metric name>, and the overall eval/<metric name> when they all
+    report the same divergence."""
+    rows = max(sums["rows"], 1)
     metrics = {"eval/accuracy": sums["correct"] / rows, "eval/completion_len": sums["generated"] / rows,
                "eval/eos_share": sums["ended"] / rows}
-    if divergence is not None:
-        metrics[f"eval/{divergence.metric_name()}"] = sums["kl_sum"] / kl_tokens
+    names = {teacher.divergence.metric_name() for teacher in teachers}
+    for teacher in teachers:
+        kl_key, tokens_key = divergence_keys(teacher)
+        if len(teachers) > 1:
+            metrics[f"eval/{teacher.name}/{teacher.divergence.metric_name()}"] = sums[kl_key] / max(sums[tokens_key], 1)
+    if len(names) == 1:
+        kl = sum(sums[divergence_keys(t)[0]] for t in teachers)
+        tokens = sum(sums[divergence_keys(t)[1]] for t in teachers)
+        metrics[f"eval/{names.pop()}"] = kl / max(tokens, 1)
     return metrics
 
 
@@ -95,15 +129,16 @@ def sample_prompts(student, tokenizer, batch: dict, max_new_tokens: int, autocas
                         decoder=decoder, all_stopped=all_stopped)
 
 
-def completion_divergence(divergence: Divergence, student, teacher, teacher_server, sequences: tuple, vocab_size: int,
-                          chunk_size: int, autocast, teacher_autocast) -> tuple[float, int]:
-    """The divergence summed over the completions' tokens of `sequences` (input_ids, attention_mask, labels), and
-    their number: the teacher's scores first (in its own context), then the student's forward."""
-    scores = teacher_scores(divergence, teacher, teacher_server, teacher_autocast, *sequences)
+def completion_divergence(teacher: EvalTeacher, student, sequences: tuple, vocab_size: int, chunk_size: int,
+                          autocast, teacher_autocast) -> tuple[float, int]:
+    """The teacher's divergence summed over the completions' tokens of `sequences` (input_ids, attention_mask,
+    labels), and their number: the teacher's scores first (in its own context), then the student's forward."""
+    scores = teacher_scores(teacher.divergence, teacher.model, teacher.server, teacher_autocast, *sequences)
     with autocast():
         hidden, targets = completion_hidden(student, *sequences)
-        sums = divergence_sums(divergence, hidden, student.lm_head.weight, targets, scores,
-                               None if teacher is None else teacher.lm_head.weight, chunk_size, vocab_size)
+        sums = divergence_sums(teacher.divergence, hidden, student.lm_head.weight, targets, scores,
+                               None if teacher.model is None else teacher.model.lm_head.weight, chunk_size,
+                               vocab_size)
     return float(sums.value), int(sums.tokens)
 
 
@@ -121,11 +156,12 @@ class HeldoutEvaluator:
     --dist_timeout. Rank 0 logs."""
 
     def __init__(self, args, tokenizer, info: DistInfo, start_step: int, decoder: Decoder | None = None,
-                 divergence: Divergence | None = None, teacher=None, teacher_server=None):
-        """`divergence` (trainer/divergences.py's evaluation_divergence), with a local `teacher` or a
-        `teacher_server`: reported on the greedy completions (None: accuracy, length and EOS share only)."""
+                 teachers: Sequence[EvalTeacher] = (), teacher_of: Callable[[dict], str | None] | None = None):
+        """`teachers`: each one's divergence is reported on the greedy completions of its rows (none: accuracy,
+        length and EOS share only); `teacher_of(row)` names a held-out row's teacher (None: the row has none),
+        default: every row is the one teacher's. A row naming a teacher the run does not have is refused now."""
         self.args, self.tokenizer, self.info = args, tokenizer, info
-        self.divergence, self.teacher, self.teacher_server = divergence, teacher, teacher_server
+        self.teachers, self.teacher_of = tuple(teachers), teacher_of
         self.decoder = decoder  # generate's decode step: OPD's compiled one with --use_compile 1, else eager
         self.lockstep = bool(args.fsdp) and info.enabled
         self.all_stopped = stop_together(info.device) if self.lockstep else None
@@ -138,6 +174,11 @@ class HeldoutEvaluator:
         args = self.args
         dataset = RowDataset(args.eval_data_path or ensure_demo_data()["eval"])
         rows = [dataset[i] for i in range(min(args.eval_rows, len(dataset)))]
+        names = {teacher.name for teacher in self.teachers}
+        for i, row in enumerate(rows if self.teacher_of else []):
+            if self.teacher_of(row) not in names | {None}:
+                raise UserError(f"{dataset.path}: held-out row {i} names teacher {self.teacher_of(row)!r}, which "
+                                f"the run does not have ({', '.join(sorted(names))})")
         collator = PromptCollator(self.tokenizer, args.max_prompt_length, bool(args.enable_thinking))
         starts = list(range(0, len(rows), args.batch_size))
         if not self.lockstep:
@@ -164,29 +205,29 @@ class HeldoutEvaluator:
         args = self.args
 
         def work() -> dict[str, float]:
-            return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, self.divergence,
-                                self.teacher, self.teacher_server, autocast, teacher_autocast, args.loss_chunk_size,
-                                args.seed, self.decoder, self.all_stopped)
+            return heldout_sums(student, self.tokenizer, self.batches, args.eval_max_new_tokens, self.teachers,
+                                self.teacher_of, autocast, teacher_autocast, args.loss_chunk_size, args.seed,
+                                self.decoder, self.all_stopped)
         sums = work() if self.lockstep or not self.info.enabled else self.all_ranks_sums(work)
-        return heldout_metrics(sums, self.divergence)
+        return heldout_metrics(sums, self.teachers)
 
     def all_ranks_sums(self, work: Callable[[], dict[str, float]]) -> dict[str, float]:
         """This rank's sums, all-reduced with the others'. A rank whose share fails (a teacher server that stopped
         answering) still joins the all-reduce, with a failure flag, and then raises; so does every other rank:
         none is left waiting, and the loop's fail_together sees the failure on every rank."""
-        failure = None
+        failure, keys = None, SUMS + tuple(key for teacher in self.teachers for key in divergence_keys(teacher))
         try:
             sums = work()
         except RuntimeFailure as error:
-            failure, sums = error, dict.fromkeys(SUMS, 0.0)
-        values = torch.tensor([float(sums[name]) for name in SUMS] + [float(failure is not None)],
+            failure, sums = error, dict.fromkeys(keys, 0.0)
+        values = torch.tensor([float(sums[name]) for name in keys] + [float(failure is not None)],
                               dtype=torch.float64, device=self.info.device)
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         if failure is not None:
             raise failure
         if values[-1].item():
             raise RuntimeFailure("the held-out evaluation failed on another rank (its message is above)")
-        return dict(zip(SUMS, values.tolist()))
+        return dict(zip(keys, values.tolist()))
 
 
 def stop_together(device: str) -> Callable[[bool], bool]:

@@ -115,14 +115,20 @@ def check_server_wait(args: argparse.Namespace, teacher_url: str | None) -> None
 
 
 def connect_server(args: argparse.Namespace, role: str, tokenizer=None, topk: int = 0) -> CompletionServer | None:
-    """The --ROLE_url server (None without one), checked at once: up, serving --ROLE_model with a context of at
-    least --max_length, and, given the student's tokenizer, the same tokenizer (a teacher asked for its top-`topk`:
-    and that many log-probabilities per position)."""
+    """The --ROLE_url server (None without one), checked at once (`open_server`)."""
     url = getattr(args, f"{role}_url")
     if not url:
         return None
-    server = CompletionServer(url, getattr(args, f"{role}_model"), what=SERVERS[role][0],
-                              api_key_env=getattr(args, f"{role}_api_key_env"), concurrency=args.rollout_concurrency,
+    return open_server(args, url, getattr(args, f"{role}_model"), getattr(args, f"{role}_api_key_env"),
+                       SERVERS[role][0], tokenizer, topk)
+
+
+def open_server(args: argparse.Namespace, url: str, model: str, api_key_env: str | None, what: str,
+                tokenizer=None, topk: int = 0) -> CompletionServer:
+    """A server checked at once: up, serving `model` with a context of at least --max_length, and, given the
+    student's tokenizer, the same tokenizer (a teacher asked for its top-`topk`: and that many log-probabilities
+    per position)."""
+    server = CompletionServer(url, model, what=what, api_key_env=api_key_env, concurrency=args.rollout_concurrency,
                               timeout=args.rollout_timeout)
     server.check(args.max_length)
     if tokenizer is not None:

@@ -49,7 +49,7 @@ from trainer.divergences import Divergence, divergence_sums, evaluation_divergen
 from trainer.flags import add_common_args, validate_common_args
 from trainer.frozen import frozen_hidden, load_frozen, load_reference
 from trainer.guard import stop_signals_noted
-from trainer.heldout import HeldoutEvaluator
+from trainer.heldout import EvalTeacher, HeldoutEvaluator
 from trainer.loading import build_model, load_prompt_data
 from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
@@ -152,8 +152,8 @@ def train(args: argparse.Namespace) -> None:
     run = Run(args, info, student, dataset, collator, tokenizer_dir)
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
-                                 None if eval_teacher is None else evaluation_divergence(1.0, local_teacher=True),
-                                 eval_teacher)
+                                 [] if eval_teacher is None else
+                                 [EvalTeacher("teacher", evaluation_divergence(1.0, local_teacher=True), eval_teacher)])
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda epoch, step: True)
     say_servers(args, teacher_topk=None)
     head, vocab = run.raw_model.lm_head.weight, len(tokenizer)

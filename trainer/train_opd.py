@@ -10,6 +10,7 @@
     ... --rollout_url ... --max_staleness 1         # the server samples step s+1 while the trainer trains step s
     ... --loss sampled_kl --teacher_url http://127.0.0.1:8001/v1   # the teacher's log-probs from a server
     ... --teacher_topk 16 --teacher_url http://127.0.0.1:8001/v1    # its top-16 per position (--loss jsd)
+    ... --teachers teachers.json --default_teacher math   # each row from the teacher its `teacher` column names
 
 Per micro-batch, the paper's eq. 2:
   1. with probability lmbda the step is on-policy (one draw per optimizer step, so the same whatever the split into
@@ -20,7 +21,7 @@ Per micro-batch, the paper's eq. 2:
      (lmbda=0 is plain KD on the data)
   2. the sequence x + y gets labels on y only, through the first EOS
   3. the teacher scores every position without gradients (a teacher on a server: the sampled tokens only, or its
-     top-K per position), the student with gradients
+     top-K per position; several teachers: each its own rows), the student with gradients
   4. loss per token = generalized JSD over the full vocabulary (beta=1: reverse KL(student || teacher)), computed
      chunk by chunk from hidden states; with --teacher_topk K over the teacher's top-K, the sampled token and one
      tail bucket (a lower bound of it, exact as S covers the mass); or --loss sampled_kl, the policy-gradient form
@@ -44,24 +45,26 @@ from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX
 from model import Decoder
 from trainer.console import PhaseClock
-from trainer.divergences import divergence_sums, evaluation_divergence, teacher_scores, training_divergence
+from trainer.divergences import DivergenceSums, divergence_sums, evaluation_divergence, training_divergence
 from trainer.distributed import init_distributed_mode
 from trainer.flags import add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
-from trainer.frozen import load_frozen
 from trainer.guard import stop_signals_noted
 from trainer.heldout import HeldoutEvaluator
 from trainer.loading import build_model, load_prompt_data
 from trainer.chunked_losses import completion_hidden
 from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
-from trainer.servers import add_server_args, connect_server, say_servers, validate_server_args
-from trainer.sharding import reshard_root
+from trainer.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
+from trainer.teachers import (add_part_metrics, add_teachers_args, check_teachers, load_teachers, part_scores,
+                              routing, say_teachers, served_teacher_rules, split_by_teacher, teacher_specs,
+                              validate_teachers_args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description="On-policy distillation of a Qwen3 student from a Qwen3 teacher")
     add_common_args(parser, save_weight="opd")
     add_teacher_args(parser)
+    add_teachers_args(parser)
     g = parser.add_argument_group("on-policy distillation")
     g.add_argument("--loss", default="jsd", choices=["jsd", "sampled_kl"],
                    help="jsd: generalized JSD over the full vocabulary (beta=1: reverse KL); sampled_kl: "
@@ -81,11 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             refuse(f"no student at {args.model_path}: run `python trainer/train_sft.py && python "
                    f"trainer/train_distillation.py` first, or pass --model_path / --model_config")
     validate_common_args(args)
-    if not args.teacher_url:
+    if not args.teacher_url and not args.teachers:
         resolve_teacher_path(args)
     validate_sampling_args(args)
     validate_opd_args(args)
     validate_server_args(args, samples=args.lmbda > 0)
+    specs = teacher_specs(args)
+    validate_teachers_args(args, specs)
+    if args.teachers:
+        refuse_first(served_teacher_rules(specs, args.loss, args.temperature))
+        check_server_wait(args, next((spec.url for spec in specs if spec.url), None))
     return args
 
 
@@ -124,18 +132,28 @@ def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
     return torch.rand(1, generator=generator).item() < args.lmbda
 
 
-def distill_loss(run: Run, args: argparse.Namespace, divergence, teacher, scores, vocab_size: int,
-                 input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def distill_loss(run: Run, args: argparse.Namespace, teachers, divergences: dict, parts: list, scores: list,
+                 vocab_size: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 4: the student's hidden states at the completion positions, the summed per-token loss against the
-    teacher's `scores` (trainer/divergences.py); its per-token numbers (the teacher's tail mass of top-K, the
-    sampled-token KL estimate) join the window's metrics."""
+    """Step 4: the student's hidden states at the completion positions, and per teacher the summed per-token loss
+    of its rows against its `scores` (trainer/divergences.py); their per-token numbers (the teacher's tail mass of
+    top-K, the sampled-token KL estimate) join the window's metrics, on every micro-batch (zeros where a teacher has
+    no rows: the ranks add the same names)."""
     student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-    sums = divergence_sums(divergence, student_hidden, run.raw_model.lm_head.weight, targets, scores,
-                           None if teacher is None else teacher.lm_head.weight, args.loss_chunk_size, vocab_size)
-    for name, value in sums.extras.items():
-        run.metrics.token_mean(name, value)
-    return sums.loss, sums.tokens
+    loss_sum = num_tokens = 0
+    for part, part_scores in zip(parts, scores):
+        divergence = divergences[part.teacher.name]
+        if part.empty:
+            sums = DivergenceSums(0, 0, 0, dict.fromkeys(divergence.extra_names(), 0))
+        else:
+            sums = divergence_sums(divergence, part.select(student_hidden), run.raw_model.lm_head.weight,
+                                   part.select(targets), part_scores, part.teacher.lm_head_weight,
+                                   args.loss_chunk_size, vocab_size)
+        for name, value in sums.extras.items():
+            run.metrics.token_mean(name, value)
+        add_part_metrics(run.metrics, teachers, part, sums.value, sums.tokens)  # sampled_kl: its estimate
+        loss_sum, num_tokens = loss_sum + sums.loss, num_tokens + sums.tokens
+    return loss_sum, num_tokens
 
 
 def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int,
@@ -159,20 +177,24 @@ def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
     tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", args.lmbda < 1.0)
+    specs = teacher_specs(args)
+    routing(args, specs).check(dataset)  # every row's teacher is one of the run's
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
-    teacher_server = connect_server(args, "teacher", tokenizer, args.teacher_topk)
+    servers = check_teachers(args, specs, tokenizer, dataset)  # teacher servers, vocabularies, chat templates
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
-    teacher = None if teacher_server else load_frozen(args, args.teacher_path, tokenizer, student, info.device)
+    teachers = load_teachers(args, specs, servers, tokenizer, student, info.device)
     run = Run(args, info, student, dataset, collator, tokenizer_dir)
-    divergence = training_divergence(args.loss, args.beta, args.temperature, args.teacher_topk)
+    divergences = {t.name: training_divergence(args.loss, args.beta, args.temperature, t.topk)
+                   for t in teachers.members}
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step (CUDA graphs on CUDA)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
-                                 evaluation_divergence(args.beta, teacher is not None, args.teacher_topk), teacher,
-                                 teacher_server)
+                                 **teachers.for_evaluation(
+                                     lambda t: evaluation_divergence(args.beta, t.model is not None, t.topk)))
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda e, s: on_policy_draw(args, e, s))
     say_servers(args, args.teacher_topk)
+    say_teachers(teachers)
 
-    with run.fail_together(teacher_server is not None):  # a teacher server failing in the evaluation
+    with run.fail_together(teachers.served):  # a teacher server failing in the evaluation
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
             run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
@@ -182,25 +204,26 @@ def train(args: argparse.Namespace) -> None:
         for i, batch in enumerate(window):
             # steps 1-2: the student's samples (or the data's completions), labels on the completion only
             input_ids, attention_mask, labels = rollouts.sequences(batch, epoch, on_policy, clock)
-            with clock("teacher"), run.fail_together(teacher_server is not None):  # step 3: the teacher scores them
-                scores = teacher_scores(divergence, teacher, teacher_server, run.teacher_autocast, input_ids,
-                                        attention_mask, labels)
+            parts = split_by_teacher(teachers, teachers.routes.route(batch["rows"]), labels)  # each teacher its rows
+            with clock("teacher"), run.fail_together(teachers.served):  # step 3: the teachers score them
+                scores = [part_scores(part, divergences[part.teacher.name], run.teacher_autocast, input_ids,
+                                      attention_mask, labels) for part in parts]
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
-                    loss_sum, num_tokens = distill_loss(run, args, divergence, teacher, scores, len(tokenizer),
-                                                        input_ids, attention_mask, labels)
+                    loss_sum, num_tokens = distill_loss(run, args, teachers, divergences, parts, scores,
+                                                        len(tokenizer), input_ids, attention_mask, labels)
                 run.backward(loss_sum, num_tokens)
-            reshard_root(teacher)  # a sharded teacher's head, gathered for its forward, is read until here
+            teachers.reshard()  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
         rollouts.add_to(run.metrics)  # served: seconds waited for rollouts, the server's idle time
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
-                               "sync_logprob_diff"))
+                               "sync_logprob_diff") + teachers.shown())
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             rollouts.before_save()      # the rollouts sampled ahead are kept in the checkpoint
             run.save()
-        with run.fail_together(teacher_server is not None):
+        with run.fail_together(teachers.served):
             if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
                 run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C

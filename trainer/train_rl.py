@@ -46,7 +46,7 @@ from trainer.divergences import Divergence, evaluation_divergence, teacher_score
 from trainer.flags import add_common_args, validate_common_args
 from trainer.frozen import frozen_hidden, load_frozen, load_reference
 from trainer.guard import stop_signals_noted
-from trainer.heldout import HeldoutEvaluator
+from trainer.heldout import EvalTeacher, HeldoutEvaluator
 from trainer.loading import build_model, load_prompt_data
 from trainer.policy_gradient import (ADVANTAGE, ADVANTAGES, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
                                      group_advantages, token_logprobs)
@@ -219,8 +219,9 @@ def train(args: argparse.Namespace) -> None:
     run = Run(args, info, student, dataset, GroupCollator(collator, args.num_generations), tokenizer_dir)
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
-                                 None if teacher is None and teacher_server is None else
-                                 evaluation_divergence(1.0, teacher is not None), teacher, teacher_server)
+                                 [] if teacher is None and teacher_server is None else
+                                 [EvalTeacher("teacher", evaluation_divergence(1.0, teacher is not None), teacher,
+                                              teacher_server)])
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda epoch, step: True)
     say_servers(args)
     print0(f"groups of {args.num_generations}: each prompt sampled {args.num_generations} times, "
