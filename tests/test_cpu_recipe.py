@@ -10,6 +10,7 @@ in its checkpoint and, under fp16, the scaler's state saved and no step skipped:
     hold but an fp16 forward turns into inf and NaN -- so an fp16 run whose teacher computed under the student's
     fp16 autocast fails here
   * OPD with --use_compile 1 (the compiled layers and decode step under autocast)
+  * KD and OPD with two teachers (--teachers), rows routed by a column, in bf16 and fp16
   * logit-free OPD against a stub black-box teacher, in bf16 and fp16, with the held-out reverse KL to a local
     copy of the teacher
   * RL with verifiable rewards (a stand-in reward that varies), its k3 KL to the start and the OPD term from that
@@ -127,6 +128,32 @@ def test_each_loop_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, 
         # two random tiny models, near-uniform over the vocabulary, are ~0.03 apart
         assert all(0.0 <= m["kd" if loop == "kd" else "loss"] < 1.0 for m in steps), steps
         assert all(0.0 <= m["eval/reverse_kl"] < 1.0 for m in metrics(tmp_path) if "eval/accuracy" in m)
+
+
+@pytest.mark.parametrize("loop, dtype", [("kd", "bfloat16"), ("kd", "float16"), ("opd", "bfloat16"),
+                                         ("opd", "float16")])
+def test_two_teachers_train_and_evaluate_under_the_recipe(files, tmp_path, loop, dtype):
+    """--teachers: the teacher above ("a", past fp16's range) and another ("b"), rows routed by their column (the
+    held-out rows name none: --default_teacher a), each scoring its own rows in its bf16 weights."""
+    b = create_model(Qwen3Config.from_dict(TINY_CONFIG), seed=321)
+    save_pretrained(b, str(tmp_path / "b"))
+    teachers = tmp_path / "teachers.json"
+    teachers.write_text(json.dumps({"a": {"path": files["teacher"]}, "b": {"path": str(tmp_path / "b")}}))
+    rows = [json.loads(line) for line in open(files["data"])]
+    data = tmp_path / "routed.jsonl"
+    data.write_text("".join(json.dumps({**row, "teacher": "ab"[i % 2]}) + "\n" for i, row in enumerate(rows)))
+    main, _ = LOOPS[loop]
+    args = recipe_args(files, loop, tmp_path / "run", dtype, teachers=str(teachers), default_teacher="a", **EVAL)
+    args[args.index("--teacher_path"):args.index("--teacher_path") + 2] = []
+    args[args.index("--data_path") + 1] = str(data)
+    main(args)
+    steps = assert_trained(tmp_path / "run", dtype)
+    rows = [sum(m[f"teacher/{name}/rows"] for m in steps) for name in "ab"]
+    assert sum(rows) == 4 and min(rows) >= 1, steps
+    assert all(math.isfinite(m[f"teacher/{name}/loss"]) for m in steps for name in "ab"
+               if m[f"teacher/{name}/rows"]), steps
+    assert all(0.0 <= m["eval/a/reverse_kl"] < 1.0 and "eval/b/reverse_kl" not in m
+               for m in metrics(tmp_path / "run") if "eval/accuracy" in m)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

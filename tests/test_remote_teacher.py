@@ -6,17 +6,18 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 
 import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX, build_sequences
-from loop_helpers import (assert_one_line_error, loop_args, max_weight_diff, metrics, script_exit, weights,
-                          without_timing)
+from loop_helpers import (assert_one_line_error, checkpoint_step, kill_after_first_checkpoint, loop_args,
+                          max_weight_diff, metrics, script_exit, weights, without_timing)
 from model import generate, load_pretrained, load_tokenizer
 from serving.engine import CompletionServer
-from support import SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
+from support import ROOT, SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
 from trainer.topk_divergence import topk_support
 from trainer.divergences import Divergence, evaluation_divergence, teacher_scores
 from trainer.train_opd import main as train_opd
@@ -283,3 +284,44 @@ def test_a_teacher_server_with_too_few_logprobs_is_refused(vllm_servers, files, 
     assert_one_line_error(code, stderr, 2, "teacher server", "at most 20", "--teacher_topk 21", "--max-logprobs 21",
                           "vllm_launch.py --max_logprobs 21")
     assert not os.path.exists(tmp_path / "out" / "run_resume.pt")
+
+
+# ------------------------------------------------------------------------- a local and a served teacher in one run
+
+@pytest.mark.slow
+def test_a_local_and_a_served_top_k_teacher_in_one_run_resume_bit_identically(vllm_servers, files, tmp_path):
+    """--teachers with a local teacher and one on the vLLM server, both top-8 (--loss jsd), rows routed by their
+    column: the served teacher's chat template is checked through the server's /tokenize, each teacher scores its
+    own rows, and a run SIGKILLed after its first checkpoint and resumed ends bit-identical to an uninterrupted one.
+    The served teacher's loss equals the same model's as a local top-8 teacher (the server's log-probabilities)."""
+    rows = [json.loads(line) for line in open(files["data"], encoding="utf-8")]
+    data = tmp_path / "routed.jsonl"
+    data.write_text("".join(json.dumps({**row, "teacher": ("local", "served")[i % 2]}) + "\n"
+                            for i, row in enumerate(rows)))
+    teachers = {"local": {"path": vllm_servers.student_dir, "topk": 8},
+                "served": {"url": vllm_servers.teacher.url, "model": "teacher", "topk": 8}}
+    (tmp_path / "teachers.json").write_text(json.dumps(teachers))
+    (tmp_path / "as_local.json").write_text(json.dumps({**teachers, "served": {"path": vllm_servers.teacher_dir,
+                                                                               "topk": 8}}))
+
+    def args(save_dir, teachers_file="teachers.json", **flags):
+        argv = opd_args(files, save_dir, loss="jsd", teachers=str(tmp_path / teachers_file), save_interval=1,
+                        **flags)
+        argv[argv.index("--data_path") + 1] = str(data)
+        return argv
+    train_opd(args(tmp_path / "full"))
+    killed = tmp_path / "killed"
+    kill_after_first_checkpoint([sys.executable, os.path.join(ROOT, "trainer", "train_opd.py"), *args(killed)],
+                                str(killed / "run_resume.pt"))
+    assert checkpoint_step(killed / "run_resume.pt") < 3, "the run finished before it could be killed"
+    train_opd(args(killed, from_resume=1))
+    full, resumed = weights(tmp_path / "full"), weights(killed)
+    assert all(torch.equal(full[k], resumed[k]) for k in full), "resumed weights are not bit-identical"
+    assert without_timing(metrics(tmp_path / "full")) == without_timing(metrics(killed))
+    steps = metrics(tmp_path / "full")
+    assert all(m["teacher/local/rows"] + m["teacher/served/rows"] == 4 for m in steps)
+    train_opd(args(tmp_path / "local", teachers_file="as_local.json"))  # the served model, read from its folder
+    for served, local in zip(steps, metrics(tmp_path / "local")):
+        assert served["teacher/served/tokens"] == local["teacher/served/tokens"]
+        if served["teacher/served/rows"]:
+            assert served["teacher/served/loss"] == pytest.approx(local["teacher/served/loss"], rel=1e-3, abs=1e-4)

@@ -136,7 +136,7 @@ def test_kd_with_two_teachers_is_the_token_weighted_combination_of_each_on_its_r
             ce_t = F.cross_entropy(student_logits[positions], targets[mask][positions], reduction="sum")
             kd_t = kd_of[name]
             ce, kd = ce + ce_t, kd + kd_t
-            swapped += float(kd_of[next(other for other in SEEDS if other != name)])
+            swapped += float(kd_of[next(other for other in SEEDS if other != name)].detach())
             per_teacher[name]["loss"] += float((alpha * ce_t + (1 - alpha) * kd_t).detach())
             per_teacher[name]["rows"] += sum(row["teacher"] == name for row in micro)
             per_teacher[name]["tokens"] += int(positions.sum())
@@ -316,3 +316,37 @@ def test_routing_and_teacher_problems_are_refused_at_start_up(tiny_config_path, 
     code, stderr = script_exit(main, args, capsys)
     assert_one_line_error(code, stderr, 2, *names)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
+    """The RL loop's step 3 with two teachers: each completion token's teacher log-probability is its own row's
+    teacher's, from that teacher's full logits (rows of both teachers in one micro-batch)."""
+    import contextlib
+    import types
+
+    from trainer.policy_gradient import TEACHER_LOGP
+    from trainer.teachers import Routing, Teacher, Teachers
+    from trainer.train_rl import token_values
+    from trainer.window_metrics import WindowMetrics
+    tokenizer = load_tokenizer(None)
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}"},
+                          {"role": "assistant", "content": "seven plus " * (i + 1)}], "teacher": ["math", "code"][i % 2]}
+            for i in range(4)]
+    batch = SFTCollator(tokenizer, 96, 32, enable_thinking=False)(rows)
+    models = {name: teacher_model(seed) for name, seed in SEEDS.items()}
+    teachers = Teachers([Teacher(name, model, None, 0) for name, model in models.items()],
+                        Routing(list(SEEDS), "teacher", None))
+    run = types.SimpleNamespace(device="cpu", teacher_autocast=contextlib.nullcontext, metrics=WindowMetrics("cpu"))
+    args = types.SimpleNamespace(loss_chunk_size=16, gen_temperature=1.0)
+    values = token_values(args, run, torch.zeros(4), batch["labels"], None, teachers, teachers.routes.route(rows),
+                          batch["input_ids"], batch["attention_mask"], len(tokenizer))
+    expected = []
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            logits = models[row["teacher"]](batch["input_ids"][i:i + 1]).logits[0, :-1, :len(tokenizer)]
+        targets = batch["labels"][i, 1:]
+        keep = targets != -100
+        expected.append(F.log_softmax(logits[keep].double(), dim=-1).gather(-1, targets[keep][:, None])[:, 0])
+    assert torch.allclose(values[:, TEACHER_LOGP].double(), torch.cat(expected), atol=1e-4)
+    sums, _ = run.metrics.reduce(types.SimpleNamespace(enabled=False, world_size=1))
+    assert sums["teacher/math/rows"] == sums["teacher/code/rows"] == 2

@@ -99,16 +99,16 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
 def heldout_metrics(sums: dict[str, float], teachers: Sequence[EvalTeacher] = ()) -> dict[str, float]:
     """The sums of all prompts -> accuracy, mean completion length, EOS share (per row) and each teacher's
     divergence as its token-weighted mean: eval/<its metric name> with one teacher (eval/reverse_kl for beta=1 with
-    a local teacher); with several eval/<name>/<metric name>, and the overall eval/<metric name> when they all
-    report the same divergence."""
+    a local teacher); with several eval/<name>/<metric name> for each one some held-out row names, and the overall
+    eval/<metric name> when they all report the same divergence."""
     rows = max(sums["rows"], 1)
     metrics = {"eval/accuracy": sums["correct"] / rows, "eval/completion_len": sums["generated"] / rows,
                "eval/eos_share": sums["ended"] / rows}
     names = {teacher.divergence.metric_name() for teacher in teachers}
     for teacher in teachers:
         kl_key, tokens_key = divergence_keys(teacher)
-        if len(teachers) > 1:
-            metrics[f"eval/{teacher.name}/{teacher.divergence.metric_name()}"] = sums[kl_key] / max(sums[tokens_key], 1)
+        if len(teachers) > 1 and sums[tokens_key]:  # a teacher no held-out row names has no number
+            metrics[f"eval/{teacher.name}/{teacher.divergence.metric_name()}"] = sums[kl_key] / sums[tokens_key]
     if len(names) == 1:
         kl = sum(sums[divergence_keys(t)[0]] for t in teachers)
         tokens = sum(sums[divergence_keys(t)[1]] for t in teachers)

@@ -183,8 +183,8 @@ class Routing:
 
     def check(self, dataset) -> None:
         """Every row of `dataset` names a teacher of the run (or gets the default): the first that does not is
-        refused at start-up, naming the file, the row and the value."""
-        if len(self.names) == 1:
+        refused at start-up, naming the file, the row and the value (one teacher or none: nothing to route)."""
+        if len(self.names) <= 1:
             return
         path = getattr(dataset, "path", "the data")
         for i in range(len(dataset)):
@@ -301,13 +301,14 @@ def part_scores(part: Part, divergence, autocast, input_ids: torch.Tensor, atten
 
 
 def add_part_metrics(metrics, teachers: Teachers, part: Part, loss_sum, tokens) -> None:
-    """Several teachers: teacher/NAME/loss (the loop's loss summed over its rows' tokens, `loss_sum`, per token),
-    teacher/NAME/rows and /tokens; every teacher on every micro-batch (ranks must add the same names), zeros where
-    it has no rows."""
+    """Several teachers: teacher/NAME/loss (the loop's loss summed over its rows' tokens, `loss_sum`, per token;
+    None: the loop has no per-teacher loss), teacher/NAME/rows and /tokens; every teacher on every micro-batch (ranks
+    must add the same names), zeros where it has no rows (a step where it has none logs no loss for it)."""
     if not teachers.several:
         return
     name = f"teacher/{part.teacher.name}"
-    metrics.ratio(f"{name}/loss", loss_sum, tokens)
+    if loss_sum is not None:
+        metrics.ratio(f"{name}/loss", loss_sum, tokens, when_empty=False)
     metrics.total(f"{name}/rows", part.rows.numel())
     metrics.total(f"{name}/tokens", tokens)
 

@@ -10,6 +10,7 @@ of its tokens; optionally OPD's dense signal, a teacher's per-token log-ratio, a
         --advantage drgrpo --kl_coef 0 --rollout_url http://127.0.0.1:8000/v1 --eval_interval 50
                                    # the GPU recipe: DAPO-Math-17K, DAPO's asymmetric clip, no KL, a vLLM server
     ... --opd_coef 1 --teacher_path Qwen3-8B     # + OPD as a dense advantage (or --teacher_url: a served teacher)
+    ... --opd_coef 1 --teachers teachers.json    # each row's OPD term from the teacher its `teacher` column names
     ... --from_resume 1
 
 Per micro-batch (its --batch_size prompts, each G times: a group is never split across ranks or micro-batches):
@@ -42,11 +43,11 @@ from model import Decoder
 from trainer.chunked_losses import completion_hidden
 from trainer.console import PhaseClock
 from trainer.distributed import init_distributed_mode, print0
-from trainer.divergences import Divergence, evaluation_divergence, teacher_scores
+from trainer.divergences import Divergence, evaluation_divergence
 from trainer.flags import add_common_args, validate_common_args
-from trainer.frozen import frozen_hidden, load_frozen, load_reference
+from trainer.frozen import frozen_hidden, load_reference
 from trainer.guard import stop_signals_noted
-from trainer.heldout import EvalTeacher, HeldoutEvaluator
+from trainer.heldout import HeldoutEvaluator
 from trainer.loading import build_model, load_prompt_data
 from trainer.policy_gradient import (ADVANTAGE, ADVANTAGES, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
                                      group_advantages, token_logprobs)
@@ -55,6 +56,9 @@ from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
 from trainer.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
 from trainer.sharding import reshard_root
+from trainer.teachers import (Teachers, add_part_metrics, add_teachers_args, check_teachers, load_teachers,
+                              part_scores, read_teachers_file, routing, say_teachers, split_by_teacher, teacher_specs,
+                              validate_teachers_args)
 
 SAMPLED_KL = Divergence("sampled_kl")  # what a teacher gives the OPD term: its log-probability of each sampled token
 
@@ -63,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description="RL with verifiable rewards (GRPO family) for a Qwen3 student")
     add_common_args(parser, save_weight="rl")
     add_rl_args(parser)
+    add_teachers_args(parser)
     add_sampling_args(parser)
     add_server_args(parser)
     args = parser.parse_args(argv)
@@ -75,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     validate_sampling_args(args)
     validate_rl_args(args)
     validate_server_args(args, samples=True, teacher=False)
-    check_server_wait(args, args.teacher_url)
+    specs = teacher_specs(args) if args.opd_coef else []
+    validate_teachers_args(args, specs)
+    check_server_wait(args, next((spec.url for spec in specs if spec.url), None))
     return args
 
 
@@ -99,7 +106,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
                    help="the KL's frozen model (default: the student's starting model)")
     g.add_argument("--opd_coef", type=float, default=0.0,
                    help="lambda: A_t = A_group - lambda (log p_S(y_t) - log p_T(y_t)), a teacher's dense signal "
-                        "(--teacher_path, or --teacher_url)")
+                        "(--teacher_path, --teacher_url, or several: --teachers)")
     g.add_argument("--teacher_path", default=None, help="a local teacher for --opd_coef (same tokenizer)")
     g.add_argument("--teacher_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the frozen models' weights (reference, teacher); auto as the KD teacher's")
@@ -110,7 +117,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
 def validate_rl_args(args: argparse.Namespace) -> None:
     a = args
     a.clip_eps_high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
-    teacher = a.teacher_path or a.teacher_url
+    teacher = a.teacher_path or a.teacher_url or a.teachers
+    served = a.teacher_url or a.teachers and any(spec.url for spec in read_teachers_file(a.teachers))
     refuse_first([
         (a.num_generations < 1, f"--num_generations must be >= 1, got {a.num_generations}"),
         (a.num_generations == 1 and not a.opd_coef,
@@ -120,12 +128,13 @@ def validate_rl_args(args: argparse.Namespace) -> None:
          f"--clip_eps must be in (0, 1) and --clip_eps_high > 0, got {a.clip_eps} and {a.clip_eps_high}"),
         (a.kl_coef < 0 or a.opd_coef < 0 or a.format_reward < 0,
          "--kl_coef, --opd_coef and --format_reward must be >= 0"),
-        (a.opd_coef and not teacher, "--opd_coef needs a teacher: --teacher_path DIR or --teacher_url URL"),
+        (a.opd_coef and not teacher, "--opd_coef needs a teacher: --teacher_path DIR, --teacher_url URL or "
+                                     "--teachers FILE"),
         (a.teacher_path and a.teacher_url, "give one teacher: --teacher_path or --teacher_url"),
         (teacher and not a.opd_coef, "a teacher is read only by the OPD term: add --opd_coef (e.g. 1)"),
         (a.reward == "none" and not a.opd_coef, "--reward none with no --opd_coef: nothing to learn from"),
-        (a.teacher_url and a.gen_temperature != 1.0,
-         f"--teacher_url: a server's log-probabilities are at temperature 1, the student's at --gen_temperature "
+        (served and a.gen_temperature != 1.0,
+         f"a served teacher: a server's log-probabilities are at temperature 1, the student's at --gen_temperature "
          f"{a.gen_temperature}: sample at 1 or use a local --teacher_path"),
         # the ratio rho needs the probability the sampling engine gave each token; the loop has it only when the
         # weights that sampled are the ones being trained (rho = 1)
@@ -151,11 +160,11 @@ def sampled_rewards(args: argparse.Namespace, tokenizer, batch: dict, input_ids:
 
 
 def token_values(args: argparse.Namespace, run: Run, advantages: torch.Tensor, labels: torch.Tensor, reference,
-                 teacher, teacher_server, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 vocab: int) -> torch.Tensor:
+                 teachers: Teachers | None, route: torch.Tensor, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """Step 3: per completion token (in completion_hidden's order) its group's advantage, log pi_old (NaN: the
-    weights being trained), the reference's and the teacher's log-probabilities of the sampled token (0 when not
-    read) -> (n, 4)."""
+    weights being trained), the reference's and the row's teacher's log-probabilities of the sampled token (0 when
+    not read; several teachers: each scores its own rows) -> (n, 4)."""
     completion = labels != IGNORE_INDEX
     n = int(completion.sum())
     values = torch.zeros(n, 4, device=run.device)
@@ -167,14 +176,15 @@ def token_values(args: argparse.Namespace, run: Run, advantages: torch.Tensor, l
         with run.teacher_autocast():
             values[:, REF_LOGP] = token_logprobs(hidden, reference.lm_head.weight, targets, args.loss_chunk_size,
                                                  vocab, args.gen_temperature)
-    if teacher is not None or teacher_server is not None:
-        scores = teacher_scores(SAMPLED_KL, teacher, teacher_server, run.teacher_autocast, input_ids, attention_mask,
-                                labels)
-        if teacher is not None:
+    for part in [] if teachers is None else split_by_teacher(teachers, route, labels):
+        scores = part_scores(part, SAMPLED_KL, run.teacher_autocast, input_ids, attention_mask, labels)
+        if scores is not None and part.teacher.model is not None:
             with run.teacher_autocast():
-                scores = token_logprobs(scores, teacher.lm_head.weight, targets, args.loss_chunk_size, vocab,
-                                        args.gen_temperature)
-        values[:, TEACHER_LOGP] = scores
+                scores = token_logprobs(scores, part.teacher.lm_head_weight, part.select(targets),
+                                        args.loss_chunk_size, vocab, args.gen_temperature)
+        if scores is not None:
+            values[part.positions, TEACHER_LOGP] = scores.to(values.dtype)
+        add_part_metrics(run.metrics, teachers, part, None, int(part.positions.sum()))
     return values
 
 
@@ -211,19 +221,23 @@ def train(args: argparse.Namespace) -> None:
     tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", need_completion=False)
     if args.reward == "math":
         check_ground_truths(dataset, os.path.relpath(dataset.path))
+    specs = teacher_specs(args) if args.opd_coef else []  # the OPD term's teachers
+    routing(args, specs).check(dataset)  # every row's teacher is one of the run's
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
-    teacher_server = connect_server(args, "teacher", tokenizer)
+    servers = check_teachers(args, specs, tokenizer, dataset)  # teacher servers, vocabularies, chat templates
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     reference = load_reference(args, tokenizer, student, info.device) if args.kl_coef else None
-    teacher = load_frozen(args, args.teacher_path, tokenizer, student, info.device) if args.teacher_path else None
+    teachers = load_teachers(args, specs, servers, tokenizer, student, info.device) if specs else None
+    served = teachers is not None and teachers.served
     run = Run(args, info, student, dataset, GroupCollator(collator, args.num_generations), tokenizer_dir)
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
-                                 [] if teacher is None and teacher_server is None else
-                                 [EvalTeacher("teacher", evaluation_divergence(1.0, teacher is not None), teacher,
-                                              teacher_server)])
+                                 **({} if teachers is None else teachers.for_evaluation(
+                                     lambda t: evaluation_divergence(1.0, t.model is not None))))
     rollouts = Rollouts(args, run, tokenizer, server, decoder, lambda epoch, step: True)
     say_servers(args)
+    if teachers is not None:
+        say_teachers(teachers)
     print0(f"groups of {args.num_generations}: each prompt sampled {args.num_generations} times, "
            f"{args.batch_size * args.num_generations} completions per micro-batch; reward {args.reward}"
            + (f" + {args.format_reward:g} for a final boxed answer" if args.format_reward else "")
@@ -233,7 +247,7 @@ def train(args: argparse.Namespace) -> None:
     settings = dict(temperature=args.gen_temperature, clip_low=args.clip_eps, clip_high=args.clip_eps_high,
                     kl_coef=args.kl_coef, opd_coef=args.opd_coef)
 
-    with run.fail_together(teacher_server is not None):
+    with run.fail_together(served):
         if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
             run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
@@ -245,8 +259,9 @@ def train(args: argparse.Namespace) -> None:
             with clock("reward"):  # 2. graded against the ground truth, compared within the group
                 rewards, correct = sampled_rewards(args, tokenizer, batch, input_ids, labels)
                 advantages = group_advantages(rewards, g, args.advantage)
-            with clock("teacher"), run.fail_together(teacher_server is not None):  # 3. the frozen models
-                values = token_values(args, run, advantages, labels, reference, teacher, teacher_server, input_ids,
+            with clock("teacher"), run.fail_together(served):  # 3. the frozen models
+                values = token_values(args, run, advantages, labels, reference, teachers,
+                                      None if teachers is None else teachers.routes.route(batch["rows"]), input_ids,
                                       attention_mask, vocab)
             with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
                 with run.autocast():
@@ -255,7 +270,8 @@ def train(args: argparse.Namespace) -> None:
                 divisor = labels.shape[0] * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
                 run.backward(sums.loss, divisor)
             reshard_root(reference)  # a sharded frozen model's head, gathered for its forward, is read until here
-            reshard_root(teacher)
+            if teachers is not None:
+                teachers.reshard()
             run.metrics.ratio("clip_fraction", sums.clipped, sums.tokens)
             run.metrics.ratio("entropy", sums.entropy, sums.tokens)
             if args.kl_coef:
@@ -271,7 +287,7 @@ def train(args: argparse.Namespace) -> None:
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             rollouts.before_save()
             run.save()
-        with run.fail_together(teacher_server is not None):
+        with run.fail_together(served):
             if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
                 run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast, run.teacher_autocast))
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C

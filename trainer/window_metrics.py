@@ -19,7 +19,9 @@ class WindowMetrics:
     all-reduce at the optimizer step. Each name says how it is reduced:
 
         token_mean(name, sum)     a sum over loss tokens, logged per loss token of the whole window (loss, ce, kd)
-        ratio(name, num, den)     sum of numerators / sum of denominators (eos_share = rows ended / rows)
+        ratio(name, num, den)     sum of numerators / sum of denominators (eos_share = rows ended / rows); with
+                                  when_empty=False a window whose denominators sum to 0 logs no value at all
+                                  (a teacher with no rows has no loss, not a loss of 0)
         total(name, value)        a plain sum (tokens, generated_tokens)
         rank_mean(name, value)    the mean over ranks of a per-rank number (seconds spent in a phase)
 
@@ -29,6 +31,7 @@ class WindowMetrics:
         self.device = device
         self.kinds: dict[str, str] = {}
         self.sums: dict[str, list[torch.Tensor]] = {}
+        self.undefined_when_empty: set[str] = set()
 
     def _add(self, kind: str, name: str, *values) -> None:
         if self.kinds.setdefault(name, kind) != kind:
@@ -39,8 +42,10 @@ class WindowMetrics:
     def token_mean(self, name: str, value) -> None:
         self._add("token_mean", name, value)
 
-    def ratio(self, name: str, numerator, denominator) -> None:
+    def ratio(self, name: str, numerator, denominator, when_empty: bool = True) -> None:
         self._add("ratio", name, numerator, denominator)
+        if not when_empty:
+            self.undefined_when_empty.add(name)
 
     def total(self, name: str, value) -> None:
         self._add("total", name, value)
@@ -62,6 +67,7 @@ class WindowMetrics:
         tokens = max(sums.get("tokens", [0.0])[0], 1.0)
         divisor = {"token_mean": lambda _: tokens, "ratio": lambda s: max(s[1], 1e-12), "total": lambda _: 1.0,
                    "rank_mean": lambda _: info.world_size}
-        values = {name: sums[name][0] / divisor[self.kinds[name]](sums[name]) for name in names}
-        self.kinds, self.sums = {}, {}
+        values = {name: sums[name][0] / divisor[self.kinds[name]](sums[name]) for name in names
+                  if not (name in self.undefined_when_empty and sums[name][1] == 0)}
+        self.kinds, self.sums, self.undefined_when_empty = {}, {}, set()
         return values, reduced[-1]
