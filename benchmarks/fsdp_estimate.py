@@ -158,7 +158,7 @@ def tracker_phases(tracker: MemTracker) -> PhasePeaks:
         return sum(snap["Total"] for snap in tracker.get_tracker_snapshot().values())
 
     def reset(phase: str) -> None:
-        if phase == "teacher" or phase == "forward" and last[0] != "teacher":
+        if phase in ("teacher", "forward") and last[0] != "teacher":  # a micro-batch's first forward
             tracker.reset_mod_stats()
         last[0] = phase
         tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker.get_tracker_snapshot().items()}
@@ -170,10 +170,13 @@ def predicting(hidden: torch.Tensor) -> torch.Tensor:
     return hidden[:, :-1].reshape(-1, hidden.shape[-1])
 
 
-def training_step(student: Qwen3ForCausalLM, teacher: Qwen3ForCausalLM | None, optimizer: torch.optim.Optimizer,
+def training_step(student: Qwen3ForCausalLM, teachers: list[Qwen3ForCausalLM], optimizer: torch.optim.Optimizer,
                   shape: StepShape, phases: PhasePeaks, seed: int = 0) -> None:
     """One optimizer step as train_sft.py (no teacher) / train_distillation.py take it, under CPU bf16 autocast
-    (standing in for CUDA's), each phase measured by `phases`."""
+    (standing in for CUDA's), each phase measured by `phases`. Several teachers (--teachers): the rows of a
+    micro-batch dealt out among them (teacher k scores rows k, k + K, ...; one with no row still runs its forward,
+    on row 0, as a sharded teacher does), each loss term on its teacher's rows, and every teacher's head gathered
+    until the backward's end, as in the loop."""
     student.gradient_checkpointing = shape.gradient_checkpointing
     generator = torch.Generator().manual_seed(seed)
     autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
@@ -181,22 +184,27 @@ def training_step(student: Qwen3ForCausalLM, teacher: Qwen3ForCausalLM | None, o
     for _ in range(shape.window):
         ids = torch.randint(0, vocab, (shape.batch, shape.seq), generator=generator)
         labels = ids[:, 1:].reshape(-1)
-        teacher_hidden = None
-        if teacher is not None:
+        rows = [list(range(k, shape.batch, len(teachers))) for k in range(len(teachers))]
+        teacher_hidden = []
+        for teacher, mine in zip(teachers, rows):
             with phases.phase("teacher"), torch.no_grad(), autocast():
-                teacher_hidden = predicting(teacher(ids, return_hidden=True).hidden_states)
+                teacher_hidden.append(predicting(teacher(ids[mine or [0]], return_hidden=True).hidden_states))
         with phases.phase("forward"), autocast():
-            hidden = predicting(student(ids, return_hidden=True).hidden_states)
-            if teacher is None:
-                loss, _ = chunked_sft_loss(hidden, student.lm_head.weight, labels, chunk_size=shape.chunk)
+            hidden = student(ids, return_hidden=True).hidden_states
+            if not teachers:
+                loss, _ = chunked_sft_loss(predicting(hidden), student.lm_head.weight, labels, chunk_size=shape.chunk)
             else:
-                ce, kd, _ = chunked_loss(functools.partial(ce_and_kd, temperature=1.0), hidden,
-                                         student.lm_head.weight, labels, teacher_hidden, teacher.lm_head.weight,
-                                         chunk_size=shape.chunk)
-                loss = 0.5 * ce + 0.5 * kd
+                loss = 0.0
+            for teacher, mine, scores in zip(teachers, rows, teacher_hidden):
+                if mine:
+                    ce, kd, _ = chunked_loss(functools.partial(ce_and_kd, temperature=1.0), predicting(hidden[mine]),
+                                             student.lm_head.weight, ids[mine, 1:].reshape(-1), scores,
+                                             teacher.lm_head.weight, chunk_size=shape.chunk)
+                    loss = loss + 0.5 * ce + 0.5 * kd
         with phases.phase("backward"):
             loss.backward()
-        reshard_root(teacher)  # as the loops free it: its head was the loss's until the end of the backward
+        for teacher in teachers:
+            reshard_root(teacher)  # as the loops free it: its head was the loss's until the end of the backward
         del hidden, loss, teacher_hidden  # as the loop's next micro-batch rebinds them
     with phases.phase("optimizer"):
         params = list(student.parameters())
@@ -218,17 +226,18 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, torch.nn.utils.get_total_norm(grads))
 
 
-def estimate(student_config: Qwen3Config, teacher_config: Qwen3Config | None, world: int,
+def estimate(student_config: Qwen3Config, teacher_config: Qwen3Config | list[Qwen3Config] | None, world: int,
              shape: StepShape) -> dict:
-    """One step at `world` fake ranks (rank 0's view; every rank holds the same) -> {"peaks": {phase: [bytes per
-    occurrence]}, "state": bytes held before the step (shards and AdamW's moments)}. Needs no process group: a fake
-    one is started, and destroyed afterwards."""
+    """One step at `world` fake ranks (rank 0's view; every rank holds the same) with no teacher, one, or a list
+    of them (--teachers) -> {"peaks": {phase: [bytes per occurrence]}, "state": bytes held before the step (shards
+    and AdamW's moments)}. Needs no process group: a fake one is started, and destroyed afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         student = build(student_config, world, trained=True)  # the mesh is made from real tensors: outside
-        teacher = build(teacher_config, world, trained=False) if teacher_config else None
+        configs = teacher_config if isinstance(teacher_config, list) else [teacher_config] if teacher_config else []
+        teachers = [build(config, world, trained=False) for config in configs]
         # meta tensors (the modules as built) are copied into fake ones by to_empty: hence non-fake inputs
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialise(student)
@@ -236,15 +245,34 @@ def estimate(student_config: Qwen3Config, teacher_config: Qwen3Config | None, wo
             tracker = RunningPeakFSDPTracker(student, optimizer) if world > 1 else RunningPeakTracker()
             if world == 1:
                 tracker.track_external(student, optimizer)
-            if teacher is not None:
+            for teacher in teachers:
                 track_teacher(tracker, materialise(teacher))
             with tracker:
                 phases = tracker_phases(tracker)
                 state = phases.current()
-                training_step(student, teacher, optimizer, shape, phases)
+                training_step(student, teachers, optimizer, shape, phases)
     finally:
         dist.destroy_process_group()
     return {"peaks": phases.peaks, "state": state}
+
+
+def parameter_count(config: Qwen3Config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+
+
+def extra_teacher_bytes(student_config: Qwen3Config, teacher_config: Qwen3Config, world: int,
+                        replicated: bool = False) -> int:
+    """What one more teacher (--teachers) adds to a rank's peak, at the backward: its bf16 weights (2 bytes per
+    parameter, over the W ranks when sharded), its gathered root (bf16 embedding and head, whole from its forward to
+    the backward's end; nothing when it is whole anyway: one rank or --replicate_teacher 1), and one more fp32
+    gradient of the student's head (each teacher's loss term gives the head its own before autograd sums them).
+    tests/test_fsdp_estimate.py holds it against the estimate of one step with one teacher and with two."""
+    sharded = world > 1 and not replicated
+    weights = 2 * parameter_count(teacher_config) // (world if sharded else 1)
+    heads = 1 if teacher_config.tie_word_embeddings else 2
+    root = 2 * teacher_config.vocab_size * teacher_config.hidden_size * heads if sharded else 0
+    return weights + root + 4 * student_config.vocab_size * student_config.hidden_size
 
 
 def by_depth(student_config: Qwen3Config, teacher_config: Qwen3Config | None, world: int, shape: StepShape,
@@ -285,7 +313,7 @@ def measured_step(config: Qwen3Config, shape: StepShape) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         phases = PhasePeaks(lambda: 0, lambda: 0, lambda name: None)
         phases.phase = marked_phase  # marks only; the peaks are read from the trace
-        training_step(student, None, optimizer, shape, phases)
+        training_step(student, [], optimizer, shape, phases)
     return {"peaks": allocator_peaks(prof, state), "state": state}
 
 

@@ -20,7 +20,7 @@ from dataset.collators import PromptCollator, SFTCollator, build_sequences
 from dataset.sources import RowDataset
 from loop_helpers import (assert_one_line_error, loop_args, metrics, run_command, script_exit, torchrun_command,
                           weights)
-from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
+from model import Qwen3Config, create_model, generate, load_tokenizer, save_pretrained
 from support import ROOT, TINY_CONFIG
 from trainer.data_stream import EpochSampler
 from trainer.losses import generalized_jsd_loss

@@ -19,20 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import RuntimeFailure, UserError, refuse, refuse_first
-from common.http import RequestError
-from dataset.collators import IGNORE_INDEX, PromptCollator, split_conversation
+from common.errors import UserError, refuse, refuse_first
 from serving.engine import CompletionServer
 from trainer.distributed import print0
-from trainer.divergences import teacher_scores
-from trainer.servers import open_server
+from trainer.frozen import load_frozen, same_vocabulary
 from trainer.heldout import EvalTeacher
-from trainer.frozen import frozen_hidden, load_frozen, same_vocabulary
-from trainer.sharding import is_sharded, reshard_root
+from trainer.servers import open_server
+from trainer.sharding import reshard_root
+from trainer.template_check import check_template
 
 SINGLE = "teacher"  # the name of the one teacher of --teacher_path / --teacher_url
 SPEC_KEYS = {"path", "url", "model", "api_key_env", "topk"}
-TEMPLATE_ROWS = 4   # rows whose prompts each teacher's template must render as the student's
 
 
 @dataclass(frozen=True)
@@ -251,70 +248,6 @@ class Teachers:
         return tuple(f"teacher/{t.name}/loss" for t in self.members) if self.several else ()
 
 
-@dataclass
-class Part:
-    """The rows of a micro-batch one teacher scores: `rows` their indices (ascending), `positions` a bool mask over
-    the micro-batch's completion positions (completion_hidden's order: row by row). `whole`: every row is this
-    teacher's (no selection needed)."""
-    teacher: Teacher
-    rows: torch.Tensor
-    positions: torch.Tensor
-    whole: bool
-
-    @property
-    def empty(self) -> bool:
-        return self.rows.numel() == 0
-
-    def select(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Per completion position (N, ...) -> this teacher's positions."""
-        return tensor if self.whole else tensor[self.positions]
-
-    def sequences(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per row (B, T) -> this teacher's rows."""
-        return tensors if self.whole else tuple(t[self.rows] for t in tensors)
-
-
-def split_by_teacher(teachers: Teachers, route: torch.Tensor, labels: torch.Tensor) -> list[Part]:
-    """A micro-batch's rows per teacher, every teacher in order (one with no rows here too: a sharded teacher
-    still runs its forward, see `teacher_scores`)."""
-    route = route.to(labels.device)
-    position_rows = (labels[:, 1:] != IGNORE_INDEX).nonzero()[:, 0]  # completion_hidden's positions, row by row
-    parts = []
-    for i, teacher in enumerate(teachers.members):
-        mine = route == i
-        parts.append(Part(teacher, mine.nonzero()[:, 0], mine[position_rows], whole=bool(mine.all())))
-    return parts
-
-
-def part_scores(part: Part, divergence, autocast, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor):
-    """What `part`'s teacher gives for its rows (trainer/divergences.py's teacher_scores), None when it has none
-    here. A sharded teacher with no rows still runs a forward (of the first row, thrown away): its layers'
-    all-gathers are collectives every rank must join, whatever rows it has."""
-    model = part.teacher.model
-    if part.empty:
-        if model is not None and is_sharded(model):
-            frozen_hidden(model, autocast, input_ids[:1], attention_mask[:1], labels[:1])
-        return None
-    return teacher_scores(divergence, model, part.teacher.server, autocast,
-                          *part.sequences(input_ids, attention_mask, labels))
-
-
-def add_part_metrics(metrics, teachers: Teachers, part: Part, loss_sum, tokens) -> None:
-    """Several teachers: teacher/NAME/loss (the loop's loss summed over its rows' tokens, `loss_sum`, per token;
-    None: the loop has no per-teacher loss), teacher/NAME/rows and /tokens; every teacher on every micro-batch (ranks
-    must add the same names), zeros where it has no rows (a step where it has none logs no loss for it)."""
-    if not teachers.several:
-        return
-    name = f"teacher/{part.teacher.name}"
-    if loss_sum is not None:
-        metrics.ratio(f"{name}/loss", loss_sum, tokens, when_empty=False)
-    metrics.total(f"{name}/rows", part.rows.numel())
-    metrics.total(f"{name}/tokens", tokens)
-
-
-# -- start-up ----------------------------------------------------------------------------------------------------------
-
 def check_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer, dataset) -> dict:
     """Before any model loads: the served teachers connected (one that is down is refused now), each local one's
     vocabulary compared with the student's, and every teacher's chat template checked against the student's on the
@@ -323,7 +256,8 @@ def check_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer
     for spec in specs:
         own = None if spec.url else same_vocabulary(spec.path, tokenizer, role_of(spec))
         if spec.name not in accepted_differences(args):
-            check_template(args, spec, servers.get(spec.name), own, tokenizer, dataset)
+            check_template(args, spec.name, role_of(spec), spec.path or spec.url, servers.get(spec.name), own,
+                           tokenizer, dataset)
     return servers
 
 
@@ -333,7 +267,7 @@ def load_teachers(args: argparse.Namespace, specs: list[TeacherSpec], servers: d
     dtype, sharded with --fsdp 1)."""
     members = []
     for spec in specs:
-        model = None if spec.url else load_frozen(args, spec.path, tokenizer, student, device, role=role_of(spec))
+        model = None if spec.url else load_frozen(args, spec.path, tokenizer, student, device, role_of(spec))
         members.append(Teacher(spec.name, model, servers.get(spec.name), spec.topk))
     return Teachers(members, routing(args, specs))
 
@@ -347,58 +281,6 @@ def connect_teacher(args: argparse.Namespace, spec: TeacherSpec, tokenizer) -> C
     """A served teacher, checked at once: up, its model, context, tokenizer and top-K (trainer/servers.py)."""
     what = "teacher server" if spec.name == SINGLE else f"teacher server {spec.name!r}"
     return open_server(args, spec.url, spec.model, spec.api_key_env, what, tokenizer, spec.topk)
-
-
-def check_template(args: argparse.Namespace, spec: TeacherSpec, server: CompletionServer | None, own_tokenizer,
-                   tokenizer, dataset) -> None:
-    """The teacher's own chat template (its folder's, in `own_tokenizer`, or its server's through /tokenize)
-    renders the first TEMPLATE_ROWS rows' prompts into the student's token ids; otherwise the run is refused naming
-    the teacher, the row and the first token that differs (a teacher shown another rendering scores tokens in a
-    context it was never trained on)."""
-    rows = [dataset[i] for i in range(min(TEMPLATE_ROWS, len(dataset)))]
-    ours = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
-    theirs_render = (server_rendering(server, bool(args.enable_thinking)) if server is not None else
-                     local_rendering(own_tokenizer, args.max_prompt_length, bool(args.enable_thinking)))
-    for row in rows:
-        student_ids = tokenizer.encode(ours.render(row["messages"]))
-        teacher_ids = theirs_render(row["messages"])
-        if teacher_ids == student_ids:
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(student_ids, teacher_ids)) if a != b),
-                  min(len(student_ids), len(teacher_ids)))
-        theirs, mine = token_text(tokenizer, teacher_ids, at), token_text(tokenizer, student_ids, at)
-        raise UserError(f"the {role_of(spec)} ({spec.path or spec.url}) renders row {row['row_index']}'s prompt "
-                        f"differently from the student's chat template: token {at} is {theirs} there, {mine} in the "
-                        f"student's; the teacher would score "
-                        f"a context it never sees. Fix its chat template, or pass --accept_template_difference "
-                        f"{spec.name} to train anyway")
-
-
-def token_text(tokenizer, ids: list[int], at: int) -> str:
-    return f"{tokenizer.decode([ids[at]])!r} (id {ids[at]})" if at < len(ids) else "the end of the prompt"
-
-
-def local_rendering(tokenizer, max_prompt_length: int, enable_thinking: bool):
-    """A local teacher's own template: its folder's tokenizer files (the packaged Qwen3 ones when it has none:
-    trainer/frozen.py's same_vocabulary)."""
-    collator = PromptCollator(tokenizer, max_prompt_length, enable_thinking)
-    return lambda messages: tokenizer.encode(collator.render(messages))
-
-
-def server_rendering(server: CompletionServer, enable_thinking: bool):
-    """A served teacher's template: the ids its /tokenize endpoint gives for the prompt's messages with the
-    generation prompt (vLLM renders them with the chat template it serves)."""
-    def render(messages: list[dict]) -> list[int]:
-        payload = {"model": server.model, "messages": split_conversation(messages)[0], "add_generation_prompt": True,
-                   "add_special_tokens": False, "chat_template_kwargs": {"enable_thinking": enable_thinking}}
-        try:
-            tokens = server.client.post_once("/tokenize", payload).get("tokens")
-        except (RequestError, AttributeError) as e:
-            raise RuntimeFailure(f"the {server.what} did not render a chat prompt through /tokenize as vLLM does "
-                                 f"({e}): cannot check its chat template (--accept_template_difference skips the "
-                                 f"check)") from None
-        return list(tokens)
-    return render
 
 
 def say_teachers(teachers: Teachers) -> None:

@@ -35,9 +35,9 @@ from trainer.loading import build_model, load_sft_data
 from trainer.chunked_losses import chunked_loss, completion_hidden
 from trainer.losses import distillation_loss, sft_loss
 from trainer.run import Run
-from trainer.teachers import (RoutedCollator, add_part_metrics, add_teachers_args, check_teachers, load_teachers,
-                              part_scores, routing, say_teachers, split_by_teacher, teacher_specs,
-                              validate_teachers_args)
+from trainer.teacher_parts import add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers import (RoutedCollator, add_teachers_args, check_teachers, load_teachers, routing, say_teachers,
+                              teacher_specs, validate_teachers_args)
 
 DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")
 

@@ -55,9 +55,9 @@ from trainer.chunked_losses import completion_hidden
 from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
 from trainer.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
-from trainer.teachers import (add_part_metrics, add_teachers_args, check_teachers, load_teachers, part_scores,
-                              routing, say_teachers, served_teacher_rules, split_by_teacher, teacher_specs,
-                              validate_teachers_args)
+from trainer.teacher_parts import add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers import (add_teachers_args, check_teachers, load_teachers, routing, say_teachers,
+                              served_teacher_rules, teacher_specs, validate_teachers_args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,13 +141,13 @@ def distill_loss(run: Run, args: argparse.Namespace, teachers, divergences: dict
     no rows: the ranks add the same names)."""
     student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
     loss_sum = num_tokens = 0
-    for part, part_scores in zip(parts, scores):
+    for part, given in zip(parts, scores):
         divergence = divergences[part.teacher.name]
         if part.empty:
             sums = DivergenceSums(0, 0, 0, dict.fromkeys(divergence.extra_names(), 0))
         else:
             sums = divergence_sums(divergence, part.select(student_hidden), run.raw_model.lm_head.weight,
-                                   part.select(targets), part_scores, part.teacher.lm_head_weight,
+                                   part.select(targets), given, part.teacher.lm_head_weight,
                                    args.loss_chunk_size, vocab_size)
         for name, value in sums.extras.items():
             run.metrics.token_mean(name, value)

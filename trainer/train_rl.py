@@ -56,9 +56,9 @@ from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
 from trainer.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
 from trainer.sharding import reshard_root
-from trainer.teachers import (Teachers, add_part_metrics, add_teachers_args, check_teachers, load_teachers,
-                              part_scores, read_teachers_file, routing, say_teachers, split_by_teacher, teacher_specs,
-                              validate_teachers_args)
+from trainer.teacher_parts import add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers import (Teachers, add_teachers_args, check_teachers, load_teachers, read_teachers_file, routing,
+                              say_teachers, teacher_specs, validate_teachers_args)
 
 SAMPLED_KL = Divergence("sampled_kl")  # what a teacher gives the OPD term: its log-probability of each sampled token
 
