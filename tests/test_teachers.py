@@ -350,3 +350,20 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
     assert torch.allclose(values[:, TEACHER_LOGP].double(), torch.cat(expected), atol=1e-4)
     sums, _ = run.metrics.reduce(types.SimpleNamespace(enabled=False, world_size=1))
     assert sums["teacher/math/rows"] == sums["teacher/code/rows"] == 2
+
+
+def test_the_held_out_numbers_per_teacher_and_overall():
+    """Several teachers: each one's divergence per token over its held-out rows; the overall number only where
+    they report the same divergence (token-weighted); a teacher no held-out row names has none."""
+    from trainer.divergences import Divergence
+    from trainer.heldout import EvalTeacher, heldout_metrics
+    sums = {"correct": 1, "rows": 4, "generated": 40, "ended": 2, "kl_sum/math": 3.0, "kl_tokens/math": 10,
+            "kl_sum/code": 9.0, "kl_tokens/code": 30, "kl_sum/idle": 0.0, "kl_tokens/idle": 0}
+    same = [EvalTeacher(name, Divergence("jsd")) for name in ("math", "code", "idle")]
+    metrics = heldout_metrics(sums, same)
+    assert metrics["eval/math/reverse_kl"] == 0.3 and metrics["eval/code/reverse_kl"] == 0.3
+    assert metrics["eval/reverse_kl"] == pytest.approx(12.0 / 40) and "eval/idle/reverse_kl" not in metrics
+    mixed = [EvalTeacher("math", Divergence("jsd")), EvalTeacher("code", Divergence("topk", topk=8)),
+             EvalTeacher("idle", Divergence("jsd"))]
+    metrics = heldout_metrics(sums, mixed)
+    assert metrics["eval/code/reverse_kl_top8"] == 0.3 and "eval/reverse_kl" not in metrics
