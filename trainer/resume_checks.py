@@ -22,7 +22,7 @@ RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "sa
                      "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
                      "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path",
                      "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher", "dist_timeout",
-                     "resume_changes", "overlap"}
+                     "resume_changes", "overlap", "accept_template_difference"}
 
 
 
