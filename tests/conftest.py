@@ -1,5 +1,6 @@
 """Shared pytest fixtures.  Run everything with:  python -m pytest"""
 import os
+import signal
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -11,6 +12,12 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 from support import TINY_CONFIG, write_chat_jsonl  # noqa: E402
+
+# A suite started in the background (`nohup python -m pytest &`) inherits SIGINT ignored, and so would every script
+# a test starts: their Ctrl-C tests would see a script run on to the end. A handler here is reset to the default on
+# exec, so the scripts get Python's own.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser):
