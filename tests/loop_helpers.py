@@ -119,3 +119,19 @@ def script_exit(main, argv: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as info:
         run_script(lambda: main(argv))
     return info.value.code, capsys.readouterr().err
+
+
+def first_step_samples(student, tokenizer, rows: list[dict], seed: int, max_new_tokens: int = 8,
+                       max_prompt_length: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an OPD run's first step samples from `rows` (loop_args' prompt budget, each row's seed (seed, epoch 0,
+    row)), independently of the loop: -> input_ids, attention_mask, labels on the completions."""
+    from common.seeds import derived_seed
+    from dataset.collators import PromptCollator, build_sequences
+    from model import generate
+    prompts = PromptCollator(tokenizer, max_prompt_length, enable_thinking=False)(rows)
+    generators = [torch.Generator().manual_seed(derived_seed(seed, 0, row["row_index"])) for row in rows]
+    out = generate(student, prompts["prompt_ids"], prompts["prompt_attention_mask"], max_new_tokens,
+                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, generator=generators,
+                   vocab_size=len(tokenizer))
+    return build_sequences(prompts["prompt_ids"], prompts["prompt_attention_mask"], out.completion_ids,
+                           out.completion_mask)

@@ -15,12 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import UserError
-from common.seeds import derived_seed
-from dataset.collators import PromptCollator, SFTCollator, build_sequences
+from dataset.collators import SFTCollator
 from dataset.sources import RowDataset
-from loop_helpers import (assert_one_line_error, loop_args, metrics, run_command, script_exit, torchrun_command,
-                          weights)
-from model import Qwen3Config, create_model, generate, load_tokenizer, save_pretrained
+from loop_helpers import (assert_one_line_error, first_step_samples, loop_args, metrics, run_command, script_exit,
+                          torchrun_command, weights)
+from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from support import ROOT, TINY_CONFIG
 from trainer.data_stream import EpochSampler
 from trainer.losses import generalized_jsd_loss
@@ -28,7 +27,6 @@ from trainer.teachers import read_teachers_file
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 
-EOS, PAD = 151645, 151643
 # two teachers that disagree: another size than the student's, distinct seeds, sharpened heads (untied: a
 # sharpened tied embedding makes any random teacher predict the current token, and two such teachers agree)
 TEACHER_CONFIG = {**TINY_CONFIG, "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 3,
@@ -172,12 +170,7 @@ def test_opd_with_two_teachers_is_the_token_weighted_combination_of_each_on_its_
     tokenizer = load_tokenizer(None)
     student = create_model(Qwen3Config.from_json(tiny_config_path), seed=7).eval()
     rows = step_rows(data, 7, 4)
-    prompts = PromptCollator(tokenizer, 32, enable_thinking=False)(rows)
-    generators = [torch.Generator().manual_seed(derived_seed(7, 0, row["row_index"])) for row in rows]
-    out = generate(student, prompts["prompt_ids"], prompts["prompt_attention_mask"], 8, eos_token_id=EOS,
-                   pad_token_id=PAD, generator=generators, vocab_size=len(tokenizer))
-    input_ids, attention_mask, labels = build_sequences(prompts["prompt_ids"], prompts["prompt_attention_mask"],
-                                                        out.completion_ids, out.completion_mask)
+    input_ids, attention_mask, labels = first_step_samples(student, tokenizer, rows, seed=7)
     total, tokens = 0.0, 0
     for name, seed in SEEDS.items():
         mine = torch.tensor([row["teacher"] == name for row in rows])

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from common.errors import UserError
-from dataset.collators import PromptCollator, build_sequences
+from dataset.collators import build_sequences
 from dataset.sources import RowDataset
-from loop_helpers import loop_args, max_weight_diff, metrics, weights
+from loop_helpers import first_step_samples, loop_args, max_weight_diff, metrics, weights
 from support import give_another_tokenizer
 from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
 from trainer.losses import generalized_jsd_loss
 from trainer.data_stream import EpochSampler
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
-from common.seeds import derived_seed
 
 EOS, PAD = 151645, 151643
 
@@ -85,12 +84,7 @@ def test_logged_loss_is_the_jsd_of_independently_computed_logits(tiny_config_pat
     teacher = load_pretrained(teacher_dir).eval()
     dataset = RowDataset(chat_jsonl)
     rows = [dataset[i] for i in list(EpochSampler(len(dataset), seed=7, epoch=0))[:4]]
-    prompts = PromptCollator(tokenizer, 32, enable_thinking=False)(rows)
-    generators = [torch.Generator().manual_seed(derived_seed(7, 0, row["row_index"])) for row in rows]
-    out = generate(student, prompts["prompt_ids"], prompts["prompt_attention_mask"], 8, eos_token_id=EOS,
-                   pad_token_id=PAD, generator=generators, vocab_size=len(tokenizer))
-    input_ids, attention_mask, labels = build_sequences(prompts["prompt_ids"], prompts["prompt_attention_mask"],
-                                                        out.completion_ids, out.completion_mask)
+    input_ids, attention_mask, labels = first_step_samples(student, tokenizer, rows, seed=7)
     with torch.no_grad():
         student_logits = student(input_ids, attention_mask=attention_mask).logits[:, :-1, :len(tokenizer)]
         teacher_logits = teacher(input_ids, attention_mask=attention_mask).logits[:, :-1, :len(tokenizer)]
