@@ -218,8 +218,8 @@ def train(args: argparse.Namespace) -> None:
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
         rollouts.add_to(run.metrics)  # served: seconds waited for rollouts, the server's idle time
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics, show=("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
-                               "sync_logprob_diff") + teachers.shown())
+        run.log(metrics, show=teachers.shown() + ("gen_share", "eos_share", "completion_len", "reverse_kl_estimate",
+                                                  "wait_s", "sync_logprob_diff"))  # several teachers: theirs first
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             rollouts.before_save()      # the rollouts sampled ahead are kept in the checkpoint
             run.save()
