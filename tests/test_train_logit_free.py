@@ -18,7 +18,8 @@ from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_arg
                           run_command, script_exit, assert_one_line_error, torchrun_command, weights,
                           without_timing)
 from stub_server import Stub, black_box_teacher
-from support import ROOT
+from model.tokenizer import default_tokenizer_dir
+from support import ROOT, write_chat_jsonl
 
 SCRIPT = os.path.join(ROOT, "trainer", "train_logit_free.py")
 METHOD = {"max_new_tokens": 8, "chunk_len": 3, "audit_chunks": 2, "continuations": 3, "anchor_beta": 0.5}
@@ -210,3 +211,37 @@ def test_sigkill_then_resume_is_bit_identical_and_asks_nothing_twice(tiny_config
     # every answer the killed run received was cached: the resumed run re-asked at most one micro-batch's chunks
     resent = len(continuation_posts(teacher)) - 2 * uninterrupted
     assert 0 <= resent <= 2 * METHOD["audit_chunks"], resent
+
+
+def test_two_black_box_teachers_each_continue_their_own_rows(tiny_config_path, tmp_path, teacher, one_thread):
+    """--teachers with two endpoints (the second one in another request form, from its entry): every chunk of a row
+    goes to the teacher its column names, and only there; each teacher has its own answer cache and its numbers in
+    the metrics; a rerun of the same steps asks neither teacher anything."""
+    import json
+    second = Stub(black_box_teacher)
+    try:
+        rows = [json.loads(line) for line in open(write_chat_jsonl(tmp_path / "chat.jsonl", 12))]
+        data = tmp_path / "routed.jsonl"
+        data.write_text("".join(json.dumps({**row, "teacher": "ab"[i % 2]}) + "\n" for i, row in enumerate(rows)))
+        teachers = tmp_path / "teachers.json"
+        teachers.write_text(json.dumps({"a": {"url": teacher.url},
+                                        "b": {"url": second.url, "form": "completions",
+                                              "tokenizer_path": default_tokenizer_dir(), "options": {}}}))
+        args = loop_args(tiny_config_path, str(data), tmp_path / "run", **METHOD, teachers=str(teachers), max_steps=2)
+        logit_free.main(args)
+        steps = metrics(tmp_path / "run")
+        for stub, name, form in ((teacher, "a", "messages"), (second, "b", "prompt")):
+            asked = continuation_posts(stub)
+            assert asked and all(form in body for body in asked)
+            questions = [int(str(body).split("Question ")[1].split(":")[0]) for body in asked]
+            assert all("ab"[q % 2] == name for q in questions), (name, questions)
+            assert sum(m[f"teacher/{name}/requests"] for m in steps) == len(asked)
+            assert os.path.exists(tmp_path / "run" / f"run_teacher_cache_{name}.rank0.jsonl")
+        assert [m["teacher_requests"] for m in steps] == [m["teacher/a/requests"] + m["teacher/b/requests"]
+                                                          for m in steps]
+        before = len(continuation_posts(teacher)), len(continuation_posts(second))
+        logit_free.main(args + ["--start_over", "1"])  # the run set aside, not the teachers' answers
+        assert (len(continuation_posts(teacher)), len(continuation_posts(second))) == before
+        assert [m["teacher_cached"] for m in metrics(tmp_path / "run")] == [m["teacher_requests"] for m in steps]
+    finally:
+        second.close()

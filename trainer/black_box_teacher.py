@@ -3,9 +3,13 @@ the start-up probe: dataset/continuations.py), and the questions of an audit -- 
 endpoint, so that trainer/train_logit_free.py reads as the method.
 
     add_teacher_args(parser); validate_teacher_args(args)          # --teacher_url, _form, _options, ...
-    teacher = connect_teacher(args, rank)                          # checked at once: up, and it continues
+    teachers = connect_teachers(args, rank, routes)                # each checked at once: up, and it continues
     chunks, requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, epoch, step)
-    answers = teacher.continue_batch(requests)
+    answers, usages = teachers.continue_batch(requests, rows)      # each request to its row's teacher
+
+Several black-box teachers (--teachers, docs/teachers.md): each row's chunks go to the teacher its column names;
+each teacher's form, tokenizer and options are its entry's, or the loop's flags where the entry gives none; each
+has its own answer cache (SAVE_DIR/NAME_teacher_cache_TEACHER.rank*.jsonl).
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ from common.errors import refuse, refuse_first
 from common.http import ApiClient
 from common.seeds import derived_seed
 from dataset.collators import split_conversation
-from dataset.continuations import (FORMS, RESERVED, ContinuationCache, ContinuationClient, ContinuationRequest,
-                                   ends_inside_thinking)
+from dataset.continuations import (FORMS, RESERVED, ContinuationBatch, ContinuationCache, ContinuationClient,
+                                   ContinuationRequest, ContinuationUsage, ends_inside_thinking)
 from dataset.teacher import SamplingParams
 from trainer.distributed import print0
 from trainer.servers import requests_wait_seconds
+from trainer.teachers import BLACK_BOX_KEYS, SINGLE, Routing, TeacherSpec, read_teachers_file
 
 
 def add_teacher_args(parser: argparse.ArgumentParser) -> None:
@@ -65,10 +70,16 @@ def add_teacher_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_teacher_args(args: argparse.Namespace) -> None:
+    """The teacher flags' rules; with --teachers, each teacher's (its entry over the flags: `teacher_flags`)."""
+    if args.teachers:
+        for spec in black_box_specs(args):
+            validate_teacher_args(teacher_flags(args, spec))
+        return
     a = args
     refuse_first([
         (not a.teacher_url, "--teacher_url is required: the black-box teacher's OpenAI-compatible endpoint, e.g. "
-                            "http://127.0.0.1:8001/v1 (serving/vllm_launch.py serves a local model)"),
+                            "http://127.0.0.1:8001/v1 (serving/vllm_launch.py serves a local model), or several: "
+                            "--teachers FILE"),
         (a.teacher_form == "completions" and not a.teacher_tokenizer_path,
          "--teacher_form completions renders the prefix through the teacher's chat template: pass "
          "--teacher_tokenizer_path (a folder with its tokenizer files), or use --teacher_form chat"),
@@ -86,6 +97,29 @@ def validate_teacher_args(args: argparse.Namespace) -> None:
         refuse(f"--teacher_options must be a JSON object, got {a.teacher_options!r}")
     if options and RESERVED & set(options):
         refuse(f"--teacher_options must not set {sorted(RESERVED & set(options))}: the loop sets them per request")
+
+
+def black_box_specs(args: argparse.Namespace) -> list[TeacherSpec]:
+    """The --teachers file's endpoints (every one a "url"; a "form" among FORMS)."""
+    specs = read_teachers_file(args.teachers, BLACK_BOX_KEYS)
+    for spec in specs:
+        refuse_first([
+            (spec.url is None, f"--teachers {args.teachers}: teacher {spec.name!r} needs a \"url\": the logit-free "
+                               f"loop's teachers are endpoints"),
+            (spec.form is not None and spec.form not in FORMS,
+             f"--teachers {args.teachers}: teacher {spec.name!r}'s \"form\" must be one of {', '.join(FORMS)}"),
+        ])
+    return specs
+
+
+def teacher_flags(args: argparse.Namespace, spec: TeacherSpec) -> argparse.Namespace:
+    """The loop's flags as one teacher of --teachers is asked: its endpoint, and its form, tokenizer and options
+    where its entry gives them (else the flags')."""
+    options = args.teacher_options if spec.options is None else json.dumps(spec.options)
+    return argparse.Namespace(**{**vars(args), "teachers": None, "teacher_url": spec.url,
+                                 "teacher_model": spec.model, "teacher_api_key_env": spec.api_key_env,
+                                 "teacher_form": spec.form or args.teacher_form, "teacher_options": options,
+                                 "teacher_tokenizer_path": spec.tokenizer_path or args.teacher_tokenizer_path})
 
 
 def check_teacher_wait(args: argparse.Namespace) -> None:
@@ -107,11 +141,13 @@ def teacher_concurrency(args: argparse.Namespace) -> int:
     return args.teacher_concurrency or args.batch_size * args.audit_chunks
 
 
-def connect_teacher(args: argparse.Namespace, rank: int) -> ContinuationClient:
+def connect_teacher(args: argparse.Namespace, rank: int, name: str | None = None) -> ContinuationClient:
     """The black-box teacher, checked at once: up, and it continues a given partial answer (one short probe), and
-    its answers cached in this rank's file (every rank's read: a resume at another world size finds them all)."""
+    its answers cached in this rank's file (every rank's read: a resume at another world size finds them all).
+    `name`: a teacher of --teachers (its own cache file)."""
     params = SamplingParams(temperature=1.0, n=args.continuations)
-    cache = ContinuationCache(os.path.join(args.save_dir, f"{args.save_weight}_teacher_cache"), rank=rank)
+    stem = f"{args.save_weight}_teacher_cache" + (f"_{name}" if name else "")
+    cache = ContinuationCache(os.path.join(args.save_dir, stem), rank=rank)
     options = None if args.teacher_options is None else json.loads(args.teacher_options)
     client = ContinuationClient(args.teacher_url, args.teacher_model, form=args.teacher_form,
                                 tokenizer_dir=args.teacher_tokenizer_path, params=params, cache=cache, options=options,
@@ -122,9 +158,64 @@ def connect_teacher(args: argparse.Namespace, rank: int) -> ContinuationClient:
     if args.teacher_probe == "request":
         print0("warning: --teacher_probe request: whether the teacher continues a partial answer (rather than "
                "starting a new reply) is not checked")
-    print0(f"teacher on {args.teacher_url} ({args.teacher_model}, {args.teacher_form} form): {args.continuations} "
+    print0(f"teacher{f' {name!r}' if name else ''} on {args.teacher_url} ({args.teacher_model}, {args.teacher_form} "
+           f"form): {args.continuations} "
            f"continuations of each audited chunk, answers cached in {cache.stem}.rank*.jsonl")
     return client
+
+
+class BlackBoxTeachers:
+    """The loop's black-box teachers by name (one: --teacher_url's; several: --teachers) and which one each audited
+    chunk asks: the teacher of the chunk's row."""
+
+    def __init__(self, clients: dict[str, ContinuationClient], routes: Routing):
+        self.clients, self.routes = clients, routes
+
+    def continue_batch(self, requests: list[ContinuationRequest],
+                       rows: list[dict]) -> tuple[ContinuationBatch, dict[str, ContinuationUsage]]:
+        """Each request (of the row in `rows` at its index) to that row's teacher, one teacher after the other ->
+        the answers in the requests' order with the usage summed, and each teacher's usage."""
+        if len(self.clients) == 1:
+            (name, client), = self.clients.items()
+            batch = client.continue_batch(requests)
+            return batch, {name: batch.usage}
+        texts, reasons, cached = [[]] * len(requests), [[]] * len(requests), [False] * len(requests)
+        usages, names = {}, [self.routes.teacher_of(row) for row in rows]
+        for name, client in self.clients.items():
+            mine = [i for i, owner in enumerate(names) if owner == name]
+            batch = client.continue_batch([requests[i] for i in mine])
+            for j, i in enumerate(mine):
+                texts[i], reasons[i], cached[i] = batch.texts[j], batch.finish_reasons[j], batch.cached[j]
+            usages[name] = batch.usage
+        return ContinuationBatch(texts, reasons, cached, sum(usages.values(), ContinuationUsage())), usages
+
+    def add_to(self, metrics, rows: list[dict], pi_hats: list[float], usages: dict[str, ContinuationUsage]) -> None:
+        """Several teachers: teacher/NAME/pi_hat (the mean weight of its audited chunks; none in a step where it had
+        none), /requests (sent) and /tokens, on every micro-batch (the ranks add the same names)."""
+        if len(self.clients) == 1:
+            return
+        names = [self.routes.teacher_of(row) for row in rows]
+        for name, usage in usages.items():
+            mine = [pi_hat for pi_hat, owner in zip(pi_hats, names) if owner == name]
+            metrics.ratio(f"teacher/{name}/pi_hat", sum(mine), len(mine), when_empty=False)
+            metrics.total(f"teacher/{name}/requests", usage.requests)
+            metrics.total(f"teacher/{name}/tokens", usage.prompt_tokens + usage.completion_tokens)
+
+    def shown(self) -> tuple[str, ...]:
+        """The console's per-teacher numbers: each one's pi_hat (several teachers only)."""
+        return tuple(f"teacher/{name}/pi_hat" for name in self.clients) if len(self.clients) > 1 else ()
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+
+def connect_teachers(args: argparse.Namespace, rank: int, routes: Routing) -> BlackBoxTeachers:
+    """--teacher_url's teacher, or each of --teachers (`connect_teacher`)."""
+    if not args.teachers:
+        return BlackBoxTeachers({SINGLE: connect_teacher(args, rank)}, routes)
+    return BlackBoxTeachers({spec.name: connect_teacher(teacher_flags(args, spec), rank, spec.name)
+                             for spec in black_box_specs(args)}, routes)
 
 
 def audit_requests(args: argparse.Namespace, tokenizer, batch: dict, labels: torch.Tensor, chunks, epoch: int,

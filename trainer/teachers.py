@@ -30,18 +30,24 @@ from trainer.template_check import check_template
 
 SINGLE = "teacher"  # the name of the one teacher of --teacher_path / --teacher_url
 SPEC_KEYS = {"path", "url", "model", "api_key_env", "topk"}
+# a black-box teacher of the logit-free loop: an endpoint and how to ask it (trainer/black_box_teacher.py's flags)
+BLACK_BOX_KEYS = {"url", "model", "api_key_env", "form", "tokenizer_path", "options"}
 
 
 @dataclass(frozen=True)
 class TeacherSpec:
     """One teacher as the file (or the single-teacher flags) gives it: a local `path`, or a served `url` with its
-    --served-model-name `model`, the environment variable of its API key, and `topk` (its top-K per position)."""
+    --served-model-name `model`, the environment variable of its API key, and `topk` (its top-K per position); a
+    black-box teacher (logit-free OPD) its request `form`, `tokenizer_path` and `options` (None: the loop's flags)."""
     name: str
     path: str | None = None
     url: str | None = None
     model: str = "teacher"
     api_key_env: str | None = None
     topk: int = 0
+    form: str | None = None
+    tokenizer_path: str | None = None
+    options: dict | None = None
 
 
 @dataclass
@@ -57,23 +63,30 @@ class Teacher:
         return None if self.model is None else self.model.lm_head.weight
 
 
-def add_teachers_args(parser: argparse.ArgumentParser) -> None:
+def add_teachers_args(parser: argparse.ArgumentParser, black_box: bool = False) -> None:
+    """--teachers and the routing flags; `black_box`: the logit-free loop's endpoints (no template check: a
+    black-box teacher of any family reads text)."""
     g = parser.add_argument_group("several teachers (docs/teachers.md)")
     g.add_argument("--teachers", default=None,
-                   help="JSON file of name -> {\"path\": HF folder} or {\"url\": ..., \"model\": ..., \"topk\": K, "
+                   help="JSON file of name -> {\"url\": ..., \"model\": ..., \"api_key_env\": VAR, \"form\", "
+                        "\"tokenizer_path\", \"options\"}: each row's chunks are continued by the teacher its "
+                        "--teacher_column names (instead of --teacher_url)" if black_box else
+                        "JSON file of name -> {\"path\": HF folder} or {\"url\": ..., \"model\": ..., \"topk\": K, "
                         "\"api_key_env\": VAR}: each row is distilled from the teacher its --teacher_column names "
                         "(instead of --teacher_path / --teacher_url)")
     g.add_argument("--teacher_column", default="teacher", help="the data column that names a row's teacher")
     g.add_argument("--default_teacher", default=None,
                    help="the teacher of rows without --teacher_column (default: such a row is refused)")
+    if black_box:
+        return
     g.add_argument("--accept_template_difference", default="",
                    help="comma-separated teacher names (\"teacher\" for --teacher_path / --teacher_url) whose chat "
                         "template may render the prompts differently from the student's (checked at start-up)")
 
 
-def read_teachers_file(path: str) -> list[TeacherSpec]:
+def read_teachers_file(path: str, keys: set[str] = SPEC_KEYS) -> list[TeacherSpec]:
     """The --teachers file -> its specs, in the file's order; anything wrong is one line naming the file and the
-    teacher."""
+    teacher. `keys`: what an entry may hold (BLACK_BOX_KEYS for the logit-free loop)."""
     where = f"--teachers {path}"
     if not os.path.isfile(path):
         refuse(f"{where} does not exist")
@@ -88,18 +101,21 @@ def read_teachers_file(path: str) -> list[TeacherSpec]:
     for name, entry in entries.items():
         if not isinstance(entry, dict):
             refuse(f"{where}: teacher {name!r} must be an object with \"path\" or \"url\", got {entry!r}")
-        unknown = sorted(set(entry) - SPEC_KEYS)
+        unknown = sorted(set(entry) - keys)
         topk = entry.get("topk", 0)
         refuse_first([
             (not name or "/" in name, f"{where}: a teacher's name must be non-empty and without '/', got {name!r}"),
-            (bool(unknown), f"{where}: teacher {name!r} has unknown keys {unknown} (known: {sorted(SPEC_KEYS)})"),
+            (bool(unknown), f"{where}: teacher {name!r} has unknown keys {unknown} (known: {sorted(keys)})"),
             (("path" in entry) == ("url" in entry), f"{where}: teacher {name!r} needs exactly one of \"path\" (a "
                                                     f"local HF folder) and \"url\" (a served endpoint)"),
+            ("options" in entry and not isinstance(entry["options"], dict),
+             f"{where}: teacher {name!r}'s \"options\" must be a JSON object, got {entry.get('options')!r}"),
             (not isinstance(topk, int) or isinstance(topk, bool) or topk < 0,
              f"{where}: teacher {name!r}'s \"topk\" must be an integer >= 0, got {topk!r}"),
         ])
         spec = TeacherSpec(name, entry.get("path"), entry.get("url"), entry.get("model", "teacher"),
-                           entry.get("api_key_env"), topk)
+                           entry.get("api_key_env"), topk, entry.get("form"), entry.get("tokenizer_path"),
+                           entry.get("options"))
         if spec.path and not os.path.isfile(os.path.join(spec.path, "config.json")):
             refuse(f"{where}: teacher {name!r}: no model at {spec.path} (no config.json)")
         specs.append(spec)
@@ -124,7 +140,7 @@ def validate_teachers_args(args: argparse.Namespace, specs: list[TeacherSpec], s
     names = [spec.name for spec in specs]
     accepted = sorted(accepted_differences(args) - set(names))
     refuse_first([
-        (bool(args.teachers and (args.teacher_path or getattr(args, "teacher_url", None))),
+        (bool(args.teachers and (getattr(args, "teacher_path", None) or getattr(args, "teacher_url", None))),
          "--teachers names every teacher: drop --teacher_path / --teacher_url"),
         (args.default_teacher is not None and args.default_teacher not in names,
          f"--default_teacher {args.default_teacher!r} is not a teacher of --teachers {args.teachers} "
@@ -138,7 +154,7 @@ def validate_teachers_args(args: argparse.Namespace, specs: list[TeacherSpec], s
 
 
 def accepted_differences(args: argparse.Namespace) -> set[str]:
-    return {name.strip() for name in args.accept_template_difference.split(",") if name.strip()}
+    return {name.strip() for name in getattr(args, "accept_template_difference", "").split(",") if name.strip()}
 
 
 def served_teacher_rules(specs: list[TeacherSpec], loss: str, temperature: float) -> list[tuple[bool, str]]:

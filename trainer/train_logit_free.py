@@ -10,6 +10,7 @@ sure, and the student's chunks are weighted by how well the teacher's continuati
         --teacher_form chat --teacher_options '{}' --max_new_tokens 1024 --max_length 1536
     ... --teacher_form completions --teacher_tokenizer_path /models/Qwen3-32B   # vLLM's /v1/completions
     ... --from_resume 1                                   # the teacher's answers are cached: none is asked twice
+    ... --teachers teachers.json --default_teacher general  # several endpoints, each row's from its `teacher` column
 
 Per micro-batch (docs/logit_free.md: the method, its equations and which parts are the paper's):
   1. the student samples y ~ pi_student(.|x) (built-in engine or --rollout_url, as OPD's), labels on y
@@ -40,8 +41,8 @@ from model import Decoder
 from trainer.agreement import SIMILARITIES, agreement
 from trainer.audit import (anchor_labels, anchors_outside_thinking, chunked_audit_loss, completion_lengths,
                            plan_audits, position_stats, position_weights, posterior_weight)
-from trainer.black_box_teacher import (add_teacher_args, audit_requests, check_teacher_wait, connect_teacher,
-                                       validate_teacher_args)
+from trainer.black_box_teacher import (add_teacher_args, audit_requests, black_box_specs, check_teacher_wait,
+                                       connect_teachers, validate_teacher_args)
 from trainer.chunked_losses import completion_hidden
 from trainer.console import PhaseClock
 from trainer.distributed import init_distributed_mode
@@ -54,6 +55,7 @@ from trainer.loading import build_model, load_prompt_data
 from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
 from trainer.run import Run
 from trainer.servers import add_server_args, connect_server, say_servers, validate_server_args
+from trainer.teachers import SINGLE, TeacherSpec, add_teachers_args, routing, validate_teachers_args
 from trainer.sharding import reshard_root
 
 ANCHOR = Divergence("jsd", beta=0.0)  # KL(p_ref || p_S): the generalized JSD's forward-KL end, p_ref as "teacher"
@@ -63,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description="Logit-free on-policy distillation of a Qwen3 student from a black-box teacher")
     add_common_args(parser, save_weight="logit_free")
     add_teacher_args(parser)
+    add_teachers_args(parser, black_box=True)
     add_method_args(parser)
     add_sampling_args(parser)
     add_server_args(parser, teacher=False)
@@ -76,7 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     validate_sampling_args(args)
     validate_logit_free_args(args)
     validate_server_args(args, samples=True, teacher=False)
+    validate_teachers_args(args, teacher_specs(args))
     return args
+
+
+def teacher_specs(args: argparse.Namespace) -> list[TeacherSpec]:
+    """--teachers' endpoints, or --teacher_url's, named "teacher"."""
+    return black_box_specs(args) if args.teachers else [TeacherSpec(SINGLE, url=args.teacher_url)]
 
 
 def add_method_args(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +153,9 @@ def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", need_completion=False)
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
-    teacher = connect_teacher(args, info.rank)
+    routes = routing(args, teacher_specs(args))
+    routes.check(dataset)  # every row's teacher is one of the run's
+    teachers = connect_teachers(args, info.rank, routes)  # one, or each of --teachers
     student = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
     reference = load_reference(args, tokenizer, student, info.device)  # the anchor's p_ref, frozen
     eval_teacher = None if not args.eval_teacher_path else load_frozen(args, args.eval_teacher_path, tokenizer,
@@ -176,11 +187,13 @@ def train(args: argparse.Namespace) -> None:
             planned = plan_audits(entropy, logprob, lengths, args.chunk_len, args.audit_chunks, allowed)
             chunks, requests, texts = audit_requests(args, tokenizer, batch, labels, planned, epoch, run.step)
             run.metrics.total("audits_skipped", len(planned) - len(chunks))  # partials no template can hand over
+            asking = [batch["rows"][chunk.row] for chunk in chunks]  # each chunk's row: its teacher
             with clock("teacher"), run.fail_together():  # 3. the teacher's continuations, all chunks at once
-                answers = teacher.continue_batch(requests)
+                answers, usages = teachers.continue_batch(requests, asking)
             ks = [agreement(text, continuations, args.similarity) for text, continuations in zip(texts, answers.texts)]
             pi_hats = [posterior_weight(k, args.continuations, chunk.pi_bar, args.alpha)
                        for k, chunk in zip(ks, chunks)]
+            teachers.add_to(run.metrics, asking, pi_hats, usages)  # several teachers: each one's numbers
             weights, audited = position_weights(lengths, chunks, pi_hats, device=run.device)
             anchored = anchor_labels(targets, audited)  # the anchor's positions: the unaudited ones
             with clock("reference"):
@@ -199,7 +212,7 @@ def train(args: argparse.Namespace) -> None:
         clock.add_to(run.metrics)  # entropy / teacher / reference / train seconds and their shares
         rollouts.add_to(run.metrics)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics, show=("teacher_share", "pi_hat", "phi", "anchor_kl", "completion_len"))
+        run.log(metrics, show=teachers.shown() + ("teacher_share", "pi_hat", "phi", "anchor_kl", "completion_len"))
         if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
             rollouts.before_save()
             run.save()
@@ -208,7 +221,7 @@ def train(args: argparse.Namespace) -> None:
         if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
             break
     rollouts.close()
-    teacher.close()
+    teachers.close()
     run.finish()
 
 
