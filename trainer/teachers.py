@@ -268,7 +268,7 @@ def check_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer
     """Before any model loads: the served teachers connected (one that is down is refused now), each local one's
     vocabulary compared with the student's, and every teacher's chat template checked against the student's on the
     first rows' prompts (`check_template`). -> name -> the connected server of each served teacher."""
-    servers = {spec.name: connect_teacher(args, spec, tokenizer) for spec in specs if spec.url}
+    servers = {spec.name: connect_served_teacher(args, spec, tokenizer) for spec in specs if spec.url}
     for spec in specs:
         own = None if spec.url else same_vocabulary(spec.path, tokenizer, role_of(spec))
         if spec.name not in accepted_differences(args):
@@ -293,7 +293,7 @@ def role_of(spec: TeacherSpec) -> str:
     return "teacher" if spec.name == SINGLE else f"teacher {spec.name!r}"
 
 
-def connect_teacher(args: argparse.Namespace, spec: TeacherSpec, tokenizer) -> CompletionServer:
+def connect_served_teacher(args: argparse.Namespace, spec: TeacherSpec, tokenizer) -> CompletionServer:
     """A served teacher, checked at once: up, its model, context, tokenizer and top-K (trainer/servers.py)."""
     what = "teacher server" if spec.name == SINGLE else f"teacher server {spec.name!r}"
     return open_server(args, spec.url, spec.model, spec.api_key_env, what, tokenizer, spec.topk)
