@@ -39,7 +39,7 @@ class Part:
 
 def split_by_teacher(teachers: Teachers, route: torch.Tensor, labels: torch.Tensor) -> list[Part]:
     """A micro-batch's rows per teacher, every teacher in order (one with no rows here too: a sharded teacher
-    still runs its forward, see `teacher_scores`)."""
+    still runs its forward, see `part_scores`)."""
     route = route.to(labels.device)
     position_rows = (labels[:, 1:] != IGNORE_INDEX).nonzero()[:, 0]  # completion_hidden's positions, row by row
     parts = []
