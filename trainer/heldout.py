@@ -43,6 +43,11 @@ def divergence_keys(teacher: EvalTeacher) -> tuple[str, str]:
     return f"kl_sum/{teacher.name}", f"kl_tokens/{teacher.name}"
 
 
+def sum_keys(teachers: Sequence[EvalTeacher]) -> tuple[str, ...]:
+    """Every number an evaluation adds up: SUMS and each teacher's divergence sums."""
+    return SUMS + tuple(key for teacher in teachers for key in divergence_keys(teacher))
+
+
 @torch.no_grad()
 def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, teachers: Sequence[EvalTeacher] = (),
                  teacher_of: Callable[[dict], str | None] | None = None, autocast=contextlib.nullcontext,
@@ -57,7 +62,7 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
     own dtype: Run.teacher_autocast)."""
     was_training = student.training
     student.eval()
-    sums = dict.fromkeys(SUMS + tuple(key for t in teachers for key in divergence_keys(t)), 0.0)
+    sums = dict.fromkeys(sum_keys(teachers), 0.0)
     for batch in batches:
         with autocast():
             out = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens,
@@ -71,7 +76,7 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
         sums["rows"] += len(texts)
         sums["generated"] += int(out.completion_mask.sum())
         sums["ended"] += int((out.completion_ids == tokenizer.eos_token_id).any(dim=1).sum())
-        completions = {"greedy": out}
+        completions = {}  # greedy, and (for a sampled_kl teacher) sampled: each built into sequences once
         for teacher in teachers:
             rows = [i for i, row in enumerate(batch["rows"])
                     if teacher_of is None or teacher_of(row) == teacher.name]
@@ -79,10 +84,11 @@ def heldout_sums(student, tokenizer, batches: list[dict], max_new_tokens: int, t
                 continue
             form = "sampled" if teacher.divergence.kind == "sampled_kl" else "greedy"
             if form not in completions:  # an estimate needs the student's own samples, not greedy ones
-                completions[form] = sample_prompts(student, tokenizer, batch, max_new_tokens, autocast, seed,
-                                                   decoder, all_stopped)
-            sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
-                                        completions[form].completion_ids, completions[form].completion_mask)
+                drawn = out if form == "greedy" else sample_prompts(student, tokenizer, batch, max_new_tokens,
+                                                                   autocast, seed, decoder, all_stopped)
+                completions[form] = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"],
+                                                    drawn.completion_ids, drawn.completion_mask)
+            sequences = completions[form]
             if len(rows) < len(batch["rows"]):
                 sequences = tuple(t[rows] for t in sequences)
             kl, tokens = completion_divergence(teacher, student, sequences, len(tokenizer), chunk_size, autocast,
@@ -215,7 +221,7 @@ class HeldoutEvaluator:
         """This rank's sums, all-reduced with the others'. A rank whose share fails (a teacher server that stopped
         answering) still joins the all-reduce, with a failure flag, and then raises; so does every other rank:
         none is left waiting, and the loop's fail_together sees the failure on every rank."""
-        failure, keys = None, SUMS + tuple(key for teacher in self.teachers for key in divergence_keys(teacher))
+        failure, keys = None, sum_keys(self.teachers)
         try:
             sums = work()
         except RuntimeFailure as error:

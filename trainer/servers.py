@@ -114,13 +114,13 @@ def check_server_wait(args: argparse.Namespace, teacher_url: str | None) -> None
                f"lower --rollout_timeout")
 
 
-def connect_server(args: argparse.Namespace, role: str, tokenizer=None, topk: int = 0) -> CompletionServer | None:
-    """The --ROLE_url server (None without one), checked at once (`open_server`)."""
+def connect_server(args: argparse.Namespace, role: str) -> CompletionServer | None:
+    """The --ROLE_url server (None without one), checked at once (`open_server`; teachers: trainer/teachers.py)."""
     url = getattr(args, f"{role}_url")
     if not url:
         return None
     return open_server(args, url, getattr(args, f"{role}_model"), getattr(args, f"{role}_api_key_env"),
-                       SERVERS[role][0], tokenizer, topk)
+                       SERVERS[role][0])
 
 
 def open_server(args: argparse.Namespace, url: str, model: str, api_key_env: str | None, what: str,

@@ -18,19 +18,24 @@ from trainer.teachers import Teacher, Teachers
 class Part:
     """The rows of a micro-batch one teacher scores: `rows` their indices (ascending), `positions` a bool mask over
     the micro-batch's completion positions (completion_hidden's order: row by row). `whole`: every row is this
-    teacher's (no selection needed)."""
+    teacher's (no selection needed; `positions` None)."""
     teacher: Teacher
     rows: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     whole: bool
 
     @property
     def empty(self) -> bool:
         return self.rows.numel() == 0
 
+    @property
+    def index(self) -> torch.Tensor | slice:
+        """Indexes this teacher's completion positions (N, ...), to read or to write."""
+        return slice(None) if self.whole else self.positions
+
     def select(self, tensor: torch.Tensor) -> torch.Tensor:
         """Per completion position (N, ...) -> this teacher's positions."""
-        return tensor if self.whole else tensor[self.positions]
+        return tensor[self.index]
 
     def sequences(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per row (B, T) -> this teacher's rows."""
@@ -39,7 +44,10 @@ class Part:
 
 def split_by_teacher(teachers: Teachers, route: torch.Tensor, labels: torch.Tensor) -> list[Part]:
     """A micro-batch's rows per teacher, every teacher in order (one with no rows here too: a sharded teacher
-    still runs its forward, see `part_scores`)."""
+    still runs its forward, see `part_scores`). One teacher: the whole micro-batch, found without a look at the
+    tensors (on CUDA a nonzero would wait for the device every micro-batch)."""
+    if not teachers.several:
+        return [Part(teachers.members[0], torch.arange(labels.shape[0]), None, whole=True)]
     route = route.to(labels.device)
     position_rows = (labels[:, 1:] != IGNORE_INDEX).nonzero()[:, 0]  # completion_hidden's positions, row by row
     parts = []

@@ -183,8 +183,8 @@ def token_values(args: argparse.Namespace, run: Run, advantages: torch.Tensor, l
                 scores = token_logprobs(scores, part.teacher.lm_head_weight, part.select(targets),
                                         args.loss_chunk_size, vocab, args.gen_temperature)
         if scores is not None:
-            values[part.positions, TEACHER_LOGP] = scores.to(values.dtype)
-        add_part_metrics(run.metrics, teachers, part, None, int(part.positions.sum()))
+            values[part.index, TEACHER_LOGP] = scores.to(values.dtype)
+        add_part_metrics(run.metrics, teachers, part, None, 0 if scores is None else scores.numel())
     return values
 
 
