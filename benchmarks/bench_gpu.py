@@ -89,7 +89,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import bench_sync, harness  # noqa: E402
-from benchmarks.bench_opd import opd_step  # noqa: E402
+from benchmarks.bench_opd import measured_roofline, opd_step  # noqa: E402
+from benchmarks.roofline import peak_bf16_tflops  # noqa: E402
 from common.errors import Stopped  # noqa: E402
 from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir,  # noqa: E402
                    generate, load_pretrained, load_tokenizer, save_pretrained)
@@ -139,7 +140,6 @@ COST_S = {
 DISK_BYTES_PER_S = {"full": 1e9, "tiny": 3e8}  # written and fsynced; the smoke models phase measures it
 RESUME_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments
 EXPORT_BYTES_PER_PARAM = 4   # the HF export of the fp32 master weights
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 BF16_TOLERANCE = 0.02
 VOCAB = 151669  # the tokenizer's tokens (the embedding has 151,936 rows)
 # A phase's default limit: twice its estimate (the estimates are guesses), never under a minute (a slow start-up,
@@ -664,9 +664,12 @@ def opd_split(kit: Kit) -> tuple[str, str]:
     reset_peak(device)
     phases, stats = opd_step(opts, student, teacher, optimizer, tokenizer, batch, 1)
     rate = stats["generated_tokens"] / (phases["generation"] / 1000.0)
+    # each phase against its roofline from the GPU's peak (benchmarks/roofline.py): its multiple is 1 / its MFU
+    _, roof = measured_roofline(opts, student.config, teacher.config, len(tokenizer), {**stats, "phases_ms": phases})
     kit.report["opd"] = {"phases_ms": phases, "generated_tokens": stats["generated_tokens"],
-                         "generation_tokens_per_s": rate, "peak_memory_gib": peak_gib(device)}
-    return "ok", f"generation {rate:,.0f} tokens/s"
+                         "generation_tokens_per_s": rate, "peak_memory_gib": peak_gib(device), "roofline": roof}
+    multiples = ", ".join(f"{phase} {p['multiple']:.1f}x" for phase, p in roof["phases"].items())
+    return "ok", f"generation {rate:,.0f} tokens/s; x roofline: {multiples}"
 
 
 def decode_compiled(kit: Kit) -> tuple[str, str]:
@@ -830,7 +833,7 @@ def gpu_peak_tflops(args) -> float | None:
     if args.peak_tflops or not args.device.startswith("cuda"):
         return args.peak_tflops
     name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return peak_bf16_tflops(name)
 
 
 def report_table(report: dict) -> str:

@@ -8,17 +8,20 @@ one SFT training step.
     python benchmarks/bench_losses.py --casts --hidden 256               # lm_head casts under bf16 autocast
 
 --loss jsd (target: chunked <= 25% of full): generalized JSD (beta 1: OPD's reverse KL) between random student and
-  teacher hidden states (N, H) and lm_heads (V, H). full: both logits (N, V) at once, then the loss; chunked:
-  trainer.chunked_losses.chunked_generalized_jsd_loss, the lm_heads applied chunk by chunk and recomputed in the backward.
+  teacher hidden states (N, H) and lm_heads (V, H). full: both logits (N, V) at once, then the loss; checkpointed:
+  the generic trainer.chunked_losses.chunked_loss with the JSD as its loss, the lm_heads applied chunk by chunk and
+  recomputed in the backward (how OPD computed it before trainer/fused_jsd.py); chunked: what training runs,
+  trainer.fused_jsd.chunked_generalized_jsd_loss, chunk by chunk with the gradient computed in the same pass.
 --loss sft (target: chunked <= 40% of full): one SFT step of a small model (hidden 256, 2 layers, the tied
   151,936-row embedding: as for Qwen3-0.6B at real lengths, the logits dominate) on a batch laid out as SFTCollator
   makes it: right padded (row r has r x --pad_step pads at the end, its prompt that much shorter), labels -100 on
   the prompt and the pads. chunked: as train_sft.py, completion_hidden (only the positions that predict a label)
   then chunked_sft_loss; full: the same forward's logits (B, T, V), labels shifted (not the logits: no shifted
   copy, as transformers' ForCausalLMLoss), cross entropy -- the kindest full-logits baseline.
---casts: the chunked JSD under CPU bf16 autocast, counting the full-size (V, H) casts of the lm_head weights
-  (aten._to_copy, through a dispatch mode) and timing it, once with the weights cast once per loss
-  (`trainer.chunked_losses.autocast_once`, today) and once with autocast casting them at every chunk's matmul (before).
+--casts: the generic chunked path (the JSD through chunked_loss, as SFT, KD and the top-K loss use it) under CPU
+  bf16 autocast, counting the full-size (V, H) casts of the lm_head weights (aten._to_copy, through a dispatch mode)
+  and timing it, once with the weights cast once per loss (`trainer.chunked_losses.autocast_once`, today) and once
+  with autocast casting them at every chunk's matmul (before).
 
 Each variant runs in a fresh 'spawn' process (glibc's mmap threshold fixed: harness.FIXED_MMAP_THRESHOLD): inputs
 (and model) built, a warm-up on a toy slice (kernels, thread pool, autograd engine: memory unrelated to the loss),
@@ -50,7 +53,8 @@ from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
 from dataset.collators import IGNORE_INDEX  # noqa: E402
 from model import Qwen3Config, create_model  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
-from trainer.chunked_losses import chunked_generalized_jsd_loss, chunked_sft_loss, completion_hidden  # noqa: E402
+from trainer.chunked_losses import chunked_sft_loss, completion_hidden  # noqa: E402
+from trainer.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
 from trainer.losses import generalized_jsd_loss, sft_loss  # noqa: E402
 
 TARGETS = {"jsd": 0.25, "sft": 0.40}  # chunked / full memory
@@ -119,6 +123,14 @@ def jsd_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.
                                         chunk_size=min(args.chunk_size, len(x["labels"])))
 
 
+def jsd_checkpointed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_fn(logits, teacher_logits, labels):
+        return generalized_jsd_loss(logits, teacher_logits, labels, beta=args.beta, reduction="sum")
+    loss = chunked_losses.chunked_loss(loss_fn, x["h"], x["w"], x["labels"], x["th"], x["tw"],
+                                       chunk_size=min(args.chunk_size, len(x["labels"])))
+    return loss, torch.tensor(len(x["labels"]))
+
+
 def sft_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     logits = x["model"](x["input_ids"]).logits  # (B, T, V); the same forward as completion_hidden's
     # position t predicts labels[t + 1]: shift the labels (the last position gets -100), not the logits
@@ -130,7 +142,7 @@ def sft_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.
     return chunked_sft_loss(hidden, x["model"].lm_head.weight, targets, chunk_size=args.chunk_size)
 
 
-STEPS = {("jsd", "full"): jsd_full, ("jsd", "chunked"): jsd_chunked,
+STEPS = {("jsd", "full"): jsd_full, ("jsd", "checkpointed"): jsd_checkpointed, ("jsd", "chunked"): jsd_chunked,
          ("sft", "full"): sft_full, ("sft", "chunked"): sft_chunked}
 
 
@@ -169,16 +181,20 @@ def run_variant(loss: str, variant: str, args: argparse.Namespace) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Full logits, then chunked, each in a fresh process of its own (its peak is its own) -> the results."""
+    """Full logits, then chunked (and for the JSD the checkpointed path), each in a fresh process of its own (its
+    peak is its own) -> the results."""
     context = mp.get_context("spawn")
     variants = {}
-    for variant in ("full", "chunked"):
+    for variant in ("full", "checkpointed", "chunked") if args.loss == "jsd" else ("full", "chunked"):
         with harness.environment(harness.FIXED_MMAP_THRESHOLD), context.Pool(1) as pool:
             variants[variant] = pool.apply(run_variant, (args.loss, variant, args))
     full, chunked = variants["full"], variants["chunked"]
-    return {"variants": variants, "memory_ratio": chunked["extra_bytes"] / full["extra_bytes"],
-            "time_ratio": chunked["seconds"] / full["seconds"], "target": TARGETS[args.loss],
-            "loss_difference": abs(chunked["loss_per_token"] - full["loss_per_token"])}
+    results = {"variants": variants, "memory_ratio": chunked["extra_bytes"] / full["extra_bytes"],
+               "time_ratio": chunked["seconds"] / full["seconds"], "target": TARGETS[args.loss],
+               "loss_difference": abs(chunked["loss_per_token"] - full["loss_per_token"])}
+    if "checkpointed" in variants:  # the fused loss against the generic path it replaced for the JSD
+        results["checkpointed_time_ratio"] = variants["checkpointed"]["seconds"] / chunked["seconds"]
+    return results
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -205,6 +221,9 @@ def print_results(results: dict) -> None:
     verdict = "meets" if results["memory_ratio"] <= results["target"] else "misses"
     print(f"chunked / full memory: {results['memory_ratio']:.1%} ({verdict} the <= {results['target']:.0%} target); "
           f"time ratio {results['time_ratio']:.2f}x; loss difference {results['loss_difference']:.2e}")
+    if "checkpointed_time_ratio" in results:
+        print(f"checkpointed / chunked time: {results['checkpointed_time_ratio']:.2f}x (the gradient computed with the "
+              f"loss, trainer/fused_jsd.py)")
 
 
 # ----------------------------------------------------------------------------------------------------- --casts
@@ -232,8 +251,9 @@ def count_casts(args: argparse.Namespace, cast_once: bool) -> dict:
         start = time.perf_counter()
         with CountWeightCasts((args.vocab - 1) * args.hidden) as counter:  # vocab_size v - 1: the sliced view,
             with torch.autocast("cpu", dtype=torch.bfloat16):                # as in training
-                loss, _ = chunked_generalized_jsd_loss(x["h"], x["w"], x["th"], x["tw"], x["labels"], beta=args.beta,
-                                                       chunk_size=args.chunk_size, vocab_size=args.vocab - 1)
+                loss = chunked_losses.chunked_loss(
+                    lambda s, t, y: generalized_jsd_loss(s, t, y, beta=args.beta, reduction="sum"), x["h"], x["w"],
+                    x["labels"], x["th"], x["tw"], chunk_size=args.chunk_size, vocab_size=args.vocab - 1)
             loss.backward()
         return {"casts": counter.count, "seconds": time.perf_counter() - start}
     finally:

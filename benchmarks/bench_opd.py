@@ -14,8 +14,9 @@ One OPD step on one micro-batch, phase by phase, with the calls train_opd.py mak
                    benchmark's step number stands in for the epoch, so every step samples afresh
   teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
                    chunk by chunk inside the loss)
-  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (student AND teacher lm_head
-                   per chunk, beta=1: reverse KL), backward of the summed loss (recomputes each chunk)
+  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/fused_jsd.py: student
+                   AND teacher lm_head per chunk, beta=1: reverse KL, the gradients of the student's hidden states
+                   and head computed in the same pass), backward of the summed loss (scales those, then the body)
   optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
 Phases are timed with console.PhaseClock (the loop's own clock; its seconds are shown here in ms). The loss
 phases are spelled out rather than calling train_opd.distill_loss, which would time them as one.
@@ -26,6 +27,12 @@ loop's own rollout). Random weights sample EOS almost never, so with them every 
 tokens; trained models stop early, so their generation time varies with what they sample. Generated tokens are
 counted from the labels (positions != IGNORE_INDEX: through the first EOS), decode steps as the sequence length
 minus the prompt width.
+
+Then the roofline (benchmarks/roofline.py): the machine's GEMM, exp and copy rates measured in the same run, each
+phase's bound from the work it must do (FLOPs, exponentials, bytes), the measured median as a multiple of it; and
+the bounds of the same step's tokens for real shapes (--arithmetic_models, default a Qwen3-0.6B student and a
+Qwen3-4B teacher) as arithmetic on those rates. On a GPU of known kind the GEMM rate is its peak dense bf16 rate, so
+a phase's multiple is 1 / its MFU.
 
 Then the generation alone is taken apart (separate runs of the same sample_completions, so the extra
 synchronisation does not touch the table above; the sequences it returns are all these numbers need, so there is no
@@ -51,7 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, roofline  # noqa: E402
+from benchmarks.fsdp_estimate import QWEN3_SHAPES, qwen3_config  # noqa: E402
 from common.checks import check_device  # noqa: E402
 from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
 from dataset.collators import IGNORE_INDEX  # noqa: E402
@@ -59,7 +67,8 @@ from dataset.sources import RowDataset  # noqa: E402
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 from trainer.console import PhaseClock  # noqa: E402
-from trainer.chunked_losses import chunked_generalized_jsd_loss, completion_hidden  # noqa: E402
+from trainer.chunked_losses import completion_hidden  # noqa: E402
+from trainer.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
 from trainer.rollouts import sample_completions  # noqa: E402
 
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
@@ -138,7 +147,8 @@ def opd_step(args, student, teacher, optimizer, tokenizer, batch, step: int) -> 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     stats = {"generated_tokens": int((labels != IGNORE_INDEX).sum()), "decode_steps": decode_steps(input_ids, batch),
-             "loss": loss_sum.item() / tokens, "prompt_len": batch["prompt_ids"].shape[1]}
+             "loss": loss_sum.item() / tokens, "prompt_len": batch["prompt_ids"].shape[1],
+             "prompt_tokens": int(batch["prompt_attention_mask"].sum())}
     return {phase: seconds * 1000.0 for phase, seconds in clock.seconds.items()}, stats
 
 
@@ -267,6 +277,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--steps", type=int, default=5, help="timed steps (median per phase)")
     g.add_argument("--breakdown_runs", type=int, default=3, help="instrumented generate calls to average (0 = off)")
     g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--arithmetic_models", nargs=2, default=["Qwen3-0.6B", "Qwen3-4B"], choices=sorted(QWEN3_SHAPES),
+                   metavar=("STUDENT", "TEACHER"), help="the real shapes whose bounds are shown as arithmetic")
     harness.add_json_arg(parser)
     args = parser.parse_args(argv)
     check_device(args.device)
@@ -293,10 +305,12 @@ def measure(args, student, teacher, tokenizer, batch) -> dict:
         stats.append(step_stats)
     phases = {phase: statistics.median(values) for phase, values in per_phase.items()}
     generated = statistics.median(s["generated_tokens"] for s in stats)
+    prompt_tokens = statistics.median(s["prompt_tokens"] for s in stats)
     decode = statistics.median(s["decode_steps"] for s in stats)
     generation_s = phases["generation"] / 1000.0
     return {"phases_ms": phases, "step_ms": sum(phases.values()), "measured_step_ms": statistics.median(totals),
-            "generated_tokens": generated, "decode_steps": decode, "generation_tokens_per_s": generated / generation_s,
+            "generated_tokens": generated, "prompt_tokens": prompt_tokens, "decode_steps": decode,
+            "generation_tokens_per_s": generated / generation_s,
             "row_steps_per_s": decode * args.batch_size / generation_s,
             "loss_per_token": statistics.median(s["loss"] for s in stats)}
 
@@ -314,6 +328,58 @@ def print_step(results: dict, args) -> None:
           f"{results['generated_tokens']:.0f} tokens (through the first EOS) in {results['decode_steps']:.0f} decode "
           f"steps x {args.batch_size} rows -> {results['generation_tokens_per_s']:.0f} tokens/s of generation "
           f"({results['row_steps_per_s']:.0f} row-steps/s); loss (per token) {results['loss_per_token']:.4f}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the roofline (benchmarks/roofline.py)
+
+def phase_work(args, student_config, teacher_config, vocab: int, results: dict) -> dict:
+    """What each phase of the measured step must do, from the models' shapes and the step's median tokens."""
+    precision = resolve_precision(args.device, args.dtype)
+    return roofline.opd_work(
+        student_config, teacher_config, vocab, args.batch_size, results["prompt_tokens"], results["generated_tokens"],
+        results["decode_steps"], roofline.exps_per_logit(args.beta),
+        weight_bytes=precision.compute.itemsize, teacher_bytes=precision.teacher.itemsize)
+
+
+def roofline_rows(work: dict, rates: roofline.Rates, phases_ms: dict | None) -> tuple[list[list[str]], dict]:
+    """Table rows phase | ms | bound ms | x bound (only the bound without measured times) and the numbers."""
+    measured = None if phases_ms is None else {
+        "generation": phases_ms["generation"], "teacher forward": phases_ms["teacher forward"],
+        "training": phases_ms["student forward"] + phases_ms["loss forward"] + phases_ms["backward"],
+        "optimizer": phases_ms["optimizer"]}
+    work = {**work, "step": sum(work.values(), roofline.Work())}
+    rows, numbers = [], {}
+    for phase, w in work.items():
+        bound = w.seconds(rates) * 1000.0
+        ms = None if measured is None else (sum(measured.values()) if phase == "step" else measured[phase])
+        numbers[phase] = {"bound_ms": bound, **({} if ms is None else {"ms": ms, "multiple": ms / bound})}
+        measured_cells = [] if ms is None else [f"{ms:.1f}"]
+        rows.append([phase, *measured_cells, f"{bound:.1f}", *([] if ms is None else [f"{ms / bound:.2f}x"])])
+    return rows, numbers
+
+
+def measured_roofline(args, student_config, teacher_config, vocab: int, results: dict) -> tuple[list, dict]:
+    """The machine's rates now, and each measured phase against its bound -> (table rows, the numbers)."""
+    rates = roofline.measure_rates(args.device, resolve_precision(args.device, args.dtype).compute, vocab)
+    rows, phases = roofline_rows(phase_work(args, student_config, teacher_config, vocab, results), rates,
+                                 results["phases_ms"])
+    return rows, {"rates": vars(rates), "phases": phases}
+
+
+def print_roofline(args, student, teacher, vocab: int, results: dict) -> dict:
+    rows, numbers = measured_roofline(args, student.config, teacher.config, vocab, results)
+    rates = numbers["rates"]
+    print(f"\nroofline: GEMM {rates['gemm'] / 1e9:.0f} GFLOP/s ({rates['source']}), exp {rates['exp'] / 1e9:.2f} G/s, "
+          f"memory {rates['bandwidth'] / 1e9:.1f} GB/s; bound = max(FLOPs / GEMM + exps / exp, bytes / memory) "
+          f"(benchmarks/roofline.py); training = student forward + loss + backward, both vocabulary projections in it")
+    print(harness.table(["phase", "ms", "bound ms", "x bound"], rows))
+    student_name, teacher_name = args.arithmetic_models
+    work = phase_work(args, qwen3_config(student_name), qwen3_config(teacher_name), vocab, results)
+    rows, arithmetic = roofline_rows(work, roofline.Rates(**rates), None)
+    print(f"\n{student_name} student, {teacher_name} teacher at this step's tokens, as arithmetic on these rates:\n"
+          + harness.table(["phase", "bound ms"], rows))
+    return {**numbers, "arithmetic": {"models": [student_name, teacher_name], "phases": arithmetic}}
 
 
 def print_breakdown(b: dict, generation_ms: float, batch: dict, args) -> None:
@@ -352,6 +418,7 @@ def main(argv=None) -> dict:
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     results = measure(args, student, teacher, tokenizer, batch)
     print_step(results, args)
+    results["roofline"] = print_roofline(args, student, teacher, len(tokenizer), results)
     if args.breakdown_runs:
         results["generation_breakdown"] = take_generation_apart(args, student, tokenizer, batch, args.breakdown_runs)
         print_breakdown(results["generation_breakdown"], results["phases_ms"]["generation"], batch, args)

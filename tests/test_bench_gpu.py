@@ -128,6 +128,7 @@ def test_the_tiny_cpu_mode_runs_every_path(tmp_path):
     assert report["bf16_vs_fp32"]["ok"]
     assert report["throughput"]["sft"]["tokens_per_s"] > 0 and report["throughput"]["kd"]["tokens_per_s"] > 0
     assert set(report["opd"]["phases_ms"]) >= {"generation", "teacher forward", "backward"}
+    assert report["opd"]["roofline"]["phases"]["training"]["multiple"] > 0  # on a GPU: 1 / the phase's MFU
     assert report["generate_vs_transformers"]["ours"] > 0
     assert "| smoke run |" in result.stdout and "OPD step" in result.stdout
     assert not work.exists()  # the models and every run's folder removed at the end

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from benchmarks import (bench_data, bench_logit_free, bench_losses, bench_model, bench_opd, bench_rollout, bench_sync,
-                        bench_topk, bench_trl, harness)
+                        bench_topk, bench_trl, harness, roofline)
 from common.errors import FlagError, UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the scripts' --threads 1 is torch's global setting
@@ -50,6 +50,10 @@ def test_the_chunked_losses_equal_the_full_ones_within_their_memory_target(argv,
     assert results["loss_difference"] <= 1e-5 * full["loss_per_token"]
     assert math.isclose(chunked["lm_head_grad_norm"], full["lm_head_grad_norm"], rel_tol=1e-4)
     assert results["memory_ratio"] == chunked["extra_bytes"] / full["extra_bytes"] <= results["target"]
+    if results["loss"] == "jsd":  # the generic checkpointed path, which the fused JSD replaced, agrees too
+        checkpointed = results["variants"]["checkpointed"]
+        assert math.isclose(checkpointed["lm_head_grad_norm"], full["lm_head_grad_norm"], rel_tol=1e-4)
+        assert positive(results["checkpointed_time_ratio"])
 
 
 def test_the_lm_head_is_cast_once_per_loss_not_per_chunk(tmp_path):
@@ -103,6 +107,30 @@ def test_an_opd_step_split_into_its_phases(tmp_path):
     breakdown = results["generation_breakdown"]
     assert positive(breakdown["prefill"], breakdown["decode"], breakdown["step_lm_head"])
     assert math.isclose(breakdown["prefill"] + breakdown["decode"], breakdown["total"])
+    roof = results["roofline"]
+    assert positive(*(value for key, value in roof["rates"].items() if key != "source"))
+    training = roof["phases"]["training"]
+    assert math.isclose(training["ms"], phases["student forward"] + phases["loss forward"] + phases["backward"])
+    assert math.isclose(training["multiple"], training["ms"] / training["bound_ms"])
+    assert set(roof["arithmetic"]["phases"]) == {"generation", "teacher forward", "training", "optimizer", "step"}
+
+
+def test_the_roofline_counts_the_work_from_the_shapes():
+    """The training phase's work by hand for the demo's tiny shapes: 6 FLOPs per student layer parameter per token,
+    the four vocabulary projections, c exponentials per logit; the layer parameters as a real model has them."""
+    from model import Qwen3Config, create_model
+    student, teacher = (Qwen3Config.from_json(path) for path in (harness.STUDENT_CONFIG, harness.TEACHER_CONFIG))
+    model = create_model(student)
+    layers = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
+    assert roofline.layer_parameters(student) == layers
+    vocab, n, prompt = 151_669, 100, 60
+    work = roofline.opd_work(student, teacher, vocab, rows=4, prompt_tokens=prompt, completion_tokens=n,
+                             decode_steps=30, exps_per_logit=roofline.exps_per_logit(1.0))
+    flops = 6 * layers * (prompt + n) + 2 * n * vocab * 3 * student.hidden_size + 2 * n * vocab * teacher.hidden_size
+    assert work["training"].flops == flops and work["training"].exps == 2 * n * vocab
+    assert roofline.exps_per_logit(0.0) == 2 and roofline.exps_per_logit(0.5) == 3
+    rates = roofline.Rates(gemm=1e11, exp=1e9, bandwidth=1e10, source="test")
+    assert work["training"].seconds(rates) == max(flops / 1e11 + 2 * n * vocab / 1e9, work["training"].bytes / 1e10)
 
 
 def test_our_side_of_the_trl_comparison_runs_without_trl(tmp_path):

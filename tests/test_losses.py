@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from support import reference_divergence
-from trainer.chunked_losses import chunked_generalized_jsd_loss, chunked_loss, chunked_sft_loss
+from trainer.chunked_losses import chunked_loss, chunked_sft_loss
+from trainer.fused_jsd import chunked_generalized_jsd_loss
 from trainer.losses import distillation_loss, generalized_jsd_loss, sampled_token_kl_loss, sft_loss
 
 BETAS = (0.0, 0.5, 1.0)
@@ -432,7 +433,9 @@ def test_sampled_token_kl_ignores_masked_positions():
 def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_numbers():
     """The CUDA training path's cast, on CPU bf16 autocast: 8 chunks of student and teacher cast each (V, H) weight
     once (the view `weight[:vocab_size]` would otherwise be cast at every chunk's matmul, recompute and backward),
-    and the loss and the head's gradient equal the per-chunk casts'."""
+    and the loss and the head's gradient equal the per-chunk casts'. The generic chunked path (SFT, KD, top-K,
+    the sampled-token and policy losses), here with the JSD as its loss; trainer/fused_jsd.py casts once by
+    construction (tests/test_fused_jsd.py)."""
     import trainer.chunked_losses as chunked_losses
     from benchmarks.bench_losses import CountWeightCasts
     torch.manual_seed(0)
@@ -447,8 +450,8 @@ def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_n
             w.grad = None
             with CountWeightCasts((v - 1) * hdim) as counter:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss, _ = chunked_generalized_jsd_loss(h, w, th, tw, labels, beta=1.0, chunk_size=16,
-                                                           vocab_size=v - 1)
+                    loss = chunked_loss(lambda s, t, y: generalized_jsd_loss(s, t, y, beta=1.0, reduction="sum"),
+                                        h, w, labels, th, tw, chunk_size=16, vocab_size=v - 1)
                 loss.backward()
         finally:
             chunked_losses.autocast_once = original

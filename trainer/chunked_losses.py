@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dataset.collators import IGNORE_INDEX
-from trainer.losses import _check_args, generalized_jsd_loss, sft_loss
+from trainer.losses import sft_loss
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -149,22 +149,6 @@ def chunked_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     def loss_fn(logits, _teacher_logits, chunk_labels):
         return sft_loss(logits, chunk_labels)
     return chunked_loss(loss_fn, hidden, weight, labels, chunk_size=chunk_size, vocab_size=vocab_size)
-
-
-def chunked_generalized_jsd_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                                 teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
-                                 labels: torch.Tensor | None, beta: float = 0.5, temperature: float = 1.0,
-                                 chunk_size: int = 512,
-                                 vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`generalized_jsd_loss` (reduction="sum") from hidden states, chunked. Returns (loss_sum, num_tokens)."""
-    _check_args("sum", temperature, beta)
-
-    def loss_fn(logits, teacher_logits, chunk_labels):
-        loss = generalized_jsd_loss(logits, teacher_logits, chunk_labels, beta=beta,
-                                    temperature=temperature, reduction="sum")
-        return loss, count_tokens(chunk_labels, logits)
-    return chunked_loss(loss_fn, student_hidden, student_weight, labels, teacher_hidden, teacher_weight,
-                        chunk_size=chunk_size, vocab_size=vocab_size)
 
 
 def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

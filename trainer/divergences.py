@@ -25,7 +25,8 @@ import torch
 
 from dataset.collators import IGNORE_INDEX
 from trainer.frozen import frozen_hidden
-from trainer.chunked_losses import chunked_generalized_jsd_loss, chunked_loss
+from trainer.chunked_losses import chunked_loss
+from trainer.fused_jsd import chunked_generalized_jsd_loss
 from trainer.losses import sampled_token_kl_from_logprobs, sampled_token_kl_loss
 from trainer.topk_divergence import chunked_topk_divergence
 
