@@ -1,19 +1,27 @@
 """Our Qwen3 against transformers' Qwen3ForCausalLM on the same weights and inputs: forward+backward, greedy and
-sampled generate; then our decode step eager against compiled, and the two forms of the decode step's lm_head.
+sampled generate; then our eager decode step over the filled cache positions against over the whole cache, eager
+against compiled (and the compile's cost), and the two forms of the decode step's lm_head.
 
     python benchmarks/bench_model.py                                   # CPU, fp32, every workload below
     python benchmarks/bench_model.py --device cuda --dtype bfloat16    # on a GPU
-    python benchmarks/bench_model.py --repeats 3 --new_tokens 32       # a quick look
-    python benchmarks/bench_model.py --only sample --threads 2         # sampled generation, the OPD demo student
+    python benchmarks/bench_model.py --only generate,sample            # greedy and sampled against transformers
+    python benchmarks/bench_model.py --only cache --threads 1          # attending over the filled positions or all
     python benchmarks/bench_model.py --only decode --threads 2         # the decode step, eager vs compiled
     python benchmarks/bench_model.py --only lm_head --threads 1        # F.linear vs (W @ h.T).T
 
-Model of train and generate: hidden 512, 6 layers, intermediate 1536, 8 query / 4 KV heads, head_dim 64 (~19M
-non-embedding parameters) plus the real 151,936-row tied embedding (all but the heads are flags). Workloads
-(--only takes a comma-separated list):
-  train     forward + backward of a (4, 256) batch, cross entropy over all positions computed the same way for both
-  generate  greedy generate of 8 left-padded prompts of different lengths x 128 new tokens, EOS disabled so both
-            produce every token (checked: the two must produce identical tokens)
+Workloads (--only takes a comma-separated list):
+  train     forward + backward of a (4, 256) batch, cross entropy over all positions computed the same way for both,
+            on the flags' model: hidden 512, 6 layers, intermediate 1536, 8 query / 4 KV heads, head_dim 64 (~19M
+            non-embedding parameters) plus the real 151,936-row tied embedding (all but the heads are flags)
+  generate  greedy generate of --num_prompts (8) left-padded prompts of 16..64 tokens x --new_tokens (64), EOS
+            disabled so both produce every token (checked: the two must produce identical tokens), on
+            --generate_config's shape with random weights (default the OPD demo teacher, model/configs/
+            qwen3-tiny.json: hidden 128, 4 layers, the real vocabulary)
+  cache     our eager greedy generate of the same prompts as it runs -- each step attending over the cache's filled
+            positions (rounded up to model/generate.py's KEY_BLOCK) -- against each step attending over the whole
+            cache under the key mask, as the compiled step does, x each of --cache_tokens (64, 512) new tokens, on
+            --generate_config's shape and on the same with Qwen3-0.6B's attention (16 query / 8 KV heads of 128),
+            where attention is a larger share of a step
   sample    sampled generate, temperature 1, no top-k / top-p, on --sample_config's shape (default the OPD demo
             student, model/configs/qwen3-tiny-student.json: hidden 64, 2 layers, the real vocabulary; --sample_model
             a trained one such as checkpoints/kd, else random weights), --sample_batches prompts x --sample_tokens,
@@ -24,23 +32,31 @@ non-embedding parameters) plus the real 151,936-row tied embedding (all but the 
             student and teacher shapes and for the demo student's layer (width 64) stacked to Qwen3-0.6B's 28 layers
             with a 1,024-token vocabulary: its arithmetic is next to nothing, so its eager step time is what Python
             and the per-op dispatch cost per step (divided by 28: per layer) -- the overhead a GPU's eager step pays
-            too, kernel launches on top, and that a CUDA graph replaces by one launch
-  lm_head   the lm_head of one decode step, F.linear(h, W) against (W @ h.T).T (+ the contiguous copy sampling
-            needs), eager and each under torch.compile, at hidden 64 / 128 / 512 and --sample_batches rows: what
-            model/generate.py's next_token_logits chooses by
+            too, kernel launches on top, and that a CUDA graph replaces by one launch. Also the compile: how much
+            longer the first compiled rollout of a width took than a later one, and in how many rollouts the
+            compiled step saves that much (inductor's on-disk cache serves later processes: set
+            TORCHINDUCTOR_CACHE_DIR to an empty folder for a cold start)
+  lm_head   the lm_head of one decode step, F.linear(h, W) against (W @ h.T).T, eager and each under torch.compile,
+            at hidden 64 / 128 / 512 and --sample_batches rows, for each use: sampled (contiguous logits, so the
+            weight-stationary form pays a copy) and greedy (their argmax): what model/generate.py's
+            next_token_logits chooses by
 Warm-up, then the median of --repeats timed runs, the contenders taking turns so a load change hits them alike. The
-ratio is transformers / ours, or eager / compiled (> 1: ours, or the compiled step, is faster).
-On a CPU a decode step is memory-bound: the 151,936 x 512 lm_head (311 MB in fp32) is read once per token. Ours reads
-it weight-stationary (see model/generate.py: next_token_logits), which also splits across threads where F.linear's
-form does not, so the generate ratio grows with --threads (2-core machine: ~1.9x with both cores, ~1.4x with one).
+ratio is transformers / ours, whole cache / filled positions, or eager / compiled (> 1: ours, the filled positions,
+or the compiled step is faster).
+On a CPU a decode step is memory-bound: the 151,936-row lm_head (78 MB in fp32 at hidden 128, 311 MB at 512) is
+read once per token. Ours reads it weight-stationary for greedy up to 8 rows (see model/generate.py:
+next_token_logits), which also splits across threads where F.linear's form does not, so the generate ratio grows
+with --threads (2-core AMD EPYC: 1.45-1.53x with both cores, 1.20-1.23x with one).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +70,12 @@ from benchmarks import harness  # noqa: E402
 from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
 from model import DTYPES, Decoder, Qwen3Config, create_model, generate, load_pretrained, save_pretrained  # noqa: E402
 
-WORKLOADS = ("train", "generate", "sample", "decode", "lm_head")
+generate_module = importlib.import_module("model.generate")  # the module: `model.generate` is the function
+
+WORKLOADS = ("train", "generate", "cache", "sample", "decode", "lm_head")
 PAD_ID = 151643
+# the cache table's model whose attention is a real model's share of a step: Qwen3-0.6B's heads
+QWEN3_06B_ATTENTION = "same, 16 query / 8 KV heads of 128 (Qwen3-0.6B's)"
 # the decode table's model with almost no arithmetic: its step time is Python and dispatch
 OVERHEAD_PROXY = "28 layers (0.6B's depth), width 64, vocab 1,024"
 
@@ -66,15 +86,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads to run")
-    g = p.add_argument_group("train and generate: the model")
+    g = p.add_argument_group("train: the model")
     g.add_argument("--hidden_size", type=int, default=512)
     g.add_argument("--num_layers", type=int, default=6)
     g.add_argument("--intermediate_size", type=int, default=1536)
     g.add_argument("--vocab_size", type=int, default=151936)
     g.add_argument("--batch_size", type=int, default=4)
     g.add_argument("--seq_len", type=int, default=256)
+    g = p.add_argument_group("generate (greedy)")
+    g.add_argument("--generate_config", default=harness.TEACHER_CONFIG,
+                   help="the model's shape (random weights); default the OPD demo teacher, 4 layers")
     g.add_argument("--num_prompts", type=int, default=8)
-    g.add_argument("--new_tokens", type=int, default=128)
+    g.add_argument("--new_tokens", type=int, default=64)
+    g.add_argument("--cache_tokens", default="64,512", help="cache: the rollout lengths (new tokens)")
     g = p.add_argument_group("sample, decode, lm_head")
     g.add_argument("--sample_config", default=harness.STUDENT_CONFIG)
     g.add_argument("--sample_model", default=os.path.join(ROOT, "checkpoints", "kd"),
@@ -91,8 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.only:
         refuse(f"--only {','.join(sorted(unknown)) or '(empty)'}: choose from {','.join(WORKLOADS)}")
     args.sample_batches = [int(b) for b in args.sample_batches.split(",")]
-    if args.repeats < 1 or args.warmup < 0 or min(args.sample_batches) < 1:
-        refuse("--repeats and every --sample_batches must be >= 1, --warmup >= 0")
+    args.cache_tokens = [int(n) for n in args.cache_tokens.split(",")]
+    if args.repeats < 1 or args.warmup < 0 or min(args.sample_batches + args.cache_tokens) < 1:
+        refuse("--repeats, every --sample_batches and every --cache_tokens must be >= 1, --warmup >= 0")
     return args
 
 
@@ -123,7 +148,7 @@ def transformers_model(folder: str, dtype: torch.dtype, device: str, vocab_size:
 
 
 def build_models(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """transformers' model and ours, the same random weights (one HF folder both load)."""
+    """transformers' model and ours of the train flags' shape, the same random weights (one HF folder both load)."""
     config = transformers.Qwen3Config(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.num_layers, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -136,6 +161,24 @@ def build_models(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn
         hf = transformers_model(folder, dtype, args.device, args.vocab_size)
         ours = load_pretrained(folder, dtype=dtype, device=args.device)
     return hf, ours
+
+
+def same_weight_models(config_path: str, trained_folder: str | None, dtype: torch.dtype,
+                       device: str) -> tuple[torch.nn.Module, torch.nn.Module, bool]:
+    """transformers' model and ours in eval mode, both loaded from one HF folder: `trained_folder` when it holds a
+    model, else random weights of `config_path`'s shape (seed 0). The third value: whether the folder was used."""
+    trained = trained_folder is not None and os.path.isfile(os.path.join(trained_folder, "config.json"))
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = trained_folder if trained else scratch
+        if not trained:
+            save_pretrained(create_model(Qwen3Config.from_json(config_path), seed=0), folder)
+        ours = load_pretrained(folder, dtype=dtype, device=device).eval()
+        hf = transformers_model(folder, dtype, device, ours.config.vocab_size).eval()
+    return hf, ours, trained
+
+
+def describe_config(config: Qwen3Config) -> str:
+    return f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocabulary {config.vocab_size}"
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -163,14 +206,15 @@ def train_row(args: argparse.Namespace, hf, ours) -> dict:
     return row(f"forward+backward {args.batch_size}x{args.seq_len}", t_ours, t_hf)
 
 
-def generate_row(args: argparse.Namespace, hf, ours) -> dict:
-    hf.eval(), ours.eval()
-    ids, mask = left_padded_prompts(args.num_prompts, args.vocab_size, 0, args.device)
+def generate_row(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    hf, ours, _ = same_weight_models(args.generate_config, None, dtype, args.device)
+    print(f"greedy generate: random weights, {describe_config(ours.config)}")
+    vocab = ours.config.vocab_size
+    ids, mask = left_padded_prompts(args.num_prompts, vocab, 0, args.device)
     new = args.new_tokens
 
     def run_ours():
-        return generate(ours, ids, mask, new, do_sample=False, eos_token_id=None,
-                        pad_token_id=pad_id(args.vocab_size)).sequences
+        return generate(ours, ids, mask, new, do_sample=False, eos_token_id=None, pad_token_id=pad_id(vocab)).sequences
 
     def run_hf():
         with torch.no_grad():
@@ -187,18 +231,39 @@ def generate_row(args: argparse.Namespace, hf, ours) -> dict:
             "identical_tokens": same}
 
 
+def cache_rows(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    """Our eager greedy generate as it is -- a step attends over the cache's filled positions, rounded up to
+    KEY_BLOCK -- against each step attending over the whole cache under its key mask, as the compiled step does
+    (KEY_BLOCK patched to the cache's length), --num_prompts rows x each of --cache_tokens new tokens, on
+    --generate_config's shape and on the same with Qwen3-0.6B's attention: the same tokens, checked."""
+    config = Qwen3Config.from_json(args.generate_config)
+    shapes = [(describe_config(config), config),
+              (QWEN3_06B_ATTENTION, Qwen3Config.from_dict({**config.to_hf_dict(), "num_attention_heads": 16,
+                                                           "num_key_value_heads": 8, "head_dim": 128}))]
+    rows = []
+    for name, shape in shapes:
+        model = create_model(shape, seed=0, dtype=dtype, device=args.device).eval()
+        ids, mask = left_padded_prompts(args.num_prompts, shape.vocab_size, 0, args.device)
+        for new in args.cache_tokens:
+            def filled():
+                return generate(model, ids, mask, new, do_sample=False, eos_token_id=None,
+                                pad_token_id=pad_id(shape.vocab_size)).sequences
+
+            def whole():
+                with mock.patch.object(generate_module, "KEY_BLOCK", ids.shape[1] + new):
+                    return filled()
+            assert torch.equal(filled(), whole())
+            filled_ms, whole_ms = harness.median_ms([filled, whole], args.device, args.warmup, args.repeats)
+            rows.append({"model": name, "new_tokens": new, "rows": args.num_prompts, "filled_ms": filled_ms,
+                         "whole_ms": whole_ms, "whole_over_filled": whole_ms / filled_ms})
+    return rows
+
+
 def sampled_rows(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     """The same weights in both, loaded from one HF folder: ours eager and compiled against transformers'."""
-    trained = os.path.isfile(os.path.join(args.sample_model, "config.json"))
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = args.sample_model if trained else scratch
-        if not trained:
-            save_pretrained(create_model(Qwen3Config.from_json(args.sample_config), seed=0), folder)
-        ours = load_pretrained(folder, dtype=dtype, device=args.device).eval()
-        vocab = ours.config.vocab_size
-        hf = transformers_model(folder, dtype, args.device, vocab).eval()
-    print(f"sampled generate: {args.sample_model if trained else 'random weights'} "
-          f"({ours.config.hidden_size} hidden, {ours.config.num_hidden_layers} layers)")
+    hf, ours, trained = same_weight_models(args.sample_config, args.sample_model, dtype, args.device)
+    vocab = ours.config.vocab_size
+    print(f"sampled generate: {args.sample_model if trained else 'random weights'}, {describe_config(ours.config)}")
     new, rows, decoder = args.sample_tokens, [], Decoder(compiled=True)
     for num_prompts in args.sample_batches:
         ids, mask = left_padded_prompts(num_prompts, vocab, num_prompts, args.device)
@@ -227,7 +292,9 @@ def sampled_rows(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
 
 def decode_rows(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
     """ms per step of generate (a token for every row; the prefill included, spread over the steps) with the eager
-    and the compiled decode step, random weights, --sample_tokens new tokens after 16..64-token prompts, no EOS."""
+    and the compiled decode step, random weights, --sample_tokens new tokens after 16..64-token prompts, no EOS; and
+    what the first compiled rollout of a width took beyond a later one (its compile), in rollouts of the time the
+    compiled step saves."""
     student = Qwen3Config.from_json(args.sample_config)
     shapes = [("OPD demo student", student), ("OPD demo teacher", Qwen3Config.from_json(harness.TEACHER_CONFIG)),
               (OVERHEAD_PROXY, Qwen3Config.from_dict({**student.to_hf_dict(), "num_hidden_layers": 28,
@@ -243,30 +310,53 @@ def decode_rows(args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
                 generators = [torch.Generator(args.device).manual_seed(r) for r in range(num_prompts)]
                 generate(model, ids, mask, steps, eos_token_id=None, pad_token_id=0, generator=generators,
                          decoder=step_decoder)
-            run(decoder)  # compiles this width
+            first_ms, = harness.median_ms([lambda: run(decoder)], args.device, 0, 1)  # compiles this width
             eager, compiled = (t / steps for t in harness.median_ms([run, lambda: run(decoder)], args.device,
                                                                     args.warmup, args.repeats))
+            compile_ms, saved_ms = max(first_ms - compiled * steps, 0.0), (eager - compiled) * steps
             rows.append({"model": name, "rows": num_prompts, "layers": config.num_hidden_layers,
-                         "eager_ms": eager, "compiled_ms": compiled, "eager_over_compiled": eager / compiled})
+                         "eager_ms": eager, "compiled_ms": compiled, "eager_over_compiled": eager / compiled,
+                         "compile_s": compile_ms / 1000.0,
+                         "rollouts_to_repay": compile_ms / saved_ms if saved_ms > 0 else None})
     return rows
 
 
+def linear_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(h, w)  # contiguous already
+
+
+def stationary_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w @ h.T).T.contiguous()  # the copy sampling needs
+
+
+def linear_argmax(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(h, w).argmax(dim=-1)
+
+
+def stationary_argmax(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w @ h.T).T.argmax(dim=-1)  # greedy reads the transposed view as it is
+
+
+# what a decode step needs from its lm_head: sampled, contiguous logits; greedy, their argmax
+LM_HEAD_USES = {"sampled": (linear_logits, stationary_logits), "greedy": (linear_argmax, stationary_argmax)}
+
+
 def lm_head_rows(args: argparse.Namespace) -> list[dict]:
-    """The forms take turns in each repeat: F.linear, (W @ h.T).T, the same made contiguous; then the first two
-    compiled."""
-    forms = [lambda h, w: F.linear(h, w), lambda h, w: (w @ h.T).T, lambda h, w: (w @ h.T).T.contiguous()]
-    compiled = [torch.compile(form, dynamic=False) for form in forms[:2]]
+    """Per width, rows and use, four contenders take turns in each repeat: F.linear, (W @ h.T).T, then each
+    compiled (one compiled function per form: a recompile per shape, under dynamo's limit of 8)."""
+    compiled = {use: [torch.compile(form, dynamic=False) for form in forms] for use, forms in LM_HEAD_USES.items()}
     results = []
     for hidden in (64, 128, 512):
         weight = torch.randn(args.vocab_size, hidden, device=args.device) * 0.02
         for rows in args.sample_batches:
             h = torch.randn(rows, hidden, device=args.device)
-            linear, stationary, copied, c_linear, c_stationary = harness.median_ms(
-                [functools.partial(form, h, weight) for form in forms + compiled], args.device, args.warmup + 1,
-                max(args.repeats, 9))
-            results.append({"hidden": hidden, "rows": rows, "linear_ms": linear, "stationary_ms": stationary,
-                            "stationary_contiguous_ms": copied, "compiled_linear_ms": c_linear,
-                            "compiled_stationary_ms": c_stationary})
+            for use, forms in LM_HEAD_USES.items():
+                linear, stationary, c_linear, c_stationary = harness.median_ms(
+                    [functools.partial(form, h, weight) for form in (*forms, *compiled[use])], args.device,
+                    args.warmup + 1, max(args.repeats, 9))
+                results.append({"hidden": hidden, "rows": rows, "use": use, "linear_ms": linear,
+                                "stationary_ms": stationary, "compiled_linear_ms": c_linear,
+                                "compiled_stationary_ms": c_stationary})
     return results
 
 
@@ -275,24 +365,36 @@ def print_tables(results: dict, args: argparse.Namespace) -> None:
         print("\n" + harness.table(["workload", "ours ms", "transformers ms", "transformers / ours"], [
             [r["workload"], f"{r['ours_ms']:.1f}", f"{r['transformers_ms']:.1f}", f"{r['transformers_over_ours']:.2f}x"]
             for r in results["rows"]]))
+    if results["cache"]:
+        print(f"\nour eager greedy generate, {args.num_prompts} prompts, threads {torch.get_num_threads()}: each step "
+              f"attending over the cache's filled positions (as it does) against over the whole cache (ratio > 1: "
+              f"the filled positions are faster)")
+        print(harness.table(["model", "new tokens", "filled ms", "whole cache ms", "ratio"], [
+            [r["model"], r["new_tokens"], f"{r['filled_ms']:.1f}", f"{r['whole_ms']:.1f}",
+             f"{r['whole_over_filled']:.2f}x"] for r in results["cache"]]))
     if results["decode"]:
         print(f"\ngenerate, ms per step (a token for every row; {args.sample_tokens} steps), eager vs compiled decode "
-              f"step, threads {torch.get_num_threads()} (ratio > 1: the compiled step is faster)")
-        print(harness.table(["model", "rows", "eager", "compiled", "ratio"], [
+              f"step, threads {torch.get_num_threads()} (ratio > 1: the compiled step is faster); compile: the first "
+              f"compiled rollout of a width beyond a later one (inductor's on-disk cache as this run found it), and "
+              f"how many rollouts of this shape the compiled step needs to save that much")
+        print(harness.table(["model", "rows", "eager", "compiled", "ratio", "compile s", "rollouts to repay"], [
             [r["model"], r["rows"], f"{r['eager_ms']:.2f}", f"{r['compiled_ms']:.2f}",
              f"{r['eager_over_compiled']:.2f}x" + (f" ({1000 * r['eager_ms'] / r['layers']:.0f} us per layer eager, "
                                                    f"{1000 * r['compiled_ms'] / r['layers']:.0f} compiled)"
-                                                   if r["model"] == OVERHEAD_PROXY else "")]
+                                                   if r["model"] == OVERHEAD_PROXY else ""),
+             f"{r['compile_s']:.1f}",
+             "never" if r["rollouts_to_repay"] is None else f"{r['rollouts_to_repay']:.0f}"]
             for r in results["decode"]]))
     if results["lm_head"]:
-        print(f"\nlm_head of a decode step, {args.vocab_size} rows, threads {torch.get_num_threads()} (ratio > 1: the "
+        print(f"\nlm_head of a decode step, {args.vocab_size} rows, threads {torch.get_num_threads()}: sampled needs "
+              f"contiguous logits ((W@h.T).T copied), greedy their argmax (of the view as it is) (ratio > 1: the "
               f"weight-stationary form is faster)")
-        print(harness.table(["hidden", "rows", "F.linear ms", "(W@h.T).T ms", "ratio", "+ contiguous",
-                             "compiled F.linear ms", "compiled (W@h.T).T ms", "ratio"], [
-            [r["hidden"], r["rows"], f"{r['linear_ms']:.2f}", f"{r['stationary_ms']:.2f}",
-             f"{r['linear_ms'] / r['stationary_ms']:.2f}x", f"{r['linear_ms'] / r['stationary_contiguous_ms']:.2f}x",
-             f"{r['compiled_linear_ms']:.2f}", f"{r['compiled_stationary_ms']:.2f}",
-             f"{r['compiled_linear_ms'] / r['compiled_stationary_ms']:.2f}x"] for r in results["lm_head"]]))
+        print(harness.table(["hidden", "rows", "use", "F.linear ms", "(W@h.T).T ms", "ratio", "compiled F.linear ms",
+                             "compiled (W@h.T).T ms", "ratio"], [
+            [r["hidden"], r["rows"], r["use"], f"{r['linear_ms']:.2f}", f"{r['stationary_ms']:.2f}",
+             f"{r['linear_ms'] / r['stationary_ms']:.2f}x", f"{r['compiled_linear_ms']:.2f}",
+             f"{r['compiled_stationary_ms']:.2f}", f"{r['compiled_linear_ms'] / r['compiled_stationary_ms']:.2f}x"]
+            for r in results["lm_head"]]))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -301,16 +403,18 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = DTYPES[args.dtype]
     print(f"{harness.machine()}; {args.device} {args.dtype}, threads {torch.get_num_threads()}, torch "
           f"{torch.__version__}, transformers {transformers.__version__}", flush=True)
-    results: dict = {"rows": [], "decode": [], "lm_head": []}
-    if {"train", "generate"} & set(args.only):
+    results: dict = {"rows": [], "cache": [], "decode": [], "lm_head": []}
+    if "train" in args.only:
         hf, ours = build_models(args, dtype)
         non_embedding = sum(p.numel() for n, p in ours.named_parameters() if "embed_tokens" not in n)
-        print(f"model: {non_embedding / 1e6:.1f}M non-embedding parameters + {args.vocab_size} x "
+        print(f"train: {non_embedding / 1e6:.1f}M non-embedding parameters + {args.vocab_size} x "
               f"{args.hidden_size} tied embedding, transformers attention {hf.config._attn_implementation}")
-        if "train" in args.only:
-            results["rows"].append(train_row(args, hf, ours))
-        if "generate" in args.only:
-            results["rows"].append(generate_row(args, hf, ours))
+        results["rows"].append(train_row(args, hf, ours))
+        del hf, ours
+    if "generate" in args.only:
+        results["rows"].append(generate_row(args, dtype))
+    if "cache" in args.only:
+        results["cache"] = cache_rows(args, dtype)
     if "sample" in args.only:
         results["rows"] += sampled_rows(args, dtype)
     if "decode" in args.only:

@@ -1,11 +1,13 @@
 """Batched KV-cache generation: the rollout engine of on-policy distillation, so it stays lean.
 
-One prefill over the left-padded prompts, then one token per step (`decode_step`) against a pre-allocated cache
-(the prefix is never recomputed): every row writes the same cache column, and its query sees the whole cache under
-a key mask, so no shape changes from step to step. Rows stop independently at EOS and emit pad afterwards; once
-as many rows have stopped as still decode, the batch narrows to a power of two (the rows still decoding, filled up
-with stopped ones), and the loop ends when all rows stopped. The step runs eagerly, or compiled (`Decoder`: on CUDA
-as CUDA graphs), one compiled graph per width.
+One prefill over the left-padded prompts, then one token per step (`decode_step`) against a pre-allocated cache (the
+prefix is never recomputed): every row writes the same cache column (prompts are left padded), and its query sees
+the prompt's real tokens and the tokens generated so far under a key mask. The eager step (the default) attends over
+the cache's filled positions only (rounded up to KEY_BLOCK: the same logits, bit for bit, as over the whole cache);
+the compiled one (`Decoder(compiled=True)`: on CUDA as CUDA graphs) over the whole cache, so that no shape changes
+from step to step and one compiled graph per width serves every step. Rows stop independently at EOS and emit pad
+afterwards; once as many rows have stopped as still decode, the batch narrows to a power of two (the rows still
+decoding, filled up with stopped ones), and the loop ends when all rows stopped.
 
 Sampling is one batched inverse-CDF draw per step: each row's uniforms for the whole rollout come from its own
 generator up front (one call per row per rollout, not per token), so a row's token depends only on its seed, its
@@ -26,6 +28,12 @@ from model.qwen3 import KVCache, Qwen3ForCausalLM, positions_from_mask
 # vocabulary block of the two-level inverse CDF (see inverse_cdf_sample): ~150 blocks for Qwen3's 151,936 tokens,
 # so both levels' scans are short
 CDF_BLOCK = 1024
+# the eager cache's length, and the leading positions an eager step attends over (those filled, rounded up), are
+# multiples of this: the CPU attention kernel sums over the keys in SIMD vectors (16 fp32 lanes with AVX-512, 8 with
+# AVX2) and the rest one by one, so a step sums exactly what it would over the whole cache (a masked key adds an exact
+# zero), and a row's logits do not depend on the rollout's length. Cut at the filled length, or over a cache of any
+# length, they differ by rounding, and a seeded draw near a token boundary can change.
+KEY_BLOCK = 16
 
 
 @dataclass
@@ -123,25 +131,33 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor 
 def decode_step(model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
                 key_mask: torch.Tensor, uniforms: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
     """One token for every row of the decoding batch: the model on `token` (B,) at `position` (B, 1), its keys and
-    values written to the cache's column, its query seeing the cache positions `key_mask` (B, L) allows; then the
-    next token. No shape here changes from one step to the next."""
+    values written to the cache's column, its query seeing the cache positions `key_mask` (B, L) allows (L the
+    cache's length); then the next token. No shape here changes from one step to the next unless the cache's
+    length does."""
     hidden = model(token[:, None], attention_mask=key_mask, position_ids=position, kv_cache=cache,
                    return_hidden=True).hidden_states
-    return pick_token(next_token_logits(model, hidden[:, -1]), sampling, uniforms)
+    return pick_token(next_token_logits(model, hidden[:, -1], greedy=not sampling.do_sample), sampling, uniforms)
 
 
 class Decoder:
     """The decode step of `generate`, eager or compiled.
 
-    Eager (the default), every rollout gets a cache of its own, exactly as long as it needs. Compiled (OPD's and
-    eval_math's --use_compile 1), the step runs under torch.compile with mode "reduce-overhead": on CUDA each shape
-    of the step is captured once as a CUDA graph and replayed as one launch per token (the eager step launches every
-    kernel of every layer from Python; not yet run on a GPU: tests/test_cuda.py checks it there); on a CPU it runs as
-    inductor's fused C++ kernels. A CUDA graph replays at the addresses it captured, so the Decoder holds one cache
-    storage from rollout to rollout (grown when a rollout needs more rows or positions) and each rollout uses its
-    leading rows and positions, its length rounded up to a multiple of CACHE_BLOCK: few shapes, so few graphs, at the
-    price of attending to at most CACHE_BLOCK - 1 masked positions more. The storage stays allocated between
-    rollouts: layers x rows x KV heads x length x head_dim x 2 (keys and values) x the autocast dtype's bytes.
+    Eager (the default), every rollout gets a cache of its own, as long as it needs rounded up to KEY_BLOCK, and a
+    step attends over its positions filled so far (rounded up likewise), not over those still empty: as fast as
+    attending over the whole cache for short rollouts (0.98-1.03x at 64 new tokens) and faster as the rollout, and
+    with it attention's share of the step, grows (512 tokens: 1.00-1.02x on the OPD demo teacher, 1.28-1.33x with
+    Qwen3-0.6B's attention heads; `benchmarks/bench_model.py --only cache`, 1 and 2 threads, 2-core AMD EPYC), so it
+    is the eager form at every length.
+
+    Compiled (OPD's and eval_math's --use_compile 1), the step runs under torch.compile with mode "reduce-overhead":
+    on CUDA each shape of the step is captured once as a CUDA graph and replayed as one launch per token (the eager
+    step launches every kernel of every layer from Python; not yet run on a GPU: tests/test_cuda.py checks it
+    there); on a CPU it runs as inductor's fused C++ kernels. A CUDA graph replays at the addresses it captured, so
+    the Decoder holds one cache storage from rollout to rollout (grown when a rollout needs more rows or positions)
+    and each rollout uses its leading rows and positions, its length rounded up to a multiple of CACHE_BLOCK, and
+    every step attends over all of them under the key mask: few shapes, so few graphs, at the price of attending to
+    the positions not yet filled. The storage stays allocated between rollouts: layers x rows x KV heads x length x
+    head_dim x 2 (keys and values) x the autocast dtype's bytes.
 
     Compiled under autocast, the steps run a twin of the model whose linear layers' weights are held in the autocast
     dtype, refreshed in place once per rollout (`step_model`): eager autocast casts each fp32 weight once per rollout
@@ -163,7 +179,7 @@ class Decoder:
     def cache(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         """An empty cache of `batch_size` rows and at least `length` positions."""
         if not self.compiled:
-            return KVCache(config, batch_size, length, dtype, device)
+            return KVCache(config, batch_size, -(-length // KEY_BLOCK) * KEY_BLOCK, dtype, device)
         length = -(-length // self.CACHE_BLOCK) * self.CACHE_BLOCK
         held = self.storage
         if held is None or len(held.keys[0]) < batch_size or held.max_length < length \
@@ -193,8 +209,14 @@ class Decoder:
         return self.twin
 
     def __call__(self, model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
-                 key_mask: torch.Tensor, uniforms: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
+                 key_mask: torch.Tensor, filled: int, uniforms: torch.Tensor | None,
+                 sampling: Sampling) -> torch.Tensor:
+        """The next token (B,). `key_mask` (B, L) covers the whole cache, this step's position set; `filled`: the
+        cache positions written once this step's are."""
         if not self.compiled:
+            visible = -(-filled // KEY_BLOCK) * KEY_BLOCK
+            if visible < cache.max_length:
+                cache, key_mask = cache.prefix(visible), key_mask[:, :visible]
             return decode_step(model, token, position, cache, key_mask, uniforms, sampling)
         # the step writes the cache in place: marked as an input of fixed address, which a CUDA graph may write
         # (it is skipped for a graph that mutates an ordinary input)
@@ -251,9 +273,10 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
 
     cache = decoder.cache(model.config, B, P + max_new_tokens, cache_dtype(model, device), device)
     hidden = model(input_ids, attention_mask=attention_mask, kv_cache=cache, return_hidden=True).hidden_states
-    token = pick_token(next_token_logits(model, hidden[:, -1]), sampling, None if uniforms is None else uniforms[:, 0])
-    # from here the cache is written one column per step (prompts are left padded: the same column for every row),
-    # and a row's query sees its prompt's real tokens and every token generated so far
+    token = pick_token(next_token_logits(model, hidden[:, -1], greedy=not do_sample), sampling,
+                       None if uniforms is None else uniforms[:, 0])
+    # from here the cache is written one position per step (prompts are left padded: the same position for every
+    # row), and a row's query sees its prompt's real tokens and every token generated so far
     cache.column = torch.tensor([P], device=device)
     step_model = decoder.step_model(model)
     key_mask = torch.zeros(B, cache.max_length, dtype=torch.bool, device=device)
@@ -281,7 +304,7 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
             cache.select_rows(keep)
         key_mask.index_fill_(1, cache.column, True)
         step_uniforms = None if uniforms is None else uniforms[rows, step + 1]
-        token = decoder(step_model, token, position, cache, key_mask, step_uniforms, sampling)
+        token = decoder(step_model, token, position, cache, key_mask, P + step + 1, step_uniforms, sampling)
         position += 1
         cache.column += 1
 
@@ -290,18 +313,20 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
                           completion_mask=completion_mask_through_eos(completion_ids, eos_ids))
 
 
-def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    """(B, H) final hidden states -> (B, V) logits, the lm_head that dominates a decoding step.
+def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+    """(B, H) final hidden states -> (B, V) logits, the lm_head that dominates a decoding step; `greedy`: only
+    their argmax is read.
 
-    On a CPU with hidden >= 512 and <= 8 rows, computed as (W @ h.T).T: the same products, but there CPU BLAS runs
-    the weight-stationary form 1.4-1.6x faster than F.linear's h @ W.T, at 1 and 2 threads alike, eager and in the
-    compiled decode step (`benchmarks/bench_model.py --only lm_head`, torch 2.13; at 16 rows, once the contiguous
-    copy sampling needs is counted, 1.0-1.2x). For narrower rows (the demo models: hidden 64 and 128, 8-16 rows)
-    F.linear is as fast or faster counting that copy, and compiled the weight-stationary form is slower (0.7-0.95x);
-    on CUDA the two are the same GEMM. The weight-stationary result is a transposed view: greedy's argmax reads it
-    as it is."""
+    On a CPU with <= 8 rows, computed as (W @ h.T).T -- the same products, which CPU BLAS runs faster weight-stationary
+    than as F.linear's h @ W.T -- for greedy at every width and for sampling at hidden >= 512. The result is a
+    transposed view: greedy's argmax reads it as it is, sampling needs it contiguous. Greedy, the form is 1.05-1.1x
+    as fast at hidden 64, 1.3x at 128, 1.5-2.3x at 512 (compiled 0.87-1.0x, 1.1-1.2x, 1.5-2.2x); sampled, counting
+    the copy, 1.5-2.2x at 512 but 0.7-1.4x at 64 and 128, where F.linear stays (a new form would round the logits
+    differently, and a seeded draw within rounding of a token boundary would change); at 16 rows neither use gains
+    everywhere (`benchmarks/bench_model.py --only lm_head`, torch 2.13, 2 and 1 threads, 2-core AMD EPYC). On CUDA
+    the two forms are the same GEMM."""
     weight = model.lm_head.weight
-    if hidden.device.type == "cpu" and weight.shape[1] >= 512 and hidden.shape[0] <= 8:
+    if hidden.device.type == "cpu" and hidden.shape[0] <= 8 and (greedy or weight.shape[1] >= 512):
         return (weight @ hidden.T).T
     return F.linear(hidden, weight)
 

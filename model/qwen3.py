@@ -38,7 +38,8 @@ class KVCache:
       * column (`column` a 1-element long tensor, set by generate's decode step): the step's one new position goes
         to that column, and its query sees the whole buffer under the key mask the forward gets as its
         attention_mask. Every shape stays the same from token to token, so one compiled graph (on CUDA, one CUDA
-        graph) serves the whole rollout.
+        graph) serves the whole rollout; the eager step runs on a `prefix` of the buffer (the positions filled,
+        rounded up: model/generate.py, KEY_BLOCK).
 
     Zero-filled: the column form attends to unfilled positions under a mask, and a softmax weight of exactly 0 times
     the NaN a torch.empty buffer may hold is still NaN."""
@@ -78,6 +79,12 @@ class KVCache:
         view.values = [v[:batch_size, :, :max_length] for v in self.values]
         view.length, view.column = 0, None
         return view
+
+    def prefix(self, length: int) -> KVCache:
+        """This cache's first `length` positions, in the same storage, filled as far and at the same column."""
+        prefix = self.view(len(self.keys[0]), length)
+        prefix.length, prefix.column = self.length, self.column
+        return prefix
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` (generation drops the rows that stopped), moved to the leading rows of

@@ -65,16 +65,23 @@ def test_the_lm_head_is_cast_once_per_loss_not_per_chunk(tmp_path):
 
 # -------------------------------------------------------------------------------------------------- bench_model
 
-def test_ours_against_transformers_forward_backward_and_greedy_generate(tmp_path):
+def test_ours_against_transformers_forward_backward_greedy_generate_and_the_cache_forms(tmp_path):
+    """Greedy generate and the cache forms on the OPD demo teacher's 4 layers with a 1,024-token vocabulary; the
+    cache workload's rollouts cross KEY_BLOCK boundaries (the prompts are 64 tokens)."""
+    config = json.loads(open(harness.TEACHER_CONFIG).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     results = measured(bench_model.main, [
-        "--only", "train,generate", "--hidden_size", "64", "--num_layers", "1", "--intermediate_size", "128",
-        "--vocab_size", "1024", "--batch_size", "2", "--seq_len", "16", "--num_prompts", "2", "--new_tokens", "4",
+        "--only", "train,generate,cache", "--hidden_size", "64", "--num_layers", "1", "--intermediate_size", "128",
+        "--vocab_size", "1024", "--batch_size", "2", "--seq_len", "16", "--generate_config",
+        str(tmp_path / "config.json"), "--num_prompts", "2", "--new_tokens", "4", "--cache_tokens", "4,20",
         "--warmup", "0", "--repeats", "1", "--threads", "1"], tmp_path)
     train, generate = results["rows"]
     assert train["workload"] == "forward+backward 2x16" and generate["identical_tokens"] == 1.0  # fp32 greedy
     for row in (train, generate):
         assert positive(row["ours_ms"], row["transformers_ms"])
         assert row["transformers_over_ours"] == row["transformers_ms"] / row["ours_ms"]
+    assert [row["new_tokens"] for row in results["cache"]] == [4, 20, 4, 20]  # two models
+    assert all(positive(row["filled_ms"], row["whole_ms"]) for row in results["cache"])
     assert results["decode"] == results["lm_head"] == []
 
 
@@ -89,7 +96,9 @@ def test_sampled_generate_the_compiled_decode_step_and_the_lm_head_forms(tmp_pat
     assert all(positive(row["ours_ms"], row["transformers_ms"]) for row in results["rows"])
     assert [(row["layers"], row["rows"]) for row in results["decode"]] == [(2, 2), (4, 2), (28, 2)]
     assert all(positive(row["eager_ms"], row["compiled_ms"]) for row in results["decode"])
-    assert [(row["hidden"], row["rows"]) for row in results["lm_head"]] == [(64, 2), (128, 2), (512, 2)]
+    assert all(row["rollouts_to_repay"] is None or row["rollouts_to_repay"] >= 0 for row in results["decode"])
+    assert [(row["hidden"], row["rows"], row["use"]) for row in results["lm_head"]] == [
+        (hidden, 2, use) for hidden in (64, 128, 512) for use in ("sampled", "greedy")]
     assert all(positive(*(value for key, value in row.items() if key.endswith("_ms"))) for row in results["lm_head"])
 
 

@@ -1,8 +1,11 @@
 # Run: python -m pytest tests/test_generate.py
 """KV-cache generation: greedy equals transformers' greedy generate on a left-padded batch with per-row EOS,
-seeded sampling is reproducible, top-k / top-p limits, vocab_size masking, the cache equals a full recompute, stopped
-rows leave the batch in power-of-two widths, and the compiled decode step (--use_compile 1) samples exactly the eager
-step's tokens with one compiled graph per width, writing its cache at fixed, static-marked addresses."""
+seeded sampling is reproducible, top-k / top-p limits, vocab_size masking, the cache equals a full recompute, the
+eager step over the filled cache positions equals the whole-cache step bit for bit, the lm_head's form follows the
+use and the rows, stopped rows leave the batch in power-of-two widths, and the compiled decode step (--use_compile 1)
+samples exactly the eager step's tokens with one compiled graph per width, writing its cache at fixed, static-marked
+addresses."""
+import importlib
 import os
 
 import pytest
@@ -10,7 +13,7 @@ import torch
 import transformers
 
 from model import KVCache, load_pretrained
-from model.generate import Decoder, completion_mask_through_eos, generate
+from model.generate import Decoder, completion_mask_through_eos, generate, next_token_logits
 from support import ROOT
 
 VOCAB = 1000
@@ -217,6 +220,59 @@ def test_kv_cache_equals_full_recompute(models):
             assert torch.equal(cached.argmax(-1), seq[:, P + t])
             cached = ours(seq[:, P + t:P + t + 1], attention_mask=full_mask[:, :P + t + 1], kv_cache=cache).logits[:, -1]
         assert cache.length == P + 10
+
+
+def test_the_eager_step_over_the_filled_positions_is_the_whole_cache_step_bit_for_bit(models, monkeypatch):
+    """The eager decode step attends over the cache's filled positions rounded up to KEY_BLOCK; attending over the
+    whole cache instead (as the compiled step does; its length a multiple of KEY_BLOCK too) gives the same logits at
+    every step, bit for bit, so the same seeded samples and greedy tokens: rows narrowing at EOS, a rollout crossing
+    several blocks."""
+    _, ours = models
+    module = importlib.import_module("model.generate")  # the module: `model.generate` is the function
+    ids, mask = prompts()  # 9 positions: the rollout's steps see 10..49 of the cache's 64
+    seeds = [3, 4, 5, 6]
+    free = generate(ours, ids, mask, 40, pad_token_id=PAD, generator=_per_row(seeds)).completion_ids
+    eos = [int(free[0, 5]), int(free[1, 20])]
+    lengths = []  # per eager step that attends over less than the whole cache, how many positions
+    prefix = KVCache.prefix
+    monkeypatch.setattr(KVCache, "prefix", lambda cache, length: lengths.append(length) or prefix(cache, length))
+
+    def run(key_block: int, kwargs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits = []
+        pick = module.pick_token
+        monkeypatch.setattr(module, "KEY_BLOCK", key_block)
+        monkeypatch.setattr(module, "pick_token", lambda step_logits, *rest: logits.append(step_logits.clone())
+                            or pick(step_logits, *rest))
+        out = generate(ours, ids, mask, 40, pad_token_id=PAD, **kwargs).completion_ids
+        monkeypatch.setattr(module, "pick_token", pick)
+        return out, logits
+
+    sampled = lambda: dict(generator=_per_row(seeds), eos_token_id=eos)  # noqa: E731
+    block = module.KEY_BLOCK
+    for kwargs in (sampled, lambda: dict(do_sample=False)):
+        lengths.clear()
+        filled, filled_logits = run(block, kwargs())
+        assert lengths == [-(-n // block) * block for n in range(10, 10 + len(lengths))]
+        assert len(lengths) == 39 and lengths[-1] == 48 and len(filled_logits) == 40  # prefill + 39 steps
+        whole, whole_logits = run(64, kwargs())
+        assert len(lengths) == 39, "attending over the whole cache takes no view"
+        assert torch.equal(filled, whole) and len(whole_logits) == 40
+        assert all(torch.equal(a, b) for a, b in zip(filled_logits, whole_logits))
+    assert (filled[1:] != PAD).any()
+
+
+def test_the_lm_head_form_follows_the_use_and_the_rows(models):
+    """On a CPU, up to 8 rows, greedy reads its argmax off the weight-stationary (W @ h.T).T, a transposed view (the
+    argmax of F.linear's logits); sampling at this width, and greedy with more rows, get F.linear's logits bit for
+    bit (a sampled token's logits must not change)."""
+    _, ours = models
+    hidden = torch.randn(9, ours.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    linear = torch.nn.functional.linear(hidden, ours.lm_head.weight)
+    greedy = next_token_logits(ours, hidden[:8], greedy=True)
+    assert not greedy.is_contiguous() and torch.equal(greedy.argmax(dim=-1), linear[:8].argmax(dim=-1))
+    assert torch.allclose(greedy, linear[:8], atol=1e-5)
+    assert torch.equal(next_token_logits(ours, hidden[:8]), linear[:8])
+    assert torch.equal(next_token_logits(ours, hidden, greedy=True), linear)
 
 
 def test_stopped_rows_leave_in_power_of_two_widths_and_the_rest_sample_as_alone(models, monkeypatch):
