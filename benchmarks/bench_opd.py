@@ -28,7 +28,8 @@ tokens; trained models stop early, so their generation time varies with what the
 counted from the labels (positions != IGNORE_INDEX: through the first EOS), decode steps as the sequence length
 minus the prompt width.
 
-Then the roofline (benchmarks/roofline.py): the machine's GEMM, exp and copy rates measured in the same run, each
+Then the roofline (benchmarks/roofline.py): the machine's GEMM, exp and copy rates measured in the same run (before
+and after the steps, the better of the two: a rate measured while other work ran is too low), each
 phase's bound from the work it must do (FLOPs, exponentials, bytes), the measured median as a multiple of it; and
 the bounds of the same step's tokens for real shapes (--arithmetic_models, default a Qwen3-0.6B student and a
 Qwen3-4B teacher) as arithmetic on those rates. On a GPU of known kind the GEMM rate is its peak dense bf16 rate, so
@@ -359,16 +360,23 @@ def roofline_rows(work: dict, rates: roofline.Rates, phases_ms: dict | None) -> 
     return rows, numbers
 
 
-def measured_roofline(args, student_config, teacher_config, vocab: int, results: dict) -> tuple[list, dict]:
-    """The machine's rates now, and each measured phase against its bound -> (table rows, the numbers)."""
-    rates = roofline.measure_rates(args.device, resolve_precision(args.device, args.dtype).compute, vocab)
+def machine_rates(args, vocab: int) -> roofline.Rates:
+    return roofline.measure_rates(args.device, resolve_precision(args.device, args.dtype).compute, vocab)
+
+
+def measured_roofline(args, student_config, teacher_config, vocab: int, results: dict,
+                      rates_before: roofline.Rates | None = None) -> tuple[list, dict]:
+    """The machine's rates now (the better of them and `rates_before`, measured before the steps), and each
+    measured phase against its bound -> (table rows, the numbers)."""
+    rates = machine_rates(args, vocab)
+    rates = rates if rates_before is None else rates.best(rates_before)
     rows, phases = roofline_rows(phase_work(args, student_config, teacher_config, vocab, results), rates,
                                  results["phases_ms"])
     return rows, {"rates": vars(rates), "phases": phases}
 
 
-def print_roofline(args, student, teacher, vocab: int, results: dict) -> dict:
-    rows, numbers = measured_roofline(args, student.config, teacher.config, vocab, results)
+def print_roofline(args, student, teacher, vocab: int, results: dict, rates_before: roofline.Rates) -> dict:
+    rows, numbers = measured_roofline(args, student.config, teacher.config, vocab, results, rates_before)
     rates = numbers["rates"]
     print(f"\nroofline: GEMM {rates['gemm'] / 1e9:.0f} GFLOP/s ({rates['source']}), exp {rates['exp'] / 1e9:.2f} G/s, "
           f"memory {rates['bandwidth'] / 1e9:.1f} GB/s; bound = max(FLOPs / GEMM + exps / exp, bytes / memory) "
@@ -416,9 +424,10 @@ def main(argv=None) -> dict:
           f"{t_cfg.num_hidden_layers} layers), vocab {s_cfg.vocab_size}; batch {args.batch_size} prompts "
           f"(padded to {batch['prompt_ids'].shape[1]} tokens) x max_new_tokens {args.max_new_tokens}; "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
+    rates_before = machine_rates(args, len(tokenizer))  # and again after the steps: the better of the two counts
     results = measure(args, student, teacher, tokenizer, batch)
     print_step(results, args)
-    results["roofline"] = print_roofline(args, student, teacher, len(tokenizer), results)
+    results["roofline"] = print_roofline(args, student, teacher, len(tokenizer), results, rates_before)
     if args.breakdown_runs:
         results["generation_breakdown"] = take_generation_apart(args, student, tokenizer, batch, args.breakdown_runs)
         print_breakdown(results["generation_breakdown"], results["phases_ms"]["generation"], batch, args)

@@ -49,6 +49,12 @@ class Rates:
     bandwidth: float  # bytes/s
     source: str       # how the GEMM rate was found
 
+    def best(self, other: "Rates") -> "Rates":
+        """Each rate's better measurement: on a shared machine a rate measured while other work ran is too low, and
+        a bound from it too high."""
+        return Rates(max(self.gemm, other.gemm), max(self.exp, other.exp), max(self.bandwidth, other.bandwidth),
+                     self.source)
+
 
 @dataclass(frozen=True)
 class Work:
@@ -77,7 +83,7 @@ def _best_seconds(fn, device: str, repeats: int = 3) -> float:
 
 def measure_rates(device: str, dtype: torch.dtype, vocab: int) -> Rates:
     """The machine's GEMM, exp and copy rates now (a few seconds on a CPU)."""
-    side = 2048 if device == "cpu" else 8192
+    side = 4096 if device == "cpu" else 8192
     a, b = torch.randn(side, side, device=device, dtype=dtype), torch.randn(side, side, device=device, dtype=dtype)
     gemm = 2 * side ** 3 / _best_seconds(lambda: a @ b, device)
     source = f"a {side} x {side} {str(dtype).removeprefix('torch.')} matmul, measured"
