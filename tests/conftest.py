@@ -64,6 +64,17 @@ def cuda_hidden(request, monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_cache():
+    """Dynamo keeps the graphs it compiled per code object for the whole process, and refuses a 9th (its recompile
+    limit): the decode step compiled by one test for several model shapes (bench_model's decode workload) must not
+    leave another (an OPD run with --use_compile 1) at the limit. Each test starts with none; inductor's cache on
+    disk still spares the recompilation."""
+    yield
+    import torch
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower
