@@ -355,8 +355,8 @@ def roofline_rows(work: dict, rates: roofline.Rates, phases_ms: dict | None) -> 
         bound = w.seconds(rates) * 1000.0
         ms = None if measured is None else (sum(measured.values()) if phase == "step" else measured[phase])
         numbers[phase] = {"bound_ms": bound, **({} if ms is None else {"ms": ms, "multiple": ms / bound})}
-        measured_cells = [] if ms is None else [f"{ms:.1f}"]
-        rows.append([phase, *measured_cells, f"{bound:.1f}", *([] if ms is None else [f"{ms / bound:.2f}x"])])
+        cells = [f"{bound:.1f}"] if ms is None else [f"{ms:.1f}", f"{bound:.1f}", f"{ms / bound:.2f}x"]
+        rows.append([phase, *cells])
     return rows, numbers
 
 

@@ -138,6 +138,9 @@ def test_the_roofline_counts_the_work_from_the_shapes():
     flops = 6 * layers * (prompt + n) + 2 * n * vocab * 3 * student.hidden_size + 2 * n * vocab * teacher.hidden_size
     assert work["training"].flops == flops and work["training"].exps == 2 * n * vocab
     assert roofline.exps_per_logit(0.0) == 2 and roofline.exps_per_logit(0.5) == 3
+    # a GPU's GEMM rate is its peak, found by its name as torch.cuda.get_device_name() gives it
+    assert roofline.peak_bf16_tflops("NVIDIA H200") == 989.0 and roofline.peak_bf16_tflops("NVIDIA A100-SXM4-80GB") \
+        == 312.0 and roofline.peak_bf16_tflops("NVIDIA L4") is None
     rates = roofline.Rates(gemm=1e11, exp=1e9, bandwidth=1e10, source="test")
     assert work["training"].seconds(rates) == max(flops / 1e11 + 2 * n * vocab / 1e9, work["training"].bytes / 1e10)
 

@@ -8,6 +8,7 @@ import torch
 from benchmarks.bench_losses import CountWeightCasts
 from support import reference_divergence
 from trainer.chunked_losses import chunked_loss
+import trainer.fused_jsd as fused_jsd
 from trainer.fused_jsd import chunked_generalized_jsd_loss
 from trainer.losses import generalized_jsd_loss
 
@@ -129,3 +130,14 @@ def test_under_bf16_autocast_each_head_is_cast_once_and_the_numbers_are_the_chec
     # there (2 of 32,000 head elements here), nothing systematic
     for a, b in ((grad_h, ref_h), (grad_w, ref_w)):
         assert ((a - b).norm() / b.norm()).item() < 1e-3
+
+
+def test_off_the_cpu_the_buffers_are_plain_allocations():
+    """CUDA's branch of the workspace, on the meta device (any device but the CPU takes it): fresh tensors of the
+    chunk's shape each call, none kept -- a GPU's caching allocator pools them already."""
+    kept = getattr(fused_jsd._workspace, "buffers", None)
+    first = fused_jsd._buffers(3, 4, 10, torch.device("meta"))
+    second = fused_jsd._buffers(3, 4, 10, torch.device("meta"))
+    assert [b.shape for b in first] == [torch.Size([4, 10])] * 3 and all(b.is_meta for b in first)
+    assert all(a is not b for a, b in zip(first, second))
+    assert getattr(fused_jsd._workspace, "buffers", None) is kept

@@ -1,6 +1,7 @@
 """The losses of trainer/losses.py from final hidden states, projected through the lm_head a chunk of positions at
 a time and recomputed in the backward, so the (N, V) logits never exist in full; and `completion_hidden`, the
-forward that keeps only the positions that predict a label.
+forward that keeps only the positions that predict a label. (OPD's generalized JSD has a closed-form gradient and
+its own path, trainer/fused_jsd.py, which shares `checked_vocab_size`.)
 
 The wrappers return sums plus token counts: the training skeleton divides by the token count of the whole
 accumulation window and all ranks (docs/architecture.md, "Invariant 1: exact token normalisation"). Under autocast
@@ -91,19 +92,9 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
     Each chunk is checkpointed, so backward recomputes one chunk at a time; the teacher never gets gradients.
     Returns the summed result, with the structure loss_fn returns.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if (teacher_hidden is None) != (teacher_weight is None):
         raise ValueError("pass both teacher_hidden and teacher_weight, or neither")
-    if vocab_size is None:
-        if teacher_weight is not None and teacher_weight.shape[0] != student_weight.shape[0]:
-            raise ValueError(f"student lm_head has {student_weight.shape[0]} rows, teacher's "
-                             f"{teacher_weight.shape[0]}; pass vocab_size (the tokenizer's) so both project "
-                             "onto the same vocabulary")
-        vocab_size = student_weight.shape[0]
-    for w in (student_weight, teacher_weight):
-        if w is not None and w.shape[0] < vocab_size:
-            raise ValueError(f"vocab_size {vocab_size} exceeds the lm_head's {w.shape[0]} rows")
+    vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
     weight = student_weight[:vocab_size]
     low_weight = autocast_once(weight)
     t_weight = teacher_weight[:vocab_size].detach() if teacher_weight is not None else None
@@ -125,6 +116,24 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
         part = checkpoint(_chunk_loss, *args, use_reentrant=False) if needs_graph else _chunk_loss(*args)
         total = _add(total, part)
     return total
+
+
+def checked_vocab_size(student_weight: torch.Tensor, teacher_weight: torch.Tensor | None, chunk_size: int,
+                       vocab_size: int | None) -> int:
+    """The vocabulary both heads project onto (default: the student head's rows, which the teacher's must match),
+    after checking it and the chunk size; ValueError otherwise."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if vocab_size is None:
+        if teacher_weight is not None and teacher_weight.shape[0] != student_weight.shape[0]:
+            raise ValueError(f"student lm_head has {student_weight.shape[0]} rows, teacher's "
+                             f"{teacher_weight.shape[0]}; pass vocab_size (the tokenizer's) so both project "
+                             "onto the same vocabulary")
+        vocab_size = student_weight.shape[0]
+    for w in (student_weight, teacher_weight):
+        if w is not None and w.shape[0] < vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} exceeds the lm_head's {w.shape[0]} rows")
+    return vocab_size
 
 
 def _rows(values: torch.Tensor | tuple[torch.Tensor, ...], start: int, end: int):

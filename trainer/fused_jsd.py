@@ -32,6 +32,7 @@ import threading
 import torch
 
 from dataset.collators import IGNORE_INDEX
+from trainer.chunked_losses import checked_vocab_size
 from trainer.losses import _check_args
 
 # On a CPU the chunk's fp32 (C, V) buffers are kept from call to call: a fresh tensor of that size (above glibc
@@ -175,16 +176,6 @@ def chunked_generalized_jsd_loss(student_hidden: torch.Tensor, student_weight: t
     (V_pad, H) / (V_pad_t, H_t), `chunk_size` positions at a time, over the first `vocab_size` rows of both heads.
     Returns (loss_sum, num_tokens); gradients reach the student's hidden states and head, never the teacher."""
     _check_args("sum", temperature, beta)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if vocab_size is None:
-        if teacher_weight.shape[0] != student_weight.shape[0]:
-            raise ValueError(f"student lm_head has {student_weight.shape[0]} rows, teacher's "
-                             f"{teacher_weight.shape[0]}; pass vocab_size (the tokenizer's) so both project "
-                             "onto the same vocabulary")
-        vocab_size = student_weight.shape[0]
-    for w in (student_weight, teacher_weight):
-        if w.shape[0] < vocab_size:
-            raise ValueError(f"vocab_size {vocab_size} exceeds the lm_head's {w.shape[0]} rows")
+    vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
     return _FusedJSD.apply(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(),
                            labels, float(beta), float(temperature), int(chunk_size), int(vocab_size))
