@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.errors import run_script
+from common.files import process_start_time
 from support import ROOT
 
 
@@ -65,7 +66,8 @@ def run_command(command: list[str]) -> None:
 
 
 def kill_after_first_checkpoint(command: list[str], resume_path: str) -> None:
-    """Start a run and SIGKILL its whole process group as soon as a resume checkpoint appears."""
+    """Start a run and SIGKILL its whole process group as soon as a resume checkpoint appears; return when none of
+    its processes runs any more."""
     process = subprocess.Popen(command, env=env_one_thread(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                start_new_session=True)
     deadline = time.time() + 300
@@ -73,31 +75,52 @@ def kill_after_first_checkpoint(command: list[str], resume_path: str) -> None:
         assert process.poll() is None, f"run ended before its first checkpoint: {process.stderr.read()[-3000:]}"
         assert time.time() < deadline, "no checkpoint within 300 s"
         time.sleep(0.01)
+    workers = descendants(process.pid)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    wait_until_gone(process.pid)
+    wait_until_gone(process.pid, workers)
 
 
-def wait_until_gone(group: int, timeout: float = 60.0) -> None:
-    """Until no process of process group `group` runs any more (zombies do not run): waiting for the group's leader
-    is not enough -- torchrun's ranks, SIGKILLed with it, may still be tearing down, holding the run's lock, when
-    the test's resume starts (seen on a loaded machine)."""
+def wait_until_gone(group: int, workers: dict[int, str], timeout: float = 60.0) -> None:
+    """Until no process of process group `group`, and none of `workers` (PID: start time), runs any more (zombies
+    do not run). Waiting for the group's leader is not enough: torchrun starts each worker in a session of its own,
+    and a worker killed by its launcher's death (PR_SET_PDEATHSIG) may still be tearing down, holding the run's
+    lock, when the test's resume starts (seen in CI)."""
     deadline = time.time() + timeout
-    while group_running(group):
-        assert time.time() < deadline, f"process group {group} still runs {timeout:.0f} s after SIGKILL"
+    while group_running(group) or any(process_start_time(pid) == start for pid, start in workers.items()):
+        assert time.time() < deadline, f"process group {group} or its workers still run {timeout:.0f} s after SIGKILL"
         time.sleep(0.02)
 
 
-def group_running(group: int) -> bool:
+def process_stats() -> list[list[str]]:
+    """Every process's /proc/PID/stat fields after the command name: [state, ppid, pgrp, ...], with the PID first."""
+    stats = []
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat, encoding="utf-8") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
+                stats.append([stat.split("/")[2], *f.read().rsplit(")", 1)[1].split()])
+        except (OSError, IndexError):
             continue  # ended while we looked
-        if int(pgrp) == group and state not in ("Z", "X"):
-            return True
-    return False
+    return stats
+
+
+def group_running(group: int) -> bool:
+    return any(int(fields[3]) == group and fields[1] not in ("Z", "X") for fields in process_stats())
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below `pid` (children, their children, ...): PID -> start time."""
+    children: dict[int, list[int]] = {}
+    for fields in process_stats():
+        children.setdefault(int(fields[2]), []).append(int(fields[0]))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        start = process_start_time(child)
+        if start is not None:
+            found[child] = start
+        todo.extend(children.get(child, []))
+    return found
 
 
 def checkpoint_step(resume_path) -> int:
