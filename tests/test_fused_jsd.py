@@ -141,3 +141,28 @@ def test_off_the_cpu_the_buffers_are_plain_allocations():
     assert [b.shape for b in first] == [torch.Size([4, 10])] * 3 and all(b.is_meta for b in first)
     assert all(a is not b for a, b in zip(first, second))
     assert getattr(fused_jsd._workspace, "buffers", None) is kept
+
+
+def test_under_fp16_autocast_with_a_grad_scaler_the_gradients_are_fp16_exact_and_finite():
+    """The fp16 recipe (pre-bf16 GPUs) on the CPU: fp16 projections, `torch.amp.GradScaler("cpu")` at its default
+    scale 2^16. G is cast to fp16 unscaled for the gradient's matmuls (the scale reaches it after them, in fp32), so
+    an entry below fp16's smallest subnormal (6e-8) becomes 0 where the checkpointed path, which scales before the
+    cast, would keep it -- and overflows at 2^16 (this case: inf, a skipped step) where this path does not. Measured
+    here: both paths' gradients are the float64 definition's to fp16's rounding of h and W (relative 2e-3)."""
+    torch.manual_seed(0)
+    n, v, hdim = 64, 4096, 32
+    h, w = torch.randn(n, hdim), torch.randn(v, hdim) * 0.5
+    th, tw = torch.randn(n, hdim), torch.randn(v, hdim) * 0.5
+    labels = torch.randint(0, v, (n,))
+    _, ref_h, ref_w = reference(h, w, th, tw, labels, 1.0, 1.0, v)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    optimizer = torch.optim.SGD([hh, ww], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss, _ = chunked_generalized_jsd_loss(hh, ww, th, tw, labels, beta=1.0, chunk_size=16)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 16, "the scaled gradient overflowed: the step was skipped"
+    for grad, ref in ((hh.grad, ref_h), (ww.grad, ref_w)):
+        assert ((grad.double() - ref).norm() / ref.norm()).item() < 4e-3

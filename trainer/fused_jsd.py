@@ -22,7 +22,10 @@ checkpointed path).
 Precision as `chunked_loss`: under autocast each projection runs in the autocast dtype with each head cast once per
 call, the chunk's gradient G is cast to it for dL/dh and dL/dW, and dL/dW is summed over chunks in the weight's own
 dtype; everything from the logits on is fp32. The per-token loss is clamped at 0 with its gradient unchanged
-(losses._non_negative), and positions labelled IGNORE_INDEX contribute neither loss nor gradient.
+(losses._non_negative), and positions labelled IGNORE_INDEX contribute neither loss nor gradient. Under fp16
+autocast G is cast unscaled (a GradScaler's factor reaches it after the two GEMMs, in fp32): an entry below fp16's
+smallest subnormal becomes 0, where the checkpointed path, scaling before the cast, keeps it but overflows sooner;
+both give the definition's gradient to fp16's rounding (tests/test_fused_jsd.py).
 """
 from __future__ import annotations
 
