@@ -99,6 +99,7 @@ from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, wait_ready 
 from serving.weight_sync import TOLERANCE, WeightSync, own_logprobs, sync_statistics, within  # noqa: E402
 from trainer.chunked_losses import chunked_loss, chunked_sft_loss, completion_hidden  # noqa: E402
 from trainer.losses import distillation_loss, sft_loss  # noqa: E402
+from trainer.optimizer_step import make_optimizer  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 
 SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep their width, with SMOKE_LAYERS
@@ -595,7 +596,7 @@ def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
     """An SFT or KD step at the workload's shape: tokens/s, MFU, peak memory (its AdamW state included)."""
     device, shape = kit.args.device, kit.args.shape
     student, teacher = kit.full_models
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    optimizer = make_optimizer(student, SimpleNamespace(learning_rate=1e-5, weight_decay=0.0))  # the loops' AdamW
     ids, labels = sft_batch(shape, device)
     mask = torch.ones_like(ids)
 
@@ -657,7 +658,7 @@ def opd_split(kit: Kit) -> tuple[str, str]:
     opts = SimpleNamespace(device=device, dtype="bfloat16", seed=0, max_new_tokens=new_tokens, gen_temperature=1.0,
                            top_k=0, top_p=1.0, beta=1.0, temperature=1.0, loss_chunk_size=512, batch_size=batch_size)
     student, teacher = kit.full_models
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
+    optimizer = make_optimizer(student, SimpleNamespace(learning_rate=1e-6, weight_decay=0.0))
     tokenizer = load_tokenizer(None)
     batch = opd_prompts(tokenizer, batch_size, device)
     opd_step(opts, student, teacher, optimizer, tokenizer, batch, 0)  # warm-up

@@ -70,6 +70,7 @@ from model.precision import resolve_precision  # noqa: E402
 from trainer.console import PhaseClock  # noqa: E402
 from trainer.chunked_losses import completion_hidden  # noqa: E402
 from trainer.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.optimizer_step import make_optimizer  # noqa: E402
 from trainer.rollouts import sample_completions  # noqa: E402
 
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
@@ -293,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def measure(args, student, teacher, tokenizer, batch) -> dict:
     """--warmup untimed steps, then --steps timed ones: each phase's median (ms), the step and what it generated."""
-    optimizer = torch.optim.AdamW(student.parameters(), lr=args.learning_rate, betas=(0.9, 0.95))
+    optimizer = make_optimizer(student, argparse.Namespace(learning_rate=args.learning_rate, weight_decay=0.0))
     for step in range(args.warmup):
         opd_step(args, student, teacher, optimizer, tokenizer, batch, step)
     per_phase: dict[str, list[float]] = {}

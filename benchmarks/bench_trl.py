@@ -90,6 +90,7 @@ class RunResult:
 def run_ours(args: argparse.Namespace) -> RunResult:
     from benchmarks import bench_opd
     from model import load_tokenizer
+    from trainer.optimizer_step import make_optimizer
     opd_args = bench_opd.parse_args([
         "--student_path", args.student_path, "--teacher_path", args.teacher_path, "--batch_size", str(args.batch_size),
         "--max_new_tokens", str(args.max_new_tokens), "--beta", "1", "--temperature", "1", "--gen_temperature", "1",
@@ -98,7 +99,7 @@ def run_ours(args: argparse.Namespace) -> RunResult:
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.student_path)
     student, teacher = bench_opd.load_models(opd_args)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = make_optimizer(student, argparse.Namespace(learning_rate=args.learning_rate, weight_decay=0.01))
     result = RunResult("ours", [], [], [], [], torch.get_num_threads())
     for step in range(args.warmup + args.steps):
         batch = harness.prompt_batch(tokenizer, pool_rows(args.batch_size, step), "cpu", args.max_prompt_length)
@@ -175,7 +176,7 @@ def gkd_config(args: argparse.Namespace, output_dir: str):
     return GKDConfig(
         output_dir=output_dir, max_steps=args.warmup + args.steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.01, max_grad_norm=1.0,
+        optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.01, max_grad_norm=1.0,
         lmbda=1.0, beta=1.0, temperature=1.0, max_new_tokens=args.max_new_tokens, seq_kd=False,
         bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=args.seed,
         train_sampling_strategy="sequential", dataloader_num_workers=0, dataloader_pin_memory=False,

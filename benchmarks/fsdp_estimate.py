@@ -17,7 +17,10 @@ What stands in for CUDA, and what is left out:
   explicitly in model/qwen3.py and trainer/losses.py, so the dtypes, hence the bytes, are CUDA's.
 - attention: the CPU flash kernel, which saves what CUDA's flash kernel saves (the output and the fp32
   log-sum-exp) and takes grouped-query heads without expanding k and v.
-- AdamW: foreach=True, CUDA's default for these parameters (on the CPU torch would pick the per-tensor loop).
+- AdamW: foreach=True stands in for the loops' fused kernel (trainer/optimizer_step.make_optimizer), which
+  allocates no temporaries: the optimizer phase here is high by one temporary per gradient shard, an upper bound.
+  The fused step itself is miscounted on fake DTensors (1.46x what two real gloo ranks allocate, measured with
+  --estimate_check) and breaks the estimate's linearity in depth.
 - left out: the CUDA context, NCCL's buffers, the caching allocator's rounding and fragmentation, and kernels'
   internal workspaces (cuBLAS, flash attention's backward accumulators): the reserve `RESERVE_GB` is for those.
 - the positions: every position of a row but the last predicts a label (the most `completion_hidden` can keep);
@@ -93,8 +96,8 @@ def materialise(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    """Run.make_optimizer's AdamW, foreach as CUDA picks it; its moments created by one step of zero gradients
-    (a later step's forward already holds them)."""
+    """Run.make_optimizer's AdamW, foreach in place of fused (the module's docstring says why); its moments
+    created by one step of zero gradients (a later step's forward already holds them)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

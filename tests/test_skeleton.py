@@ -1,6 +1,8 @@
 # python -m pytest tests/test_skeleton.py
 """The skeleton's own contracts, apart from the loops' equivalences (test_loop_invariants.py): the last step is
-logged, each rank builds its model on its own device, and the window's metrics reduce as their kind says."""
+logged, each rank builds its model on its own device, the window's metrics reduce as their kind says, and the
+optimizer's step is AdamW's closed form."""
+import argparse
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from loop_helpers import env_one_thread, loop_args, metrics
 from trainer.distributed import DistInfo
 from trainer.train_sft import main as train_sft
 from trainer.console import PhaseClock
+from trainer.optimizer_step import make_optimizer
 from trainer.window_metrics import WindowMetrics
 
 
@@ -128,3 +131,28 @@ def test_every_step_reaches_the_tracker_and_metrics_and_the_bar_shows_the_lines_
     train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=4, log_interval=10))
     assert logged == [1, 2, 3, 4] and [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]
     assert len(etas) == 4 and etas[0] == "?"  # one ETA: the bar gets the log line's
+
+
+def test_the_optimizer_is_fused_adamw_and_its_steps_are_the_closed_form():
+    """Loshchilov & Hutter's AdamW, bias-corrected, decoupled weight decay, betas (0.9, 0.95), eps 1e-8: two steps
+    of the loops' optimizer against the formula in float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(7, 5)
+    optimizer = make_optimizer(model, argparse.Namespace(learning_rate=1e-2, weight_decay=0.1))
+    assert optimizer.defaults["fused"] is True
+    lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
+    expected = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in expected.items()}
+    for step in (1, 2):
+        grads = {name: torch.randn(p.shape) for name, p in model.named_parameters()}
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+            g = grads[name].double()
+            m, v = moments[name]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            update = (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps)
+            expected[name] = expected[name] * (1 - lr * wd) - lr * update
+        optimizer.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach().double(), expected[name], rtol=1e-6, atol=1e-7)
