@@ -109,17 +109,18 @@ def group_running(group: int) -> bool:
 
 
 def descendants(pid: int) -> dict[int, str]:
-    """The processes below `pid` (children, their children, ...): PID -> start time."""
-    children: dict[int, list[int]] = {}
-    for fields in process_stats():
-        children.setdefault(int(fields[2]), []).append(int(fields[0]))
+    """The running processes below `pid` (children, their children, ...): PID -> start time (as
+    common.files.process_start_time reads it: the stat line's 22nd field)."""
+    stats = process_stats()
+    children: dict[int, list[list[str]]] = {}
+    for fields in stats:
+        children.setdefault(int(fields[2]), []).append(fields)
     found, todo = {}, list(children.get(pid, []))
     while todo:
-        child = todo.pop()
-        start = process_start_time(child)
-        if start is not None:
-            found[child] = start
-        todo.extend(children.get(child, []))
+        fields = todo.pop()
+        if fields[1] not in ("Z", "X"):
+            found[int(fields[0])] = fields[20]
+        todo.extend(children.get(int(fields[0]), []))
     return found
 
 
