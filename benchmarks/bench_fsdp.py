@@ -64,10 +64,10 @@ if ROOT not in sys.path:
 from benchmarks import fsdp_estimate as fe  # noqa: E402
 from benchmarks.harness import FIXED_MMAP_THRESHOLD, process_kib, reset_peak_rss  # noqa: E402
 from model import Qwen3Config, create_model, save_pretrained  # noqa: E402
-from trainer.distributed import init_distributed_mode  # noqa: E402
-from trainer.frozen import read_frozen  # noqa: E402
-from trainer.loading import build_model  # noqa: E402
-from trainer.sharding import shard  # noqa: E402
+from trainer.skeleton.distributed import init_distributed_mode  # noqa: E402
+from trainer.teachers.frozen import read_frozen  # noqa: E402
+from trainer.skeleton.loading import build_model  # noqa: E402
+from trainer.skeleton.sharding import shard  # noqa: E402
 
 QWEN3_PARAMS = {"Qwen3-0.6B": 0.6e9, "Qwen3-1.7B": 1.7e9, "Qwen3-4B": 4.0e9, "Qwen3-8B": 8.2e9,
                 "Qwen3-14B": 14.8e9, "Qwen3-32B": 32.8e9}
@@ -281,7 +281,7 @@ def measured_phase(name: str, results: dict, baseline_kib: int):
 
 def sft_step(run, tokenizer, flags: argparse.Namespace, window: list) -> None:
     """One optimizer step of train_sft.py's loop over `window`: forward, chunked loss, backward per micro-batch."""
-    from trainer.chunked_losses import chunked_sft_loss, completion_hidden
+    from trainer.losses.chunked import chunked_sft_loss, completion_hidden
     for i, batch in enumerate(window):
         batch = {k: v.to(run.device) for k, v in batch.items()}
         with run.micro_step(i, len(window)):
@@ -301,8 +301,8 @@ def measure_phases(args) -> None:
     save (HF export + resume). Each phase's peak resident memory above the process's baseline (VmRSS before the
     load), and the sizes the formula takes -> --out/phases-CASE.json."""
     from serving.weight_sync import WeightSync
-    from trainer.loading import load_sft_data
-    from trainer.run import Run
+    from trainer.skeleton.loading import load_sft_data
+    from trainer.skeleton.run import Run
     from trainer.train_sft import parse_args as sft_args
     save_dir = os.path.join(args.out, args.phases_case)
     flags = sft_args(["--device", "cpu", "--model_path", args.model_dir, "--data_path",

@@ -97,9 +97,9 @@ from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, wait_ready  # noqa: E402
 from serving.weight_sync import TOLERANCE, WeightSync, own_logprobs, sync_statistics, within  # noqa: E402
-from trainer.chunked_losses import chunked_loss, chunked_sft_loss, completion_hidden  # noqa: E402
-from trainer.losses import distillation_loss, sft_loss  # noqa: E402
-from trainer.optimizer_step import make_optimizer  # noqa: E402
+from trainer.losses.chunked import chunked_loss, chunked_sft_loss, completion_hidden  # noqa: E402
+from trainer.losses.closed_forms import distillation_loss, sft_loss  # noqa: E402
+from trainer.skeleton.optimizer_step import make_optimizer  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 
 SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep their width, with SMOKE_LAYERS
@@ -373,7 +373,7 @@ def fused_attention(device: str):
 def stop_on_sigterm() -> None:
     """SIGTERM (a time limit running out) stops the kit like Ctrl-C: the phase is noted as interrupted and the
     working folder removed. While a loop runs, the loop's own handler takes it and stops after the step (Stopped);
-    each loop's main gives this handler back when it ends (trainer/guard.py)."""
+    each loop's main gives this handler back when it ends (trainer/skeleton/guard.py)."""
     def stop(signum, frame):
         raise Stopped("stopped by SIGTERM", 128 + signum)
     signal.signal(signal.SIGTERM, stop)
@@ -383,7 +383,7 @@ class PhaseOverrun(BaseException):
     """Raised in the main thread when a phase runs past its limit (time_limit). A BaseException, as KeyboardInterrupt
     is, so that no `except Exception` on its way (the loops', torch's) takes it for an ordinary failure; and neither
     a KeyboardInterrupt nor a Stopped, which the project's scripts take for a user's stop (common/errors.py's
-    run_script, trainer/guard.py): only run_loop and run_phases catch it."""
+    run_script, trainer/skeleton/guard.py): only run_loop and run_phases catch it."""
 
 
 @contextlib.contextmanager
@@ -408,7 +408,7 @@ def release_after_overrun(kit: Kit) -> None:
     """What a phase stopped mid-way leaves for the next ones, given back: torch.compile's state (dynamo's caches,
     inductor's CUDA-graph trees, maybe half-built), gradients on the full student (a step stopped before its
     zero_grad) and the memory of the phase's tensors (garbage once the exception is gone). Its folders are removed
-    by its own finally blocks, its server stopped; the loops give back their signal handlers (trainer/guard.py);
+    by its own finally blocks, its server stopped; the loops give back their signal handlers (trainer/skeleton/guard.py);
     they run without a process group (no RANK in the kit's environment), so none is left."""
     torch._dynamo.reset()
     if kit.full_models:

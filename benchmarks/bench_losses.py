@@ -9,9 +9,9 @@ one SFT training step.
 
 --loss jsd (target: chunked <= 25% of full): generalized JSD (beta 1: OPD's reverse KL) between random student and
   teacher hidden states (N, H) and lm_heads (V, H). full: both logits (N, V) at once, then the loss; checkpointed:
-  the generic trainer.chunked_losses.chunked_loss with the JSD as its loss, the lm_heads applied chunk by chunk and
-  recomputed in the backward (how OPD computed it before trainer/fused_jsd.py); chunked: what training runs,
-  trainer.fused_jsd.chunked_generalized_jsd_loss, chunk by chunk with the gradient computed in the same pass.
+  the generic trainer.losses.chunked.chunked_loss with the JSD as its loss, the lm_heads applied chunk by chunk and
+  recomputed in the backward (how OPD computed it before trainer/losses/fused_jsd.py); chunked: what training runs,
+  trainer.losses.fused_jsd.chunked_generalized_jsd_loss, chunk by chunk with the gradient computed in the same pass.
 --loss sft (target: chunked <= 40% of full): one SFT step of a small model (hidden 256, 2 layers, the tied
   151,936-row embedding: as for Qwen3-0.6B at real lengths, the logits dominate) on a batch laid out as SFTCollator
   makes it: right padded (row r has r x --pad_step pads at the end, its prompt that much shorter), labels -100 on
@@ -20,7 +20,7 @@ one SFT training step.
   copy, as transformers' ForCausalLMLoss), cross entropy -- the kindest full-logits baseline.
 --casts: the generic chunked path (the JSD through chunked_loss, as SFT, KD and the top-K loss use it) under CPU
   bf16 autocast, counting the full-size (V, H) casts of the lm_head weights (aten._to_copy, through a dispatch mode)
-  and timing it, once with the weights cast once per loss (`trainer.chunked_losses.autocast_once`, today) and once
+  and timing it, once with the weights cast once per loss (`trainer.losses.chunked.autocast_once`, today) and once
   with autocast casting them at every chunk's matmul (before).
 
 Each variant runs in a fresh 'spawn' process (glibc's mmap threshold fixed: harness.FIXED_MMAP_THRESHOLD): inputs
@@ -46,16 +46,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import trainer.chunked_losses as chunked_losses  # noqa: E402
+import trainer.losses.chunked as chunked_losses  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from common.checks import check_device  # noqa: E402
 from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
 from dataset.collators import IGNORE_INDEX  # noqa: E402
 from model import Qwen3Config, create_model  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
-from trainer.chunked_losses import chunked_sft_loss, completion_hidden  # noqa: E402
-from trainer.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
-from trainer.losses import generalized_jsd_loss, sft_loss  # noqa: E402
+from trainer.losses.chunked import chunked_sft_loss, completion_hidden  # noqa: E402
+from trainer.losses.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.losses.closed_forms import generalized_jsd_loss, sft_loss  # noqa: E402
 
 TARGETS = {"jsd": 0.25, "sft": 0.40}  # chunked / full memory
 DEFAULT_HIDDEN = {"jsd": 1024, "sft": 256}  # Qwen3-0.6B's; a small model whose logits dominate
@@ -223,7 +223,7 @@ def print_results(results: dict) -> None:
           f"time ratio {results['time_ratio']:.2f}x; loss difference {results['loss_difference']:.2e}")
     if "checkpointed_time_ratio" in results:
         print(f"checkpointed / chunked time: {results['checkpointed_time_ratio']:.2f}x (the gradient computed with the "
-              f"loss, trainer/fused_jsd.py)")
+              f"loss, trainer/losses/fused_jsd.py)")
 
 
 # ----------------------------------------------------------------------------------------------------- --casts

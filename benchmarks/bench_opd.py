@@ -8,13 +8,13 @@
                                                         # every small op can wait a scheduler slice for its 2nd thread
 
 One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
-  generation       trainer.rollouts.sample_completions itself (the loop's rollout, not a copy): one torch.Generator per
+  generation       trainer.rollouts.source.sample_completions itself (the loop's rollout, not a copy): one torch.Generator per
                    row seeded derived_seed(seed, epoch, row), student in eval mode under autocast, generate(...,
                    do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences; the
                    benchmark's step number stands in for the epoch, so every step samples afresh
   teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
                    chunk by chunk inside the loss)
-  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/fused_jsd.py: student
+  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/losses/fused_jsd.py: student
                    AND teacher lm_head per chunk, beta=1: reverse KL, the gradients of the student's hidden states
                    and head computed in the same pass), backward of the summed loss (scales those, then the body)
   optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
@@ -67,11 +67,11 @@ from dataset.collators import IGNORE_INDEX  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
-from trainer.console import PhaseClock  # noqa: E402
-from trainer.chunked_losses import completion_hidden  # noqa: E402
-from trainer.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
-from trainer.optimizer_step import make_optimizer  # noqa: E402
-from trainer.rollouts import sample_completions  # noqa: E402
+from trainer.skeleton.console import PhaseClock  # noqa: E402
+from trainer.losses.chunked import completion_hidden  # noqa: E402
+from trainer.losses.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.skeleton.optimizer_step import make_optimizer  # noqa: E402
+from trainer.rollouts.source import sample_completions  # noqa: E402
 
 # the module itself: `model.generate` as an attribute is the function (model/__init__.py re-exports it)
 generate_module = importlib.import_module("model.generate")
@@ -82,7 +82,7 @@ generate_module = importlib.import_module("model.generate")
 
 def load_models(args):
     """Student: fp32 master weights, train mode. Teacher: frozen, eval mode, in the precision rule's teacher dtype
-    (as trainer/frozen.py's read_frozen loads it)."""
+    (as trainer/teachers/frozen.py's read_frozen loads it)."""
     teacher_dtype = resolve_precision(args.device, args.dtype).teacher
     if args.student_path:
         student = load_pretrained(args.student_path, dtype=torch.float32, device=args.device)
@@ -111,7 +111,7 @@ def prompt_batch(args, tokenizer) -> dict:
 # optimizer_step spelled out, so that each is timed on its own)
 
 def rollout(args, student, tokenizer, batch, step: int):
-    """trainer.rollouts.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
+    """trainer.rollouts.source.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
     -> input_ids, attention_mask, labels."""
     return sample_completions(student, args, tokenizer, batch, step, args.device,
                               resolve_precision(args.device, args.dtype).autocast)  # what Run.autocast returns

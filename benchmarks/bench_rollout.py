@@ -8,7 +8,7 @@ against a served one, same weights, same machine, one run.
     python benchmarks/bench_rollout.py --engines built-in,compiled    # no server: the built-in engine's side only
 
 Two measurements:
-  rollout   trainer.rollouts.sample_completions itself (the loop's rollout) on --batch_size demo prompts, sampled at
+  rollout   trainer.rollouts.source.sample_completions itself (the loop's rollout) on --batch_size demo prompts, sampled at
             temperature 1 with the loop's per-row seeds, by the built-in engine with the eager decode step, with
             the compiled one (--use_compile 1's; it compiles in the warm-up) and by the server, alternating so
             that a slower moment of a shared machine hits all three: generated tokens (through each row's first
@@ -58,7 +58,7 @@ from model.precision import resolve_precision  # noqa: E402
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, vllm_python, wait_ready  # noqa: E402
 from serving.weight_sync import WeightSync  # noqa: E402
-from trainer.rollouts import sample_completions, served_sampler, served_sequences  # noqa: E402
+from trainer.rollouts.source import sample_completions, served_sampler, served_sequences  # noqa: E402
 
 ENGINES = ("built-in", "compiled", "server")
 SERVER_TAIL_S = 2.0  # the pause after each served rollout (see rollout_rates)

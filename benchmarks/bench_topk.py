@@ -1,5 +1,5 @@
 """Bias and variance of a served teacher's signals: the per-token reverse KL(student || teacher) of the top-K
-estimate (`trainer.topk_divergence.topk_divergence`: top-K + sampled token + tail bucket) for K = 1, 4, 16, 64 and of
+estimate (`trainer.losses.topk_divergence.topk_divergence`: top-K + sampled token + tail bucket) for K = 1, 4, 16, 64 and of
 the sampled-token estimate (log p_S(y) - log p_T(y)), against the exact full-vocabulary value on the same samples;
 with --serve 1 also what a vLLM teacher server sends and how long it takes per request.
 
@@ -35,9 +35,9 @@ from common.errors import ArgumentParser, UserError, run_script  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
 from dataset.collators import build_sequences  # noqa: E402
 from model import generate, load_pretrained, load_tokenizer  # noqa: E402
-from trainer.chunked_losses import completion_hidden  # noqa: E402
-from trainer.losses import generalized_jsd_loss  # noqa: E402
-from trainer.topk_divergence import topk_divergence, topk_support  # noqa: E402
+from trainer.losses.chunked import completion_hidden  # noqa: E402
+from trainer.losses.closed_forms import generalized_jsd_loss  # noqa: E402
+from trainer.losses.topk_divergence import topk_divergence, topk_support  # noqa: E402
 
 KS = (1, 4, 16, 64)
 

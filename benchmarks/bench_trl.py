@@ -90,7 +90,7 @@ class RunResult:
 def run_ours(args: argparse.Namespace) -> RunResult:
     from benchmarks import bench_opd
     from model import load_tokenizer
-    from trainer.optimizer_step import make_optimizer
+    from trainer.skeleton.optimizer_step import make_optimizer
     opd_args = bench_opd.parse_args([
         "--student_path", args.student_path, "--teacher_path", args.teacher_path, "--batch_size", str(args.batch_size),
         "--max_new_tokens", str(args.max_new_tokens), "--beta", "1", "--temperature", "1", "--gen_temperature", "1",

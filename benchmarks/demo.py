@@ -72,7 +72,7 @@ if ROOT not in sys.path:
 
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
-from trainer.flags import add_common_args  # noqa: E402
+from trainer.config.flags import add_common_args  # noqa: E402
 
 # The logit-free row's teacher: the SFT model served by vLLM on this port, as the demo's own background process
 TEACHER_PORT = 8001

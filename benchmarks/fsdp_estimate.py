@@ -2,7 +2,7 @@
 
 The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen
 teacher's forward without gradients (distillation), the student's forward to its final hidden states, the chunked
-loss through `lm_head.weight` (trainer/losses.py), the backward, the teacher's gathered root freed
+loss through `lm_head.weight` (trainer/losses/closed_forms.py), the backward, the teacher's gathered root freed
 (trainer/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients scaled by one foreach multiply,
 clipped by the global norm, AdamW, zero_grad). The models are built on the meta device and sharded by
 trainer/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the layers
@@ -14,7 +14,7 @@ and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
 What stands in for CUDA, and what is left out:
 - autocast: CPU bf16 autocast (this build has no CUDA). For the ops of this model it lowers what CUDA's lowers --
   the linear layers, the loss's `hidden @ weight.T`, scaled_dot_product_attention -- and everything else is cast
-  explicitly in model/qwen3.py and trainer/losses.py, so the dtypes, hence the bytes, are CUDA's.
+  explicitly in model/qwen3.py and trainer/losses/closed_forms.py, so the dtypes, hence the bytes, are CUDA's.
 - attention: the CPU flash kernel, which saves what CUDA's flash kernel saves (the output and the fp32
   log-sum-exp) and takes grouped-query heads without expanding k and v.
 - AdamW: foreach=True stands in for the loops' fused kernel (trainer/optimizer_step.make_optimizer), which
@@ -41,8 +41,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from model import Qwen3Config, Qwen3ForCausalLM
-from trainer.chunked_losses import chunked_loss, chunked_sft_loss
-from trainer.sharding import reshard_root, shard
+from trainer.losses.chunked import chunked_loss, chunked_sft_loss
+from trainer.skeleton.sharding import reshard_root, shard
 from trainer.train_distillation import ce_and_kd
 
 # The public config.json of each Qwen/Qwen3-* model (huggingface.co/Qwen): hidden, intermediate, layers, attention

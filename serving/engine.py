@@ -110,7 +110,7 @@ class CompletionServer:
                       top_p: float = 1.0, eos_token_id: int | list[int], vocab_size: int,
                       model_vocab_size: int) -> list[list[int]]:
         """The requests alone: each row's completion token ids as the server returned them (through its EOS or
-        `max_new_tokens`). Plain lists, no tensor work: what a background thread can do (trainer/rollout_queue.py)."""
+        `max_new_tokens`). Plain lists, no tensor work: what a background thread can do (trainer/rollouts/queue.py)."""
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         padding_rows = {str(i): -100.0 for i in range(vocab_size, model_vocab_size)}

@@ -8,8 +8,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from trainer.distributed import init_distributed_mode  # noqa: E402
-from trainer.loading import build_model  # noqa: E402
+from trainer.skeleton.distributed import init_distributed_mode  # noqa: E402
+from trainer.skeleton.loading import build_model  # noqa: E402
 
 config, device = sys.argv[1], sys.argv[2]
 info = init_distributed_mode(device)

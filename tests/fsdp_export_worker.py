@@ -12,7 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import Qwen3Config, save_pretrained  # noqa: E402
-from trainer.sharding import sharded_random_model  # noqa: E402
+from trainer.skeleton.sharding import sharded_random_model  # noqa: E402
 
 
 def main(config_path: str, seed: str, out_dir: str, max_bytes: str) -> None:

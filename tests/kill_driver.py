@@ -65,7 +65,7 @@ elif what == "rollout":
     from serving.engine import CompletionServer
     CompletionServer.sample_tokens = killed_at_call(CompletionServer.sample_tokens)
 else:
-    from trainer.run import Run
+    from trainer.skeleton.run import Run
     Run.backward = killed_at_call(Run.backward)
 sys.argv = [script, *args]
 runpy.run_path(script, run_name="__main__")

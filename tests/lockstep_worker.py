@@ -17,8 +17,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import Qwen3Config, generate  # noqa: E402
-from trainer.heldout import stop_together  # noqa: E402
-from trainer.sharding import sharded_random_model  # noqa: E402
+from trainer.evaluation.heldout import stop_together  # noqa: E402
+from trainer.skeleton.sharding import sharded_random_model  # noqa: E402
 
 
 def main(config_path: str, eos_ids: str, together: str, timeout_s: str, out_dir: str) -> None:

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import model.qwen3 as qwen3
-import trainer.heldout as heldout
-import trainer.rollouts as rollouts_module
+import trainer.evaluation.heldout as heldout
+import trainer.rollouts.source as rollouts_module
 from dataset.collators import IGNORE_INDEX, SFTCollator
 from loop_helpers import loop_args
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
 from support import write_chat_jsonl
-from trainer.chunked_losses import chunked_sft_loss, completion_hidden
+from trainer.losses.chunked import chunked_sft_loss, completion_hidden
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft

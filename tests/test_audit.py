@@ -1,5 +1,5 @@
 # python -m pytest tests/test_audit.py
-"""Logit-free OPD's pieces (trainer/audit.py): the peak-entropy scheduler against a reference written differently, the
+"""Logit-free OPD's pieces (trainer/logit_free/audit.py): the peak-entropy scheduler against a reference written differently, the
 student's entropy and log-probabilities against dense float64, the agreement and its weight against closed forms, the
 loss, its gradient and the KL anchor against dense autograd, the Monte Carlo estimator against its expectation, and
 the white-box reverse-KL signal the bounded weight replaces."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX
-from trainer.agreement import TEXT_CAP, agreement, similarity
-from trainer.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking, audit_loss_sum,
+from trainer.logit_free.agreement import TEXT_CAP, agreement, similarity
+from trainer.logit_free.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking, audit_loss_sum,
                            choose_chunks, chunked_audit_loss, completion_lengths, plan_audits, position_stats,
                            position_weights, posterior_weight)
-from trainer.chunked_losses import completion_hidden
-from trainer.losses import sampled_token_kl_loss
+from trainer.losses.chunked import completion_hidden
+from trainer.losses.closed_forms import sampled_token_kl_loss
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -358,7 +358,7 @@ def test_anchor_is_forward_kl_to_the_reference_on_unaudited_positions():
     """The existing divergences call (forward KL: Divergence("jsd", beta=0.0), the reference model in the teacher's
     slot) on `anchor_labels` equals sum over the unaudited t of sum_v p_ref log(p_ref / p_S), densely in float64; and
     the whole loss -sum pi_hat log p_S + beta * anchor has the dense reference's gradient."""
-    from trainer.divergences import Divergence, divergence_sums
+    from trainer.losses.divergences import Divergence, divergence_sums
     h, w, labels = head_case(6)
     g = torch.Generator().manual_seed(6)
     ref_h = torch.randn(h.shape[0], 20, generator=g)          # the reference may be wider: its own hidden size

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.data_stream import EpochSampler, SkipBatchSampler, batches_to_skip
+from trainer.skeleton.data_stream import EpochSampler, SkipBatchSampler, batches_to_skip
 
 N, SEED = 103, 7  # N is deliberately not a multiple of any world size used below
 

@@ -18,10 +18,10 @@ from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, metr
                           torchrun_command)
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from support import ROOT, write_chat_jsonl
-from trainer.heldout import HeldoutEvaluator
-from trainer.servers import server_wait_seconds
-from trainer.distributed import DistInfo, check_save_time, leave_process_group
-from trainer.loading import build_model
+from trainer.evaluation.heldout import HeldoutEvaluator
+from trainer.rollouts.servers import server_wait_seconds
+from trainer.skeleton.distributed import DistInfo, check_save_time, leave_process_group
+from trainer.skeleton.loading import build_model
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import parse_args as sft_args
@@ -51,7 +51,7 @@ def step_zero_eval(save_dir) -> dict:
 def test_a_timeout_shorter_than_rank_0_alone_fails_the_run(tmp_path):
     """The timeout reaches gloo: a rank waiting longer than --dist_timeout in a collective while rank 0 works alone
     (what the held-out evaluation did) fails the run -- the failure the split evaluation avoids."""
-    result = run_two_ranks(tmp_path, "from trainer.distributed import init_distributed_mode\n"
+    result = run_two_ranks(tmp_path, "from trainer.skeleton.distributed import init_distributed_mode\n"
                                      "info = init_distributed_mode('cpu', 2.0)\n"
                                      "if info.is_main:\n"
                                      "    time.sleep(8)\n"
@@ -124,8 +124,8 @@ def test_a_rank_whose_share_fails_fails_every_rank_after_the_all_reduce(tmp_path
     """A teacher server failing on rank 1 only: rank 1 still joins the evaluation's all-reduce, then both ranks
     raise RuntimeFailure (into the loop's fail_together) instead of rank 0 waiting or mixing up collectives."""
     result = run_two_ranks(tmp_path, "from common.errors import RuntimeFailure\n"
-                                     "from trainer.heldout import HeldoutEvaluator\n"
-                                     "from trainer.distributed import init_distributed_mode\n"
+                                     "from trainer.evaluation.heldout import HeldoutEvaluator\n"
+                                     "from trainer.skeleton.distributed import init_distributed_mode\n"
                                      "info = init_distributed_mode('cpu', 60.0)\n"
                                      "evaluator = HeldoutEvaluator(types.SimpleNamespace(eval_interval=0, fsdp=0), "
                                      "None, info, 0)\n"
@@ -148,7 +148,7 @@ def test_a_rank_that_exits_on_an_error_gives_back_its_process_group(tmp_path):
     close(); the exit handler init_distributed_mode registers gives the group back, or gloo's teardown may abort
     the process (exit -6 instead of the run's code: 5 of 20 runs of the test above, before)."""
     result = run_two_ranks(tmp_path, "import atexit, torch\n"
-                                     "from trainer.distributed import init_distributed_mode\n"
+                                     "from trainer.skeleton.distributed import init_distributed_mode\n"
                                      "init_distributed_mode('cpu', 60.0)\n"
                                      "dist.all_reduce(torch.ones(1))\n"
                                      "atexit._run_exitfuncs()\n"

@@ -16,7 +16,7 @@ from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread
                           loop_args, max_weight_diff, metrics, run_command, script_exit, torchrun_command, weights)
 from model import Qwen3Config, create_model, load_pretrained, save_pretrained
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
-from trainer.sharding import load_shards
+from trainer.skeleton.sharding import load_shards
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
@@ -196,7 +196,7 @@ def test_a_frozen_sharded_model_gives_back_its_gathered_root_only_when_told(tiny
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.sharding import reshard_root, sharded_random_model
+    from trainer.skeleton.sharding import reshard_root, sharded_random_model
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

@@ -96,10 +96,10 @@ def test_every_fully_shard_call_gets_a_mesh_of_the_runs_device_type(tiny_config_
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import trainer.sharding as sharding
+    import trainer.skeleton.sharding as sharding
     from model import save_pretrained
-    from trainer.frozen import read_frozen
-    from trainer.loading import build_model
+    from trainer.teachers.frozen import read_frozen
+    from trainer.skeleton.loading import build_model
 
     meshes, original = [], sharding.fully_shard
 

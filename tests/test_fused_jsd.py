@@ -1,5 +1,5 @@
 # python -m pytest tests/test_fused_jsd.py
-"""trainer/fused_jsd.py: the generalized JSD whose gradient is computed with the loss, against the definition in
+"""trainer/losses/fused_jsd.py: the generalized JSD whose gradient is computed with the loss, against the definition in
 float64 autograd, against the generic checkpointed path under CPU bf16 autocast, and its edge cases (masked
 positions with non-finite logits, the incoming gradient, no_grad, buffers reused between calls)."""
 import pytest
@@ -7,10 +7,10 @@ import torch
 
 from benchmarks.bench_losses import CountWeightCasts
 from support import reference_divergence
-from trainer.chunked_losses import chunked_loss
-import trainer.fused_jsd as fused_jsd
-from trainer.fused_jsd import chunked_generalized_jsd_loss
-from trainer.losses import generalized_jsd_loss
+from trainer.losses.chunked import chunked_loss
+import trainer.losses.fused_jsd as fused_jsd
+from trainer.losses.fused_jsd import chunked_generalized_jsd_loss
+from trainer.losses.closed_forms import generalized_jsd_loss
 
 
 def case(seed: int, n: int = 37, hidden: int = 16, vocab: int = 50, pad: int = 6):

@@ -42,27 +42,74 @@ def allowed(name: str, package: str) -> bool:
                for rule in ALLOWED[package] if "." not in rule) or name in ALLOWED[package]
 
 
+def python_files(folder: str) -> list[str]:
+    """Every module under `folder`, subfolders included, relative to it."""
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder)
+                  for f in files if f.endswith(".py"))
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_imports_go_one_way(package):
     folder = os.path.join(ROOT, package)
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    files = python_files(folder)
     assert files, f"{package}/ has no modules"
     wrong = {f"{package}/{f} imports {name}" for f in files
              for name in project_imports(os.path.join(folder, f)) if not allowed(name, package)}
     assert not wrong, sorted(wrong)
 
 
+# trainer/'s rooms (docs/architecture.md, "trainer/, room by room") and the rooms each may import; the loops,
+# trainer/train_*.py, stand above them all and may import any
+ROOMS = {
+    "skeleton": {"skeleton"},                     # the run every loop shares: data, step, checkpoints, logs
+    "losses": {"losses"},                         # closed forms and the chunked drivers: functions of tensors
+    "rollouts": {"skeleton", "rollouts"},         # where an on-policy loop's samples come from; the servers
+    "teachers": {"skeleton", "losses", "rollouts.servers", "teachers"},  # the teachers behind one object
+    "evaluation": {"skeleton", "losses", "teachers", "evaluation"},      # held-out accuracy and divergences
+    "rl": {"skeleton", "losses", "rl"},           # the RL loop's own helpers
+    "logit_free": {"skeleton", "losses", "logit_free"},  # the logit-free loop's own helpers
+    "config": {"skeleton", "rollouts", "teachers", "logit_free", "losses", "rl", "config"},  # each loop's flags
+}
+
+
+def room_allows(name: str, rules: set[str]) -> bool:
+    """`name` (trainer.ROOM.module) is within one of `rules` (a room, or room.module)."""
+    inner = name.split(".", 1)[1] if name.startswith("trainer.") else ""
+    return any(inner == rule or inner.startswith(rule + ".") for rule in rules)
+
+
+def test_every_trainer_module_is_in_a_room_that_imports_downwards():
+    """Walks every subfolder of trainer/: a module outside the known rooms (and not a loop at the top) fails, as
+    does an import of a room its own may not import."""
+    folder = os.path.join(ROOT, "trainer")
+    unclassified, wrong = [], []
+    for f in python_files(folder):
+        parts = f.split(os.sep)
+        if len(parts) == 1:
+            if not (f.startswith("train_") or f == "__init__.py"):
+                unclassified.append(f"trainer/{f}: at the top only the loops, trainer/train_*.py")
+            continue
+        if len(parts) > 2 or parts[0] not in ROOMS:
+            unclassified.append(f"trainer/{f}: in no room of {sorted(ROOMS)}")
+            continue
+        wrong += [f"trainer/{f} imports {name}" for name in project_imports(os.path.join(folder, f))
+                  if name.startswith("trainer.") and not room_allows(name, ROOMS[parts[0]])]
+    assert not unclassified, unclassified
+    assert not wrong, sorted(wrong)
+
+
 @pytest.mark.parametrize("module, may_import", [
     ("console", set()),
-    ("distributed", {"common.errors", "trainer.console"}),
-    ("guard", {"common.errors", "common.files", "trainer.distributed"}),
+    ("distributed", {"common.errors", "trainer.skeleton.console"}),
+    ("guard", {"common.errors", "common.files", "trainer.skeleton.distributed"}),
     ("run_state", set()),
-    ("resume_checks", {"common.errors", "model.precision", "trainer.distributed", "trainer.guard"}),
-    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.precision", "trainer.distributed",
-                    "trainer.resume_checks", "trainer.run_state", "trainer.sharding"}),
+    ("resume_checks", {"common.errors", "model.precision", "trainer.skeleton.distributed", "trainer.skeleton.guard"}),
+    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.precision",
+                    "trainer.skeleton.distributed", "trainer.skeleton.resume_checks", "trainer.skeleton.run_state",
+                    "trainer.skeleton.sharding"}),
 ])
 def test_the_pieces_below_the_run_import_nothing_of_the_loops(module, may_import):
-    """trainer/console.py (bar, log line, clocks), distributed.py (the process group), guard.py (run lock, stop
-    signals), run_state.py, resume_checks.py and checkpoint.py stand below the run and the scripts: none imports
+    """trainer/skeleton/console.py (bar, log line, clocks), distributed.py (the process group), guard.py (run lock,
+    stop signals), run_state.py, resume_checks.py and checkpoint.py stand below the run and the scripts: none imports
     the run, the flags, a loop's logic (rollouts, divergences) or a training script."""
-    assert project_imports(os.path.join(ROOT, "trainer", f"{module}.py")) <= may_import
+    assert project_imports(os.path.join(ROOT, "trainer", "skeleton", f"{module}.py")) <= may_import

@@ -1,5 +1,5 @@
 # python -m pytest tests/test_policy_gradient.py
-"""trainer/policy_gradient.py against closed forms: a hand-computed group's advantages (grpo and drgrpo, a group
+"""trainer/losses/policy_gradient.py against closed forms: a hand-computed group's advantages (grpo and drgrpo, a group
 with one reward, a group of one), the per-token loss on hand-picked ratios that clip on both sides, the k3 estimator
 against its definition (and its mean against the exact KL), the OPD term, and the chunked loss's value and gradient
 against autograd of a dense reference written from the formulas. TRL's own formulas are pinned in
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from trainer.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
+from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
                                      group_advantages, k3, policy_loss, token_logprobs)
 
 

@@ -11,7 +11,7 @@ import torch
 from common.errors import FlagError, RuntimeFailure, UserError
 from loop_helpers import loop_args, metrics
 from model.precision import cache_dtype, resolve_precision
-from trainer.resume_checks import trained_dtype
+from trainer.skeleton.resume_checks import trained_dtype
 from trainer.train_sft import main as train_sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,8 +18,9 @@ from loop_helpers import (assert_one_line_error, checkpoint_step, kill_after_fir
 from model import generate, load_pretrained, load_tokenizer
 from serving.engine import CompletionServer
 from support import ROOT, SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
-from trainer.topk_divergence import topk_support
-from trainer.divergences import Divergence, evaluation_divergence, teacher_scores
+from trainer.losses.topk_divergence import topk_support
+from trainer.losses.divergences import Divergence, evaluation_divergence
+from trainer.teachers.parts import teacher_scores
 from trainer.train_opd import main as train_opd
 from vllm_servers import TcpProxy, dies_before_call, free_port
 
@@ -241,9 +242,10 @@ def test_the_held_out_evaluation_with_a_served_top_k_teacher_is_the_local_top_k_
     """With --teacher_topk K the held-out evaluation against a served teacher logs the training loss's top-K
     divergence on the student's greedy completions (not the sampled-token estimate): the same number as the local
     teacher's top-K from its logits on those completions."""
-    from trainer.heldout import EvalTeacher, heldout_metrics, heldout_sums
-    from trainer.chunked_losses import completion_hidden
-    from trainer.topk_divergence import chunked_topk_divergence
+    from trainer.evaluation.heldout import heldout_metrics, heldout_sums
+    from trainer.teachers.teacher_set import EvalTeacher
+    from trainer.losses.chunked import completion_hidden
+    from trainer.losses.topk_divergence import chunked_topk_divergence
     tokenizer = load_tokenizer(None)
     student, teacher = load_pretrained(vllm_servers.student_dir), load_pretrained(vllm_servers.teacher_dir)
     prompts = [tokenizer.encode(f"<|im_start|>user\nAdd {i} and 3.<|im_end|>\n<|im_start|>assistant\n")

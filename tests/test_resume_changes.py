@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-import trainer.checkpoint as checkpoint
+import trainer.skeleton.checkpoint as checkpoint
 from common.errors import run_script
 from loop_helpers import loop_args, metrics
-from trainer.distributed import DistInfo
+from trainer.skeleton.distributed import DistInfo
 from trainer.train_sft import main as train_sft
-from trainer.optimizer_step import get_lr
+from trainer.skeleton.optimizer_step import get_lr
 
 
 def sft_args(config, data, save_dir, **flags) -> list[str]:

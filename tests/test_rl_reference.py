@@ -1,5 +1,5 @@
 # python -m pytest tests/test_rl_reference.py
-"""trainer/policy_gradient.py against TRL 1.16.0's GRPO (trl/trainer/grpo_trainer.py, class GRPOTrainer).
+"""trainer/losses/policy_gradient.py against TRL 1.16.0's GRPO (trl/trainer/grpo_trainer.py, class GRPOTrainer).
 
 Pinned: TRL's formulas, written out below as small plain-torch functions from its source (not imported, and not
 built from ours), on the same random tensors as ours:
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, group_advantages, k3,
+from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, group_advantages, k3,
                                      policy_loss)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from common.errors import RuntimeFailure
-from trainer.run_state import RunState, merge_rollouts
-from trainer.rollout_queue import RolloutQueue
-from trainer.data_stream import DataStream
+from trainer.skeleton.run_state import RunState, merge_rollouts
+from trainer.rollouts.queue import RolloutQueue
+from trainer.skeleton.data_stream import DataStream
 
 
 def windows(steps: int, rows_per_step: int = 2) -> list[tuple[int, int, list[dict]]]:

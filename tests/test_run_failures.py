@@ -242,7 +242,7 @@ def test_disk_filling_up_during_the_write_keeps_the_previous_checkpoint(config, 
     train_sft(sft_args(config, data, small_disk, max_steps=1))
     before = (small_disk / "run_resume.pt").read_bytes()
     fill(small_disk, 60 * 2**20)  # the export (~40 MiB) fits, the resume file (~120 MiB) does not
-    monkeypatch.setattr("trainer.checkpoint.check_free_space", lambda *args: None)  # another writer filled it
+    monkeypatch.setattr("trainer.skeleton.checkpoint.check_free_space", lambda *args: None)  # another writer filled it
     code, stderr = script_exit(train_sft, sft_args(config, data, small_disk, max_steps=2, from_resume=1, resume_changes="max_steps"), capsys)
     assert_one_line_error(code, stderr, 1, "no space left", "intact")
     assert (small_disk / "run_resume.pt").read_bytes() == before

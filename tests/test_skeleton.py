@@ -12,11 +12,11 @@ import torch
 
 from support import ROOT
 from loop_helpers import env_one_thread, loop_args, metrics
-from trainer.distributed import DistInfo
+from trainer.skeleton.distributed import DistInfo
 from trainer.train_sft import main as train_sft
-from trainer.console import PhaseClock
-from trainer.optimizer_step import make_optimizer
-from trainer.window_metrics import WindowMetrics
+from trainer.skeleton.console import PhaseClock
+from trainer.skeleton.optimizer_step import make_optimizer
+from trainer.skeleton.window_metrics import WindowMetrics
 
 
 def test_the_last_step_of_a_max_steps_run_is_logged(tiny_config_path, chat_jsonl, tmp_path, capsys):
@@ -82,7 +82,7 @@ def test_console_lines_of_all_three_loops_fit_120_characters(tiny_config_path, c
 
 @pytest.mark.parametrize("tty, ci, shown", [(True, "", True), (True, "true", False), (False, "", False)])
 def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, shown):
-    from trainer.console import Progress
+    from trainer.skeleton.console import Progress
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     monkeypatch.setenv("CI", ci)
     progress = Progress(10, 0, enabled=True)
@@ -93,8 +93,8 @@ def test_a_progress_bar_only_on_a_terminal_outside_ci(monkeypatch, tty, ci, show
 def test_lines_printed_while_the_bar_is_up_go_above_it(monkeypatch, capsys):
     """print0 (a server's start-up line, a weight push, a skipped fp16 step) writes through the bar while one is
     up, not into its line; once it is closed, plainly."""
-    from trainer.console import Progress
-    from trainer.distributed import print0
+    from trainer.skeleton.console import Progress
+    from trainer.skeleton.distributed import print0
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     monkeypatch.setenv("CI", "")
     progress, written = Progress(10, 0, enabled=True), []
@@ -106,7 +106,7 @@ def test_lines_printed_while_the_bar_is_up_go_above_it(monkeypatch, capsys):
 
 
 def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
-    from trainer.console import console_line
+    from trainer.skeleton.console import console_line
     metrics = {"step": 100, "epoch": 1, "loss": 11.2345, "lr": 2.0e-3, "grad_norm": 12.34, "tokens_per_s": 12345.0,
                "step_ms": 12345.0, "ce": 11.8512, "kd": 10.6021}
     line = console_line(metrics, epochs=1, total_steps=100, eta="10:03:24", show=("ce", "kd"))
@@ -115,8 +115,8 @@ def test_kds_line_keeps_ce_and_kd_at_full_width_numbers():
 
 def test_every_step_reaches_the_tracker_and_metrics_and_the_bar_shows_the_lines_eta(tiny_config_path, chat_jsonl,
                                                                                   tmp_path, monkeypatch, one_thread):
-    import trainer.console as console
-    import trainer.run_log as run_log
+    import trainer.skeleton.console as console
+    import trainer.skeleton.run_log as run_log
     etas = []
     monkeypatch.setattr(console.Progress, "update", lambda self, step, metrics, eta: etas.append(eta))
     logged = []

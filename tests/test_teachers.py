@@ -1,5 +1,5 @@
 # python -m pytest tests/test_teachers.py
-"""Several teachers in one run (--teachers, trainer/teachers.py) on tiny Qwen3s with the real vocabulary, CPU: the
+"""Several teachers in one run (--teachers, trainer/teachers/teacher_set.py) on tiny Qwen3s with the real vocabulary, CPU: the
 first step's loss, per-teacher numbers and gradient equal the token-weighted combination of the single-teacher
 computations on each teacher's rows (closed forms from full logits, KD and OPD); 2 sharded ranks where one has no
 row for a teacher finish; a teacher whose chat template renders the prompts differently is refused with the
@@ -21,9 +21,9 @@ from loop_helpers import (assert_one_line_error, first_step_samples, loop_args, 
                           torchrun_command, weights)
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from support import ROOT, TINY_CONFIG
-from trainer.data_stream import EpochSampler
-from trainer.losses import generalized_jsd_loss
-from trainer.teachers import read_teachers_file
+from trainer.skeleton.data_stream import EpochSampler
+from trainer.losses.closed_forms import generalized_jsd_loss
+from trainer.teachers.teacher_set import read_teachers_file
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 
@@ -317,10 +317,10 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
     import contextlib
     import types
 
-    from trainer.policy_gradient import TEACHER_LOGP
-    from trainer.teachers import Routing, Teacher, Teachers
+    from trainer.losses.policy_gradient import TEACHER_LOGP
+    from trainer.teachers.teacher_set import Routing, Teacher, Teachers
     from trainer.train_rl import token_values
-    from trainer.window_metrics import WindowMetrics
+    from trainer.skeleton.window_metrics import WindowMetrics
     tokenizer = load_tokenizer(None)
     rows = [{"messages": [{"role": "user", "content": f"Question {i}"},
                           {"role": "assistant", "content": "seven plus " * (i + 1)}], "teacher": ["math", "code"][i % 2]}
@@ -348,8 +348,9 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
 def test_the_held_out_numbers_per_teacher_and_overall():
     """Several teachers: each one's divergence per token over its held-out rows; the overall number only where
     they report the same divergence (token-weighted); a teacher no held-out row names has none."""
-    from trainer.divergences import Divergence
-    from trainer.heldout import EvalTeacher, heldout_metrics
+    from trainer.losses.divergences import Divergence
+    from trainer.evaluation.heldout import heldout_metrics
+    from trainer.teachers.teacher_set import EvalTeacher
     sums = {"correct": 1, "rows": 4, "generated": 40, "ended": 2, "kl_sum/math": 3.0, "kl_tokens/math": 10,
             "kl_sum/code": 9.0, "kl_tokens/code": 30, "kl_sum/idle": 0.0, "kl_tokens/idle": 0}
     same = [EvalTeacher(name, Divergence("jsd")) for name in ("math", "code", "idle")]

@@ -1,5 +1,5 @@
 # python -m pytest tests/test_topk_divergence.py
-"""The coarse-grained divergence of a top-K teacher (trainer/topk_divergence.py) by enumeration on a small
+"""The coarse-grained divergence of a top-K teacher (trainer/losses/topk_divergence.py) by enumeration on a small
 vocabulary: it is the generalized JSD of the (K+2)-bucket distributions, never more than the full-vocabulary
 divergence, equal to it when S is everything, with autograd's gradients of a dense float64 reference; chunked it is
 the unchunked sum, and a local teacher's top-K gives what the same numbers from a server give."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from support import reference_divergence
-from trainer.losses import generalized_jsd_loss
-from trainer.topk_divergence import TAIL_FLOOR, chunked_topk_divergence, topk_divergence, topk_support
+from trainer.losses.closed_forms import generalized_jsd_loss
+from trainer.losses.topk_divergence import TAIL_FLOOR, chunked_topk_divergence, topk_divergence, topk_support
 
 BETAS = (0.0, 0.3, 0.5, 1.0)
 V = 10
@@ -175,7 +175,7 @@ def test_opd_with_a_local_top_k_teacher_logs_the_divergence_of_independently_com
     from dataset.sources import RowDataset
     from loop_helpers import loop_args, metrics
     from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
-    from trainer.data_stream import EpochSampler
+    from trainer.skeleton.data_stream import EpochSampler
     from trainer.train_opd import main as train_opd
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loop_helpers import loop_args, metrics
-from trainer.tracking import tracker_config
+from trainer.skeleton.tracking import tracker_config
 from trainer.train_sft import main as train_sft
 
 

@@ -18,7 +18,7 @@ from dataset.collators import SFTCollator
 from dataset.sources import RowDataset
 from loop_helpers import loop_args, max_weight_diff, metrics, weights
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
-from trainer.data_stream import EpochSampler
+from trainer.skeleton.data_stream import EpochSampler
 from trainer.train_distillation import main as train_distillation
 from trainer.train_sft import main as train_sft
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import trainer.train_logit_free as logit_free
-from trainer.black_box_teacher import audit_requests
+from trainer.teachers.black_box import audit_requests
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, script_exit, assert_one_line_error, torchrun_command, weights,
                           without_timing)
@@ -159,7 +159,7 @@ def test_a_partial_no_template_can_hand_over_is_not_asked():
     after them are dropped from the audit, the others are asked."""
     import argparse
     from model import load_tokenizer
-    from trainer.audit import Chunk
+    from trainer.logit_free.audit import Chunk
     tokenizer = load_tokenizer(None)
     spelled = [i for piece in ("<", "think", ">") for i in tokenizer.encode(piece)]
     assert tokenizer.decode(spelled) == "<think>" and 151667 not in spelled

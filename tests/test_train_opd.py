@@ -14,8 +14,8 @@ from dataset.sources import RowDataset
 from loop_helpers import first_step_samples, loop_args, max_weight_diff, metrics, weights
 from support import give_another_tokenizer
 from model import Qwen3Config, create_model, generate, load_pretrained, load_tokenizer, save_pretrained
-from trainer.losses import generalized_jsd_loss
-from trainer.data_stream import EpochSampler
+from trainer.losses.closed_forms import generalized_jsd_loss
+from trainer.skeleton.data_stream import EpochSampler
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 

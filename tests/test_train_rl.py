@@ -19,9 +19,9 @@ from dataset.sources import RowDataset
 from loop_helpers import assert_one_line_error, loop_args, max_weight_diff, metrics, script_exit, weights
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from rl_length_reward import length_reward, main as train_rl_varied
-from trainer.policy_gradient import ADVANTAGE
-from trainer.rewards import GroupCollator, reward_of
-from trainer.rollouts import row_seeds
+from trainer.losses.policy_gradient import ADVANTAGE
+from trainer.rl.rewards import GroupCollator, reward_of
+from trainer.rollouts.source import row_seeds
 from trainer.train_opd import main as train_opd
 
 RL = {"max_new_tokens": 8, "num_generations": 3}

@@ -14,7 +14,7 @@ from common.errors import UserError
 from dataset.collators import SFTCollator
 from dataset.sources import RowDataset
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
-from trainer.data_stream import EpochSampler
+from trainer.skeleton.data_stream import EpochSampler
 from trainer.train_sft import main as train_sft
 
 def sft_args(*args, **kwargs) -> list[str]:

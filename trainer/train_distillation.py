@@ -26,17 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.errors import ArgumentParser, refuse, run_script
-from trainer.guard import stop_signals_noted
-from trainer.heldout import HeldoutEvaluator
-from trainer.distributed import init_distributed_mode
-from trainer.divergences import evaluation_divergence
-from trainer.flags import ROOT, add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
-from trainer.loading import build_model, load_sft_data
-from trainer.chunked_losses import chunked_loss, completion_hidden
-from trainer.losses import distillation_loss, sft_loss
-from trainer.run import Run
-from trainer.teacher_parts import add_part_metrics, part_scores, split_by_teacher
-from trainer.teachers import (RoutedCollator, add_teachers_args, check_teachers, load_teachers, routing, say_teachers,
+from trainer.skeleton.guard import stop_signals_noted
+from trainer.evaluation.heldout import HeldoutEvaluator
+from trainer.skeleton.distributed import init_distributed_mode
+from trainer.losses.divergences import evaluation_divergence
+from trainer.config.flags import ROOT, add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
+from trainer.skeleton.loading import build_model, load_sft_data
+from trainer.losses.chunked import chunked_loss, completion_hidden
+from trainer.losses.closed_forms import distillation_loss, sft_loss
+from trainer.skeleton.run import Run
+from trainer.teachers.parts import add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers.teacher_set import (RoutedCollator, add_teachers_args, check_teachers, load_teachers, routing, say_teachers,
                               teacher_specs, validate_teachers_args)
 
 DEFAULT_STUDENT_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny-student.json")

@@ -15,7 +15,7 @@ sure, and the student's chunks are weighted by how well the teacher's continuati
 Per micro-batch (docs/logit_free.md: the method, its equations and which parts are the paper's):
   1. the student samples y ~ pi_student(.|x) (built-in engine or --rollout_url, as OPD's), labels on y
   2. the audit: the student's exact entropy at every completion position (no grad); up to M non-overlapping
-     chunks of C tokens from the highest entropy at a chunk's first token down (trainer/audit.py), none starting
+     chunks of C tokens from the highest entropy at a chunk's first token down (trainer/logit_free/audit.py), none starting
      inside a thinking block (after a `<think>` with no `</think>`: a teacher cannot be asked to continue there)
   3. the teacher continues prompt + y[:anchor] N times per chunk (temperature 1, at most ceil(1.5 C) tokens), all
      of the micro-batch's chunks in flight at once; k = sum of the similarities of the student's chunk text and each
@@ -38,25 +38,26 @@ import torch
 
 from common.errors import ArgumentParser, refuse, refuse_first, run_script
 from model import Decoder
-from trainer.agreement import SIMILARITIES, agreement
-from trainer.audit import (anchor_labels, anchors_outside_thinking, chunked_audit_loss, completion_lengths,
+from trainer.logit_free.agreement import SIMILARITIES, agreement
+from trainer.logit_free.audit import (anchor_labels, anchors_outside_thinking, chunked_audit_loss, completion_lengths,
                            plan_audits, position_stats, position_weights, posterior_weight)
-from trainer.black_box_teacher import (add_teacher_args, audit_requests, black_box_specs, check_teacher_wait,
+from trainer.teachers.black_box import (add_teacher_args, audit_requests, black_box_specs, check_teacher_wait,
                                        connect_teachers, validate_teacher_args)
-from trainer.chunked_losses import completion_hidden
-from trainer.console import PhaseClock
-from trainer.distributed import init_distributed_mode
-from trainer.divergences import Divergence, divergence_sums, evaluation_divergence
-from trainer.flags import add_common_args, validate_common_args
-from trainer.frozen import frozen_hidden, load_frozen, load_reference
-from trainer.guard import stop_signals_noted
-from trainer.heldout import EvalTeacher, HeldoutEvaluator
-from trainer.loading import build_model, load_prompt_data
-from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
-from trainer.run import Run
-from trainer.servers import add_server_args, connect_server, say_servers, validate_server_args
-from trainer.teachers import SINGLE, TeacherSpec, add_teachers_args, routing, validate_teachers_args
-from trainer.sharding import reshard_root
+from trainer.losses.chunked import completion_hidden
+from trainer.skeleton.console import PhaseClock
+from trainer.skeleton.distributed import init_distributed_mode
+from trainer.losses.divergences import Divergence, divergence_sums, evaluation_divergence
+from trainer.config.flags import add_common_args, validate_common_args
+from trainer.teachers.frozen import frozen_hidden, load_frozen, load_reference
+from trainer.skeleton.guard import stop_signals_noted
+from trainer.evaluation.heldout import HeldoutEvaluator
+from trainer.teachers.teacher_set import EvalTeacher
+from trainer.skeleton.loading import build_model, load_prompt_data
+from trainer.rollouts.source import Rollouts, add_sampling_args, validate_sampling_args
+from trainer.skeleton.run import Run
+from trainer.rollouts.servers import add_server_args, connect_server, say_servers, validate_server_args
+from trainer.teachers.teacher_set import SINGLE, TeacherSpec, add_teachers_args, routing, validate_teachers_args
+from trainer.skeleton.sharding import reshard_root
 
 ANCHOR = Divergence("jsd", beta=0.0)  # KL(p_ref || p_S): the generalized JSD's forward-KL end, p_ref as "teacher"
 

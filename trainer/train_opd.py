@@ -17,7 +17,7 @@ Per micro-batch, the paper's eq. 2:
      ranks and micro-batches): the student samples y ~ pi_student(.|x) (KV cache, eval mode,
      no grad; or on the rollout server, which holds the student's weights: pushed and verified before the step's
      first rollout every --sync_interval steps; with --max_staleness S the server samples step s from the weights
-     of step s-S, in the background, trainer/rollout_queue.py); otherwise the dataset's own completions are used
+     of step s-S, in the background, trainer/rollouts/queue.py); otherwise the dataset's own completions are used
      (lmbda=0 is plain KD on the data)
   2. the sequence x + y gets labels on y only, through the first EOS
   3. the teacher scores every position without gradients (a teacher on a server: the sampled tokens only, or its
@@ -44,19 +44,19 @@ from common.errors import ArgumentParser, refuse, refuse_first, run_script
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX
 from model import Decoder
-from trainer.console import PhaseClock
-from trainer.divergences import DivergenceSums, divergence_sums, evaluation_divergence, training_divergence
-from trainer.distributed import init_distributed_mode
-from trainer.flags import add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
-from trainer.guard import stop_signals_noted
-from trainer.heldout import HeldoutEvaluator
-from trainer.loading import build_model, load_prompt_data
-from trainer.chunked_losses import completion_hidden
-from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
-from trainer.run import Run
-from trainer.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
-from trainer.teacher_parts import add_part_metrics, part_scores, split_by_teacher
-from trainer.teachers import (add_teachers_args, check_teachers, load_teachers, routing, say_teachers,
+from trainer.skeleton.console import PhaseClock
+from trainer.losses.divergences import DivergenceSums, divergence_sums, evaluation_divergence, training_divergence
+from trainer.skeleton.distributed import init_distributed_mode
+from trainer.config.flags import add_common_args, add_teacher_args, resolve_teacher_path, validate_common_args
+from trainer.skeleton.guard import stop_signals_noted
+from trainer.evaluation.heldout import HeldoutEvaluator
+from trainer.skeleton.loading import build_model, load_prompt_data
+from trainer.losses.chunked import completion_hidden
+from trainer.rollouts.source import Rollouts, add_sampling_args, validate_sampling_args
+from trainer.skeleton.run import Run
+from trainer.rollouts.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
+from trainer.teachers.parts import add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers.teacher_set import (add_teachers_args, check_teachers, load_teachers, routing, say_teachers,
                               served_teacher_rules, teacher_specs, validate_teachers_args)
 
 
@@ -136,7 +136,7 @@ def distill_loss(run: Run, args: argparse.Namespace, teachers, divergences: dict
                  vocab_size: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 4: the student's hidden states at the completion positions, and per teacher the summed per-token loss
-    of its rows against its `scores` (trainer/divergences.py); their per-token numbers (the teacher's tail mass of
+    of its rows against its `scores` (trainer/losses/divergences.py); their per-token numbers (the teacher's tail mass of
     top-K, the sampled-token KL estimate) join the window's metrics, on every micro-batch (zeros where a teacher has
     no rows: the ranks add the same names)."""
     student_hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)

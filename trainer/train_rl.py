@@ -22,7 +22,7 @@ Per micro-batch (its --batch_size prompts, each G times: a group is never split 
      teacher's (--opd_coef: local, or the served teacher's)
   4. loss per token = - min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef k3(ref, student), with
      A = A_group - opd_coef (log p_S(y_t) - log p_T(y_t)) and rho = 1 (the rollouts come from the weights being
-     trained; trainer/policy_gradient.py); summed, the skeleton divides by the window's completion tokens over all
+     trained; trainer/losses/policy_gradient.py); summed, the skeleton divides by the window's completion tokens over all
      ranks (drgrpo: by its rows x --max_new_tokens), clips and steps
 One optimizer step per rollout batch (no PPO epochs). With --reward none, --opd_coef 1, G = 1 and --kl_coef 0 this is
 train_opd.py's --loss sampled_kl, step for step.
@@ -40,24 +40,24 @@ import torch
 from common.errors import ArgumentParser, refuse, refuse_first, run_script
 from dataset.collators import IGNORE_INDEX
 from model import Decoder
-from trainer.chunked_losses import completion_hidden
-from trainer.console import PhaseClock
-from trainer.distributed import init_distributed_mode, print0
-from trainer.divergences import Divergence, evaluation_divergence
-from trainer.flags import add_common_args, validate_common_args
-from trainer.frozen import frozen_hidden, load_reference
-from trainer.guard import stop_signals_noted
-from trainer.heldout import HeldoutEvaluator
-from trainer.loading import build_model, load_prompt_data
-from trainer.policy_gradient import (ADVANTAGE, ADVANTAGES, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
+from trainer.losses.chunked import completion_hidden
+from trainer.skeleton.console import PhaseClock
+from trainer.skeleton.distributed import init_distributed_mode, print0
+from trainer.losses.divergences import Divergence, evaluation_divergence
+from trainer.config.flags import add_common_args, validate_common_args
+from trainer.teachers.frozen import frozen_hidden, load_reference
+from trainer.skeleton.guard import stop_signals_noted
+from trainer.evaluation.heldout import HeldoutEvaluator
+from trainer.skeleton.loading import build_model, load_prompt_data
+from trainer.losses.policy_gradient import (ADVANTAGE, ADVANTAGES, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
                                      group_advantages, token_logprobs)
-from trainer.rewards import REWARDS, GroupCollator, check_ground_truths, reward_of
-from trainer.rollouts import Rollouts, add_sampling_args, validate_sampling_args
-from trainer.run import Run
-from trainer.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
-from trainer.sharding import reshard_root
-from trainer.teacher_parts import add_part_metrics, part_scores, split_by_teacher
-from trainer.teachers import (Teachers, add_teachers_args, check_teachers, load_teachers, read_teachers_file, routing,
+from trainer.rl.rewards import REWARDS, GroupCollator, check_ground_truths, reward_of
+from trainer.rollouts.source import Rollouts, add_sampling_args, validate_sampling_args
+from trainer.skeleton.run import Run
+from trainer.rollouts.servers import add_server_args, check_server_wait, connect_server, say_servers, validate_server_args
+from trainer.skeleton.sharding import reshard_root
+from trainer.teachers.parts import add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers.teacher_set import (Teachers, add_teachers_args, check_teachers, load_teachers, read_teachers_file, routing,
                               say_teachers, teacher_specs, validate_teachers_args)
 
 SAMPLED_KL = Divergence("sampled_kl")  # what a teacher gives the OPD term: its log-probability of each sampled token
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_rl_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("RL with verifiable rewards (trainer/policy_gradient.py)")
+    g = parser.add_argument_group("RL with verifiable rewards (trainer/losses/policy_gradient.py)")
     g.add_argument("--num_generations", type=int, default=8, help="G: completions sampled per prompt (a group)")
     g.add_argument("--advantage", default="grpo", choices=ADVANTAGES,
                    help="grpo: (r - mean) / (std + 1e-4) within the group, the loss per token over the window; "

@@ -20,13 +20,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.errors import ArgumentParser, run_script
-from trainer.guard import stop_signals_noted
-from trainer.heldout import HeldoutEvaluator
-from trainer.chunked_losses import chunked_sft_loss, completion_hidden
-from trainer.distributed import init_distributed_mode
-from trainer.flags import add_common_args, validate_common_args
-from trainer.loading import build_model, load_sft_data
-from trainer.run import Run
+from trainer.skeleton.guard import stop_signals_noted
+from trainer.evaluation.heldout import HeldoutEvaluator
+from trainer.losses.chunked import chunked_sft_loss, completion_hidden
+from trainer.skeleton.distributed import init_distributed_mode
+from trainer.config.flags import add_common_args, validate_common_args
+from trainer.skeleton.loading import build_model, load_sft_data
+from trainer.skeleton.run import Run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,0 +1,179 @@
+"""The flags every training loop shares, and the rules that refuse impossible combinations at start-up.
+
+Each script builds its parser from `add_common_args` (and `add_teacher_args` when it has a teacher), adds its own
+algorithm's flags, and calls `validate_common_args` before anything slow: a bad flag, a missing path or a run name
+already in use is one line and exit code 2, before the data is read or a model is built (docs/training.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from common.checks import check_device, check_model_dir
+from common.errors import refuse
+from common.files import check_writable
+from model.precision import DTYPE_CHOICES, resolve_precision
+from trainer.skeleton.resume_checks import check_run_name, resume_change_names
+from trainer.skeleton.loading import DEFAULT_MODEL_CONFIG, ROOT
+from trainer.skeleton.distributed import DEFAULT_DIST_TIMEOUT, SAVE_WRITE_BYTES_PER_S
+
+
+
+def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
+    """The flags every loop shares (docs/training.md, "Flags shared by the loops"), group by group; each
+    script adds its own algorithm's flags."""
+    add_model_and_data_args(parser)
+    add_optimisation_and_evaluation_args(parser)
+    add_system_args(parser)
+    add_checkpoint_and_logging_args(parser, save_weight)
+
+
+def add_model_and_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_path", default=None, help="HF folder to start from (config.json + safetensors)")
+    g.add_argument("--model_config", default=None,
+                   help=f"config.json to start from random weights (default without --model_path: "
+                        f"{os.path.relpath(DEFAULT_MODEL_CONFIG, ROOT)})")
+    g.add_argument("--tokenizer_path", default=None,
+                   help="folder with tokenizer.json (default: --model_path, else the packaged Qwen3 tokenizer)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", default=None, help="parquet or jsonl (default: the built-in demo data)")
+    g.add_argument("--max_length", type=int, default=512, help="prompt + completion tokens per row")
+    g.add_argument("--max_prompt_length", type=int, default=256, help="prompt budget (keeps the prompt's end)")
+    g.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 chat-template switch")
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers")
+
+
+def add_optimisation_and_evaluation_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=1, help="passes over the training rows")
+    g.add_argument("--batch_size", type=int, default=16, help="rows per micro-batch per device")
+    g.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--learning_rate", type=float, default=2e-3,
+                   help="peak learning rate (AdamW); the default suits the tiny demo models, Qwen3-0.6B wants ~1e-5")
+    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
+    g.add_argument("--warmup_ratio", type=float, default=0.0, help="share of optimizer steps of linear warm-up")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
+    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all)")
+    g.add_argument("--seed", type=int, default=42,
+                   help="the model's random init, the data order (seed, epoch) and each row's samples")
+    g.add_argument("--loss_chunk_size", type=int, default=512,
+                   help="positions projected through the lm_head at a time (full logits never exist)")
+    g = parser.add_argument_group("held-out evaluation (greedy completions: accuracy; with a teacher: reverse KL)")
+    g.add_argument("--eval_interval", type=int, default=0, help="optimizer steps between evaluations (0 = off)")
+    g.add_argument("--eval_data_path", default=None, help="held-out prompts with ground truth (default: demo eval)")
+    g.add_argument("--eval_rows", type=int, default=64, help="held-out prompts per evaluation (a fixed set)")
+    g.add_argument("--eval_max_new_tokens", type=int, default=64, help="completion budget of the evaluation")
+
+
+def add_system_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("system")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="autocast dtype over fp32 master weights, on any device (float16 adds a GradScaler); auto: "
+                        "bfloat16 on CUDA, float32 (no autocast) elsewhere (model/precision.py)")
+    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
+                   help="1: torch.compile each decoder layer (training); OPD also compiles the student's decode "
+                        "step (CUDA graphs on CUDA), which keeps its KV cache allocated between rollouts")
+    g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1],
+                   help="1: recompute each decoder layer's activations in the backward (less memory, one more forward)")
+    g.add_argument("--fsdp", type=int, default=0, choices=[0, 1],
+                   help="1: shard parameters, gradients and optimizer state over the ranks (FSDP2) and write "
+                        "sharded checkpoints that any world size resumes (docs/architecture.md)")
+    g.add_argument("--dist_timeout", type=float, default=DEFAULT_DIST_TIMEOUT,
+                   help=f"seconds a rank may wait in a collective for the others before the run fails (NCCL's "
+                        f"watchdog, gloo's timeout); the default {DEFAULT_DIST_TIMEOUT:.0f} covers the longest "
+                        f"legitimate wait: a batch of server requests at --rollout_timeout 600 with all retries "
+                        f"(3340 s) or rank 0 writing an 8B model's checkpoint at {SAVE_WRITE_BYTES_PER_S / 1e6:.0f} "
+                        f"MB/s (~1310 s); a longer possible wait is refused at start-up")
+
+
+def add_checkpoint_and_logging_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
+    g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
+    g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
+    g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
+                   help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
+    g.add_argument("--resume_changes", default="",
+                   help="with --from_resume 1: comma-separated flags that may differ from the checkpoint's although "
+                        "they change what the run computes, e.g. max_steps to train on past the planned end (the "
+                        "cosine schedule is then recomputed over the new length); others are refused")
+    g.add_argument("--start_over", type=int, default=0, choices=[0, 1],
+                   help="1: move an existing run of this name aside (SAVE_DIR/NAME.replaced-TIME/) and start anew")
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between log lines")
+    g.add_argument("--use_swanlab", type=int, default=0, choices=[0, 1])
+    g.add_argument("--swanlab_project", default="qwen3-distill")
+    g.add_argument("--swanlab_mode", default="local", choices=["cloud", "local", "offline", "disabled"],
+                   help="offline/local need no account; cloud needs `swanlab login`")
+
+
+def validate_common_args(args: argparse.Namespace) -> None:
+    """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
+    if args.model_path and args.model_config:
+        refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
+    if not args.model_path and not args.model_config:  # resolved here, so the logged config names what was used
+        args.model_config = DEFAULT_MODEL_CONFIG
+    for name in ("epochs", "batch_size", "accumulation_steps", "max_length", "max_prompt_length",
+                 "log_interval", "save_interval", "loss_chunk_size"):
+        if getattr(args, name) < 1:
+            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_prompt_length >= args.max_length:
+        refuse(f"--max_prompt_length ({args.max_prompt_length}) must be smaller than --max_length "
+               f"({args.max_length}) so that completion tokens fit")
+    if not 0.0 <= args.warmup_ratio < 1.0:
+        refuse(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    if args.learning_rate <= 0:
+        refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.eval_interval < 0 or args.eval_rows < 1 or args.eval_max_new_tokens < 1:
+        refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
+    for name in ("max_steps", "grad_clip"):
+        if getattr(args, name) < 0:
+            refuse(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if not args.dist_timeout > 0:
+        refuse(f"--dist_timeout must be > 0 seconds, got {args.dist_timeout}")
+    check_device(args.device)
+    if args.model_path:
+        check_model_dir(args.model_path, "--model_path")
+    for flag in ("model_path", "model_config", "data_path", "eval_data_path", "tokenizer_path"):
+        path = getattr(args, flag)
+        if path and not os.path.exists(path):
+            refuse(f"--{flag} {path} does not exist")
+    if args.fsdp and resolve_precision(args.device, args.dtype).scaled:
+        refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
+               "--dtype bfloat16")
+    unknown = sorted(resume_change_names(args) - vars(args).keys())
+    if unknown:
+        refuse(f"--resume_changes names no flag of this script: {', '.join(unknown)}")
+    if args.from_resume and args.start_over:
+        refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
+    check_writable(args.save_dir, "--save_dir")
+    check_run_name(args.save_dir, args.save_weight, args.from_resume, args.start_over)
+
+
+def add_teacher_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("teacher")
+    g.add_argument("--teacher_path", default=None,
+                   help="HF folder of the teacher (same tokenizer); default: SAVE_DIR/sft, the SFT quick-start's "
+                        "output")
+    g.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
+                   help="with --fsdp 1: 1 keeps a whole teacher on every rank (faster when it fits) instead of "
+                        "sharding it")
+    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the distillation loss")
+    g.add_argument("--teacher_dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="the teacher's weights; auto: the --dtype autocast computes in, except with float16 "
+                        "(a real Qwen3 may overflow fp16): bfloat16 where the device has it, else float32")
+
+
+def resolve_teacher_path(args: argparse.Namespace) -> None:
+    """Default teacher: the SFT quick-start's model. Refused up front when there is none."""
+    if args.teacher_path is None:
+        args.teacher_path = os.path.join(args.save_dir, "sft")
+    if not os.path.isfile(os.path.join(args.teacher_path, "config.json")):
+        refuse(f"no teacher model at {args.teacher_path}: run `python trainer/train_sft.py` first (it writes "
+               f"checkpoints/sft/), or pass --teacher_path")
+    if args.temperature <= 0:
+        refuse(f"--temperature must be > 0, got {args.temperature}")

@@ -1,0 +1,129 @@
+"""RL with verifiable rewards, the math: group-relative advantages and the clipped policy-gradient loss per token.
+
+For a prompt x the student samples a group of G completions y_1..y_G and each gets a reward r_i (trainer/rl/rewards.py).
+
+    advantage   grpo:    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     std with Bessel's correction (G - 1), as TRL's
+                drgrpo:  A_i =  r_i - mean(r)                         no std: its 1/std up-weights easy and hard
+                                                                      prompts (Dr. GRPO, arXiv 2503.20783)
+    ratio       rho_t = exp(log pi(y_t) - log pi_old(y_t))           pi_old: the weights that sampled (behaviour)
+    per token   l_t = - min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t) + kl_coef * k3_t
+    k3          k3_t = exp(log p_ref(y_t) - log pi(y_t)) - (log p_ref(y_t) - log pi(y_t)) - 1   (>= 0; its mean
+                over samples from pi is KL(pi || p_ref); Schulman's k3, GRPO's (DeepSeekMath) and TRL's with
+                use_bias_correction_kl=False -- TRL 1.16's default multiplies it by rho, which on-policy keeps its
+                value and adds k3 grad log pi to its gradient; tests/test_rl_reference.py)
+    OPD term    A_t = A_i - opd_coef * (log pi(y_t) - log p_T(y_t))  (detached: the sampled-token reverse KL to a
+                teacher as a dense per-token advantage)
+
+A group with one reward has A_i = 0 for every member (no signal, no 0/0: the std's epsilon). On-policy (the rollouts
+sampled by the weights being trained) pi_old is pi itself, detached: rho_t = 1, and the gradient of l_t is
+-A_t grad log pi(y_t), the plain policy gradient. log pi is at the sampling temperature, as TRL's.
+
+These functions return sums over the completion tokens; the loop hands them to the skeleton, which divides by the
+window's completion tokens over all ranks (DAPO's token-level aggregation; TRL's `loss_type="dapo"`), or with
+drgrpo by rows x --max_new_tokens (Dr. GRPO's constant), both exact under accumulation and any world size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dataset.collators import IGNORE_INDEX
+from trainer.losses.chunked import chunked_loss
+
+ADVANTAGES = ("grpo", "drgrpo")
+STD_EPSILON = 1e-4  # TRL's: (r - mean) / (std + 1e-4)
+
+# the columns of the per-token values the loss reads (policy_values)
+ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP = range(4)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo") -> torch.Tensor:
+    """rewards (B * G,) in groups of G consecutive rows -> each row's advantage (B * G,), float32. `kind` grpo or
+    drgrpo (module docstring); G = 1 gives 0 everywhere."""
+    if kind not in ADVANTAGES:
+        raise ValueError(f"advantage kind {kind!r}: use one of {ADVANTAGES}")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards {tuple(rewards.shape)} are not groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if kind == "grpo" and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + STD_EPSILON)
+    return centred.reshape(-1)
+
+
+def k3(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || p_ref) per sampled token: exp(d) - d - 1, d = log p_ref - log pi."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+@dataclass
+class PolicySums:
+    loss: torch.Tensor      # sum of l_t (what training backwards)
+    tokens: torch.Tensor    # completion tokens
+    clipped: torch.Tensor   # tokens where the clipped term was the one taken (its gradient is 0)
+    kl: torch.Tensor        # sum of k3_t (0 without a reference)
+    entropy: torch.Tensor   # sum of the full-vocabulary entropy of pi at each position
+    opd: torch.Tensor       # sum of log pi(y_t) - log p_T(y_t) (0 without a teacher)
+
+    def __add__(self, other: "PolicySums") -> "PolicySums":
+        return PolicySums(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+
+    def astuple(self) -> tuple[torch.Tensor, ...]:
+        return self.loss, self.tokens, self.clipped, self.kl, self.entropy, self.opd
+
+
+def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
+                opd_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """The per-token loss (module docstring) summed over labels != -100, from the student's logits (n, V) at the
+    completion positions and `values` (n, 4): each token's group advantage, log pi_old (NaN: on-policy, pi itself
+    detached), log p_ref and log p_T (read only with kl_coef / opd_coef) -> PolicySums' fields as a tuple (for
+    chunked_loss)."""
+    mask = labels != IGNORE_INDEX
+    low = student_logits.dtype in (torch.float16, torch.bfloat16)  # upcast: the loss runs in fp32 (fp64 stays)
+    logp_all = torch.log_softmax((student_logits.float() if low else student_logits) / temperature, dim=-1)
+    logp = logp_all.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    values = values.to(logp.dtype)
+    old = torch.where(torch.isnan(values[:, OLD_LOGP]), logp.detach(), values[:, OLD_LOGP])
+    advantage = values[:, ADVANTAGE]
+    opd = (logp.detach() - values[:, TEACHER_LOGP]) if opd_coef else torch.zeros_like(logp)
+    if opd_coef:
+        advantage = advantage - opd_coef * opd
+    ratio = torch.exp(logp - old)
+    unclipped, clipped = ratio * advantage, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantage
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = k3(values[:, REF_LOGP], logp) if kl_coef else torch.zeros_like(logp)
+    if kl_coef:
+        per_token = per_token + kl_coef * kl
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        took_clip = clipped < unclipped
+    zero = torch.zeros((), device=logp.device)
+    return (torch.where(mask, per_token, zero).sum(), mask.sum(), (took_clip & mask).sum(),
+            torch.where(mask, kl, zero).sum().detach(), torch.where(mask, entropy, zero).sum(),
+            torch.where(mask, opd, zero).sum())
+
+
+def chunked_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
+                        values: torch.Tensor, chunk_size: int, vocab_size: int, **settings) -> PolicySums:
+    """`policy_loss` from the final hidden states at the completion positions, a chunk of positions at a time
+    through the lm_head (trainer/losses/chunked.py: the (n, V) logits never exist in full)."""
+    def loss(logits, chunk_values, chunk_labels):
+        return policy_loss(logits, chunk_values, chunk_labels, **settings)
+    return PolicySums(*chunked_loss(loss, student_hidden, student_weight, labels, chunk_size=chunk_size,
+                                    vocab_size=vocab_size, teacher_values=values))
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                   vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """A frozen model's log-probability of each label (n,), chunk by chunk, no gradient: the reference's for k3,
+    a local teacher's for the OPD term."""
+    parts = []
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits = hidden[start:start + chunk_size] @ weight[:vocab_size].T
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            parts.append(logp.gather(-1, labels[start:start + chunk_size].clamp_min(0).unsqueeze(-1)).squeeze(-1))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)

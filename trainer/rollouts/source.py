@@ -1,0 +1,183 @@
+"""Where an on-policy loop's samples come from, behind one object with a visible lifecycle: the student itself
+(the built-in engine: KV cache, eval mode, no grad) or a rollout server (vLLM) holding the student's weights --
+pushed and verified before the rollouts they sample, and with --max_staleness S sampled S steps ahead in the
+background (trainer/rollouts/queue.py) -- and, for micro-batches that are not on-policy, the rows' own completions.
+
+    rollouts = Rollouts(args, run, tokenizer, server, decoder, on_policy=...)
+    for epoch, window, coming in run.windows_ahead(args.max_staleness):
+        rollouts.before_step(epoch, window, coming, clock)   # served: drain, push + verify the weights, sample ahead
+        for batch in window:
+            input_ids, attention_mask, labels = rollouts.sequences(batch, epoch, on_policy, clock)
+        rollouts.add_to(run.metrics)                          # wait_s, server_idle_s, staleness
+        if run.save_due(): rollouts.before_save(); run.save()  # the rollouts sampled ahead go into the checkpoint
+    rollouts.close()                                          # the weights written for the server are removed
+
+Each row samples with its own seed (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the
+world size or accumulation, and a resumed run draws exactly what the killed one would have.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+import torch
+
+from common.errors import refuse_first
+from common.seeds import derived_seed
+from dataset.collators import build_sequences
+from model import Decoder, generate
+from serving.engine import CompletionServer, completions_output, probe_token_ids
+from serving.weight_sync import WeightSync
+from trainer.skeleton.distributed import print0
+from trainer.skeleton.loading import sft_collator
+from trainer.rollouts.queue import RolloutQueue
+from trainer.skeleton.run import Run
+
+Sequences = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention_mask, labels (completion only)
+
+
+class Rollouts:
+    def __init__(self, args: argparse.Namespace, run: Run, tokenizer, server: CompletionServer | None,
+                 decoder: Decoder | None, on_policy: Callable[[int, int], bool]):
+        """`on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
+        `decoder`: the built-in engine's decode step (compiled with --use_compile 1)."""
+        self.args, self.run, self.tokenizer, self.server, self.decoder = args, run, tokenizer, server, decoder
+        self.on_policy = on_policy
+        self.data_collator = sft_collator(args, tokenizer)  # steps that are not on-policy: the rows' completions
+        self.weight_sync = self.queue = None
+        if server is not None:
+            self.weight_sync = WeightSync(server, rollout_weights_path(args), probe_token_ids(tokenizer),
+                                          run.precision.compute, active=run.dist.is_main, say=print0)
+            sample = served_sampler(server, args, tokenizer, run.raw_model.config.vocab_size)
+            self.queue = RolloutQueue(sample, run.state, args.max_staleness, overlap=bool(args.overlap))
+
+    def before_step(self, epoch: int, window: list[dict], coming: list, clock) -> None:
+        """Served rollouts: the steps whose rollouts come from the current weights (this one with --max_staleness 0,
+        the one S ahead otherwise); once the server is done with older weights, it gets these, verified, and starts
+        sampling. Every --sync_interval steps a push. Nothing to do for the built-in engine."""
+        run = self.run
+        jobs = [] if self.queue is None else self.queue.due(run.step, [(run.step, epoch, window), *coming],
+                                                            self.on_policy)
+        if not jobs:
+            return
+        with clock("drain"), run.fail_together():  # the rollouts in flight, sampled from older weights, finish
+            self.queue.wait()
+        if self.weight_sync.due(run.step, self.args.sync_interval):
+            with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
+                self.weight_sync.push(run.raw_model, run.step)  # --fsdp 1: gathered tensor by tensor
+            with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
+                agreement = self.weight_sync.verify(run.raw_model, run.autocast)
+                run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
+                run.metrics.total("sync_logprob_mean", agreement["mean"])
+                run.metrics.rank_mean("weight_pushes", 1)  # per window: the console line shows the pushes
+        self.queue.start(jobs, run.step)  # a failure is raised where they are waited for
+
+    def sequences(self, batch: dict, epoch: int, on_policy: bool, clock) -> Sequences:
+        """Steps 1-2 of a micro-batch: its rows' samples (the queue's, waited for when they are not there yet, or
+        the built-in engine's), or off-policy the rows' own completions -> input_ids, attention_mask and labels on
+        the completion through its first EOS."""
+        run = self.run
+        with clock("gen"), run.fail_together(self.server is not None):
+            if on_policy and self.queue is not None:
+                completions, version = self.queue.take(run.step, batch)
+                # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
+                run.metrics.ratio("staleness", run.step - version, 1)
+                return served_sequences(batch, completions, self.tokenizer, run.device)
+            if on_policy:
+                return sample_completions(run.raw_model, self.args, self.tokenizer, batch, epoch, run.device,
+                                          run.autocast, self.decoder)
+            data = {k: v.to(run.device) for k, v in self.data_collator(batch["rows"]).items()}
+            return data["input_ids"], data["attention_mask"], data["labels"]
+
+    def add_to(self, metrics) -> None:
+        """Seconds the trainer waited for rollouts, and the server sat idle between its jobs (served only)."""
+        if self.queue is not None:
+            self.queue.add_to(metrics)
+
+    def before_save(self) -> None:
+        """The checkpoint keeps the rollouts sampled ahead (token ids; a resume needs them): the job in flight
+        finishes first."""
+        if self.queue is not None:
+            with self.run.fail_together():
+                self.queue.wait()
+
+    def close(self) -> None:
+        """The weights written for the server are removed (a resumed run pushes its own before it samples)."""
+        if self.weight_sync is not None and self.run.dist.is_main:
+            self.weight_sync.remove_file()
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """How the student samples its completions (the built-in engine and a rollout server alike)."""
+    g = parser.add_argument_group("the student's sampling")
+    g.add_argument("--max_new_tokens", type=int, default=64, help="sampled completion length budget")
+    g.add_argument("--gen_temperature", type=float, default=1.0, help="sampling temperature of the student")
+    g.add_argument("--top_k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--top_p", type=float, default=1.0, help="sampling nucleus mass (1 = off)")
+
+
+def validate_sampling_args(args: argparse.Namespace) -> None:
+    a = args
+    refuse_first([
+        (a.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {a.max_new_tokens}"),
+        (a.max_prompt_length + a.max_new_tokens > a.max_length,
+         f"--max_prompt_length ({a.max_prompt_length}) + --max_new_tokens ({a.max_new_tokens}) must be <= "
+         f"--max_length ({a.max_length}): raise --max_length or lower one of the budgets"),
+        (a.gen_temperature <= 0, f"--gen_temperature must be > 0, got {a.gen_temperature}"),
+        (not 0.0 < a.top_p <= 1.0, f"--top_p must be in (0, 1], got {a.top_p}"),
+        (a.top_k < 0, f"--top_k must be >= 0, got {a.top_k}"),
+    ])
+
+
+def rollout_weights_path(args: argparse.Namespace) -> str:
+    """Where rank 0 writes the weights for the rollout server."""
+    folder = args.sync_dir or os.path.join(args.save_dir, f"{args.save_weight}_rollout_weights")
+    return os.path.join(folder, "model.safetensors")
+
+
+def row_seeds(args: argparse.Namespace, batch: dict, epoch: int) -> list[int]:
+    """One seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
+    or accumulation, and a resumed run draws exactly what the killed one would have. A group's rows (the RL loop's
+    GroupCollator: `generation` g) draw with (seed, epoch, row, g), the first of them as a lone row does."""
+    return [derived_seed(args.seed, epoch, row["row_index"], *((row["generation"],) if row.get("generation") else ()))
+            for row in batch["rows"]]
+
+
+def sampling_settings(args: argparse.Namespace, tokenizer) -> dict:
+    return dict(do_sample=True, temperature=args.gen_temperature, top_k=args.top_k, top_p=args.top_p,
+                eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+
+
+def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
+                       autocast, decoder: Decoder | None = None) -> Sequences:
+    """Steps 1-2 on-policy with the built-in engine (KV cache, eval mode, no grad; `decoder`'s decode step, eager by
+    default) -> input_ids, attention_mask and labels on the completion through its first EOS."""
+    prompt_ids = batch["prompt_ids"].to(device)
+    prompt_mask = batch["prompt_attention_mask"].to(device)
+    was_training = student.training
+    student.eval()
+    with autocast():
+        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
+                       generator=[torch.Generator(device).manual_seed(seed) for seed in row_seeds(args, batch, epoch)],
+                       pad_token_id=tokenizer.pad_token_id, decoder=decoder, **sampling_settings(args, tokenizer))
+    student.train(was_training)
+    return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
+
+
+def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer, model_vocab_size: int):
+    """Step 1 on the rollout server, for the rollout queue: (batch, epoch) -> each row's completion token ids,
+    from the weights the server holds (requests only: it runs in the queue's background thread)."""
+    def sample(batch: dict, epoch: int) -> list[list[int]]:
+        return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
+                                    seeds=row_seeds(args, batch, epoch), model_vocab_size=model_vocab_size,
+                                    **sampling_settings(args, tokenizer))
+    return sample
+
+
+def served_sequences(batch: dict, completions: list[list[int]], tokenizer, device: str) -> Sequences:
+    """Step 2 for served rollouts: the rows' completion token ids -> input_ids, attention_mask and labels."""
+    prompt_ids = batch["prompt_ids"].to(device)
+    prompt_mask = batch["prompt_attention_mask"].to(device)
+    out = completions_output(prompt_ids, completions, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)

@@ -1,0 +1,260 @@
+"""Where a run's checkpoints are written and how they are read back: the HF export, the resume file (the commit
+point), the sharded checkpoint folders of --fsdp 1 and the RNG states of every rank (what a resume checks first:
+trainer/skeleton/resume_checks.py).
+
+For --save_dir SAVE_DIR --save_weight NAME:
+    SAVE_DIR/NAME/                          the HF export (transformers and vLLM load it)
+    SAVE_DIR/NAME_resume.pt                 the resume file: written last, so when it says step N the export of step N
+                                            is complete (a kill during an export resumes from the step before)
+    SAVE_DIR/NAME_resume.shards-STEP-ID/    --fsdp 1: model and optimizer shards (DCP), named by the resume file
+Every file is written beside its target and renamed into place (common/files.py).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.errors import UserError
+from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
+from common.seeds import derived_seed, seed_everything
+from model import save_pretrained
+from model.precision import resolve_precision
+from trainer.skeleton.distributed import DistInfo, print0
+from trainer.skeleton.resume_checks import CHECKPOINT_FORMAT, check_run_name, load_checkpoint
+from trainer.skeleton.run_state import RunState, merge_rollouts
+from trainer.skeleton.sharding import is_sharded, load_shards, remove_other_shards, save_shards
+
+class UnreadableResumeFile(Exception):
+    """The resume file exists but cannot be read (resuming reports it as damaged)."""
+
+
+class WriteRecorder:
+    """A file object's writes, passed through; the OSError of a failed write is kept, errno and all (torch.save
+    reports such a failure as a RuntimeError of its own, whose message is no way to tell a full disk)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)  # flush, tell, ...: the file's own
+
+
+class Checkpoints:
+    """One run name's checkpoints (see the module docstring). Every rank holds one; rank 0 writes the files."""
+
+    def __init__(self, args: argparse.Namespace, info: DistInfo, tokenizer_dir: str | None,
+                 accepted_changes: set[str]):
+        """`accepted_changes`: the flags --resume_changes lets differ from the checkpoint's."""
+        self.args, self.dist, self.tokenizer_dir, self.accepted_changes = args, info, tokenizer_dir, accepted_changes
+        self.prefix = os.path.join(args.save_dir, args.save_weight)
+        self.resume_path = f"{self.prefix}_resume.pt"
+        self.metrics_path = f"{self.prefix}_metrics.jsonl"
+
+    # -- start-up -------------------------------------------------------------------------------------------------
+
+    def prepare(self, lock) -> None:
+        """Rank 0, before anything is written: take the run lock, refuse to start over a run by accident (or set it
+        aside when asked), and remove what killed runs of this name left half-written."""
+        if not self.dist.is_main:
+            return
+        os.makedirs(self.args.save_dir, exist_ok=True)  # first created here: a run refused before leaves no folder
+        lock.acquire()
+        try:
+            # again, under the lock: another run may have saved since start-up
+            check_run_name(self.args.save_dir, self.args.save_weight, self.args.from_resume, self.args.start_over)
+        except UserError:
+            lock.release()
+            raise
+        if os.path.exists(self.resume_path) and not self.args.from_resume:
+            self.set_aside()
+        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
+            for stale in remove_stale_temporaries(path):
+                print0(f"removed {stale}, left half-written by a run that was killed")
+        self.remove_uncommitted_shards()
+
+    def set_aside(self) -> None:
+        """--start_over 1: the previous run's files into SAVE_DIR/NAME.replaced-TIME/."""
+        aside = f"{self.prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.makedirs(aside)
+        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
+            if os.path.exists(path):
+                os.replace(path, os.path.join(aside, os.path.basename(path)))
+        print0(f"--start_over 1: the previous run's files are in {aside}/")
+
+    def remove_uncommitted_shards(self) -> None:
+        """Shard folders the resume file does not name were written by a run killed before it committed them."""
+        if not self.shard_folders():
+            return
+        try:
+            committed = self.committed_shards()
+        except UnreadableResumeFile as error:
+            print0(f"{error}; its shard folders are left alone")
+            return
+        for stale in remove_other_shards(self.prefix + "_resume", keep=committed):
+            print0(f"removed {stale}, written by a run that was killed before it committed them")
+
+    def shard_folders(self) -> list[str]:
+        """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
+        return glob.glob(f"{glob.escape(self.prefix)}_resume.shards-*")
+
+    def committed_shards(self) -> str | None:
+        """The shard folder the resume file names; None when there is none (no resume file, or an unsharded one).
+        UnreadableResumeFile when the resume file cannot be read."""
+        if not os.path.exists(self.resume_path):
+            return None
+        try:
+            checkpoint = torch.load(self.resume_path, map_location="cpu", weights_only=False)
+        except Exception as error:  # torch raises several types for a damaged file: reported, not swallowed
+            raise UnreadableResumeFile(f"{self.resume_path} cannot be read ({type(error).__name__})") from None
+        shards = checkpoint.get("shards") if isinstance(checkpoint, dict) else None
+        return os.path.join(self.args.save_dir, shards) if shards else None
+
+    # -- writing --------------------------------------------------------------------------------------------------
+
+    def save(self, model: torch.nn.Module, optimizer, scaler, state: RunState, global_batch: int) -> None:
+        """Every rank: the HF folder, then the resume checkpoint (every rank's RNG gathered to rank 0), written by
+        rank 0 (with --fsdp 1 each rank writes its shards, and sends its rows of each tensor of the export to rank 0,
+        tensor by tensor). The resume file is written last: it is the commit point."""
+        rng = collect_rng_states(self.dist)
+        rollouts = collect_rollouts(state, self.dist)
+        # every rank checks (one filesystem): a refusal on rank 0 alone would leave the others in a collective
+        check_free_space(self.args.save_dir, expected_save_bytes(model), f"the checkpoint of step {state.step}")
+        shards = None
+        if self.args.fsdp:
+            shards = save_shards(self.prefix + "_resume", state.step, model, optimizer, self.dist.is_main)
+        if self.dist.is_main:
+            checkpoint = self.resume_record(model, optimizer, scaler, state, global_batch, rng, shards, rollouts)
+            self.write(model, checkpoint, shards, state.step)
+        elif is_sharded(model):  # the export comes tensor by tensor, each rank's rows in turn: every rank sends
+            save_pretrained(model, self.prefix, write=False)
+        if self.dist.enabled:
+            dist.barrier()
+
+    def resume_record(self, model: torch.nn.Module, optimizer, scaler, state: RunState, global_batch: int,
+                      rng: list[dict], shards: str | None, rollouts: dict[int, dict]) -> dict:
+        """What the resume file holds (docs/architecture.md, "Invariant 3")."""
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": None if shards else {k: v.detach().float().cpu() for k, v in model.state_dict().items()},
+            "optimizer": None if shards else optimizer.state_dict(),
+            "shards": os.path.basename(shards) if shards else None,  # model + optimizer, in that folder
+            "model_config": model.config.to_hf_dict(),
+            "scaler": scaler.state_dict(),
+            "epoch": state.epoch, "step": state.step, "samples_in_epoch": state.samples_in_epoch,
+            "global_batch": global_batch, "world_size": self.dist.world_size,
+            "swanlab_run_id": state.swanlab_run_id, "skipped_steps": state.skipped_steps, "elapsed_s": state.elapsed_s,
+            "args": vars(self.args),
+            "dtype": resolve_precision(self.dist.device, self.args.dtype).name, "rng": rng,
+            "rollouts": rollouts,
+        }
+
+    def write(self, model: torch.nn.Module, checkpoint: dict, shards: str | None, step: int) -> None:
+        """Rank 0: the export, then the resume file; a full disk or a read-only folder is one line."""
+        what = f"the checkpoint of step {step} to {self.args.save_dir} (the previous checkpoint is intact)"
+        try:
+            save_pretrained(model, self.prefix, tokenizer_dir=self.tokenizer_dir)
+            with atomic_write(self.resume_path) as f:
+                recorder = WriteRecorder(f)
+                try:
+                    torch.save(checkpoint, recorder)
+                except RuntimeError:
+                    if recorder.error is None:
+                        raise
+                    raise recorder.error from None  # the write's own OSError, with its errno
+            if shards:
+                remove_other_shards(self.prefix + "_resume", keep=shards)
+        except OSError as error:
+            raise_disk_error(error, what)
+
+    # -- reading --------------------------------------------------------------------------------------------------
+
+    def resume(self, model: torch.nn.Module, optimizer, scaler, global_batch: int, dataset_size: int) -> RunState:
+        """Every rank: the state the resume file describes, loaded into model, optimizer and scaler, RNGs restored;
+        a fresh RunState (said in one line) when there is no resume file."""
+        if not os.path.exists(self.resume_path):
+            print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
+            return RunState()
+        checkpoint = load_checkpoint(self.resume_path, self.args, global_batch, model, self.accepted_changes)
+        if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
+            load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), model, optimizer)
+        else:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+        scaler.load_state_dict(checkpoint["scaler"])
+        state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
+                         checkpoint["swanlab_run_id"], checkpoint.get("skipped_steps", 0),
+                         checkpoint.get("elapsed_s", 0.0), checkpoint.get("rollouts") or {})
+        if state.samples_in_epoch >= (dataset_size // self.dist.world_size) * self.dist.world_size:
+            state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+        restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, state.step)
+        ranks = checkpoint["world_size"]
+        where = (f"epoch {state.epoch + 1} of {self.args.epochs}, {state.samples_in_epoch} samples into it"
+                 if state.epoch < self.args.epochs else f"all {self.args.epochs} epoch(s) done")
+        print0(f"resumed from {self.resume_path}: step {state.step}, {where} (saved by {ranks} "
+               f"rank{'s' if ranks > 1 else ''})")
+        return state
+
+
+def expected_save_bytes(model: torch.nn.Module) -> int:
+    """Resume file (fp32 weights and AdamW's two moments) plus the HF export, both held beside the old ones."""
+    weights = sum(p.numel() for p in model.parameters())
+    export = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 3 * 4 * weights + export
+
+
+def rank0_save_bytes(model: torch.nn.Module, sharded: bool) -> int:
+    """What rank 0 writes alone while the other ranks wait at the save's barrier: the resume file and the HF
+    export; with --fsdp 1 the export only (every rank writes its own shards, the resume file holds no weights)."""
+    if not sharded:
+        return expected_save_bytes(model)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def collect_rng_states(info: DistInfo) -> list[dict] | None:
+    """Every rank's RNG states, gathered to rank 0. CUDA: only the rank's own device (a resume on a node with
+    fewer visible GPUs must still find each rank's state, and no rank draws on another's device)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state(info.device) if info.device.startswith("cuda") else None}
+    if not info.enabled:
+        return [state]
+    gathered = [None] * info.world_size if info.is_main else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def collect_rollouts(state: RunState, info: DistInfo) -> dict[int, dict] | None:
+    """Every rank's kept rollouts of the steps still to train, merged on rank 0 (None elsewhere)."""
+    own = dict(state.rollouts)  # one copy at once: a background rollout may be adding a step
+    if not info.enabled:
+        return merge_rollouts([own], state.step)
+    gathered = [None] * info.world_size if info.is_main else None
+    dist.gather_object(own, gathered, dst=0)
+    return merge_rollouts(gathered, state.step) if info.is_main else None
+
+
+def restore_rng_states(states: list[dict], saved_world_size: int, info: DistInfo, seed: int, step: int) -> None:
+    """Each rank takes back its own RNG state. After a world-size change there is no rank-to-rank mapping, so
+    every rank re-seeds from (seed, rank, step) instead: reproducible, though not the uninterrupted stream."""
+    if saved_world_size != info.world_size:
+        seed_everything(derived_seed(seed, info.rank, step))
+        return
+    state = states[info.rank]
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and info.device.startswith("cuda"):
+        torch.cuda.set_rng_state(state["cuda"], info.device)

@@ -1,0 +1,84 @@
+"""Loading what a loop trains: the student (from an HF folder or a config and a seed, sharded with --fsdp 1), the
+tokenizer, and the rows -- every row rendered and checked before any model is built, so a bad row stops the run
+at start-up, not hours in. The frozen models a loss reads (a teacher, a reference) load in trainer/teachers/frozen.py."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from dataset.collators import PromptCollator, SFTCollator, validate_rows
+from dataset.make_demo_data import ensure_demo_data
+from dataset.sources import RowDataset
+from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model.precision import resolve_precision
+from model.tokenizer import QwenTokenizer
+from trainer.skeleton.distributed import is_main_process, print0
+from trainer.skeleton.sharding import shard, sharded_random_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
+
+
+def build_model(args: argparse.Namespace, device: str, path: str | None = None,
+                config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
+    """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed. With
+    --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards."""
+    sharded = sharding_ranks(args)
+    precision = resolve_precision(device, args.dtype)
+    if path:
+        print0(f"loading {path} on {device}" + (" (each rank its shards)" if sharded else ""))
+        return load_pretrained(path, dtype=precision.master, device=device,
+                               shard=(lambda m: shard(m, precision.device_type, precision.compute)) if sharded
+                               else None)
+    config_path = config_path or DEFAULT_MODEL_CONFIG
+    print0(f"random weights from {os.path.relpath(config_path)} on {device}")
+    config, seed = Qwen3Config.from_json(config_path), args.seed if seed is None else seed
+    if sharded:
+        return sharded_random_model(config, seed, device, precision.compute)
+    return create_model(config, seed=seed, device=device)
+
+
+def sharding_ranks(args: argparse.Namespace) -> bool:
+    """--fsdp 1 with more than one rank: models are sharded (one process with --fsdp 1 holds them whole and still
+    writes sharded checkpoints)."""
+    return bool(args.fsdp) and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def load_sft_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, RowDataset, SFTCollator]:
+    """-> (tokenizer folder, tokenizer, chat rows with solutions, SFT collator): what SFT and white-box KD train on.
+    The tokenizer comes from --tokenizer_path, else the model folder, else the real Qwen3 files; the rows from
+    --data_path, else the demo training set (generated on first use)."""
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = RowDataset(args.data_path or ensure_demo_data()["sft_train"])
+    collator = sft_collator(args, tokenizer)
+    check_rows(dataset, collator, need_completion=True)
+    return tokenizer_dir, tokenizer, dataset, collator
+
+
+def load_prompt_data(args: argparse.Namespace, default_rows: str,
+                     need_completion: bool) -> tuple[str | None, QwenTokenizer, RowDataset, PromptCollator]:
+    """-> (tokenizer folder, tokenizer, prompt rows, prompt collator): what an on-policy loop samples from. The rows
+    come from --data_path, else the demo's `default_rows` set; `need_completion`: some steps also train on the rows'
+    own completions (they are checked as SFT renders them)."""
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = RowDataset(args.data_path or ensure_demo_data()[default_rows])
+    collator = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
+    check_rows(dataset, sft_collator(args, tokenizer) if need_completion else collator, need_completion)
+    return tokenizer_dir, tokenizer, dataset, collator
+
+
+def sft_collator(args: argparse.Namespace, tokenizer: QwenTokenizer) -> SFTCollator:
+    """Rows with completions, rendered by the chat template, labels on the completion only."""
+    return SFTCollator(tokenizer, args.max_length, args.max_prompt_length, bool(args.enable_thinking))
+
+
+def check_rows(dataset: RowDataset, collator, need_completion: bool) -> None:
+    """Every row rendered as the collator will, before any model is built: a bad row stops the run now, not hours
+    in (every rank checks; they all reach the same verdict, so none is left waiting)."""
+    print0(f"checking {len(dataset):,} rows of {os.path.relpath(dataset.path)}")
+    validate_rows(dataset, collator, need_completion=need_completion, progress=is_main_process())

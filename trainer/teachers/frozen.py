@@ -1,0 +1,80 @@
+"""The slot of a frozen model that a loss reads: the teacher of KD and OPD today; a KL anchor or an RL loop's
+reference model next. Loaded once, in the precision rule's frozen-model dtype (model/precision.py: it never needs
+an fp32 master copy), evaluation mode, no gradients; sharded with --fsdp 1 unless --replicate_teacher 1; its
+vocabulary checked against the student's, since token-level losses compare distributions id by id."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from common.errors import refuse
+from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model.precision import resolve_precision
+from trainer.skeleton.distributed import print0
+from trainer.skeleton.loading import sharding_ranks
+from trainer.losses.chunked import completion_hidden
+from trainer.skeleton.sharding import shard
+
+
+def load_frozen(args: argparse.Namespace, path: str, tokenizer, student: torch.nn.Module, device: str,
+                role: str = "teacher") -> torch.nn.Module:
+    """The frozen model at `path` (`role` names it in messages), in evaluation mode without gradients.
+
+    Token-level losses compare distributions position by position, so student and frozen model must mean the same
+    thing by every id: their tokenizers' vocabularies are compared and a difference is refused at start-up.
+    """
+    same_vocabulary(path, tokenizer, role)
+    frozen = read_frozen(args, path, device, role)
+    for name, model in (("student", student), (role, frozen)):
+        if model.config.vocab_size < len(tokenizer):
+            refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
+                   f"{len(tokenizer)} tokens")
+    frozen.eval().requires_grad_(False)
+    return frozen
+
+
+def same_vocabulary(path: str, tokenizer, role: str = "teacher"):
+    """The tokenizer of the model at `path` (its folder's files, else the packaged Qwen3 ones), refused unless its
+    vocabulary is the student's `tokenizer`'s."""
+    own_tokenizer = load_tokenizer(path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None)
+    if own_tokenizer.get_vocab() != tokenizer.get_vocab():
+        refuse(f"the {role}'s tokenizer ({own_tokenizer.folder}) differs from the student's ({tokenizer.folder}); "
+               f"token-level distillation needs the same vocabulary")
+    return own_tokenizer
+
+
+def read_frozen(args: argparse.Namespace, path: str, device: str, role: str = "teacher") -> torch.nn.Module:
+    """The weights at `path` straight in the frozen dtype (model/precision.py: the autocast dtype, bf16 under fp16,
+    or --teacher_dtype). With --fsdp 1 on several ranks sharded, each rank reading only its own rows (its shards
+    are gathered layer by layer for the forward), unless --replicate_teacher 1: then whole on every rank."""
+    precision = resolve_precision(device, args.dtype, args.teacher_dtype)
+    dtype = precision.teacher
+    sharded = sharding_ranks(args) and not args.replicate_teacher
+    print0(f"loading the {role} {path} on {device}" + (" (each rank its shards)" if sharded else ""))
+    return load_pretrained(path, dtype=dtype, device=device,
+                           shard=(lambda m: shard(m, precision.device_type, dtype)) if sharded else None)
+
+
+@torch.no_grad()
+def frozen_hidden(model: torch.nn.Module, autocast, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  labels: torch.Tensor) -> torch.Tensor:
+    """A frozen model's final hidden states at the completion positions (its lm_head is applied chunk by chunk
+    inside the loss). `autocast`: its own forward context (Run.teacher_autocast), outside the student's: under fp16
+    the student's autocast would lower a bf16 model's matmuls to fp16 (model/precision.py)."""
+    with autocast():
+        return completion_hidden(model, input_ids, attention_mask, labels)[0]
+
+
+def load_reference(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The frozen starting model a KL anchor holds the student to: --reference_path, else the student's own
+    starting point -- its --model_path, or with --model_config the same random init (the config and --seed), built
+    again and frozen."""
+    path = args.reference_path or args.model_path
+    if path:
+        return load_frozen(args, path, tokenizer, student, device, role="reference")
+    print0(f"the reference: the student's random init again ({os.path.relpath(args.model_config)}, seed {args.seed})")
+    precision = resolve_precision(device, args.dtype, args.teacher_dtype)
+    reference = create_model(Qwen3Config.from_json(args.model_config), seed=args.seed, device=device)
+    return reference.to(precision.teacher).eval().requires_grad_(False)
