@@ -303,7 +303,8 @@ def measure_phases(args) -> None:
     from serving.weight_sync import WeightSync
     from trainer.skeleton.loading import load_sft_data
     from trainer.skeleton.run import Run
-    from trainer.train_sft import parse_args as sft_args
+    from trainer.config import sft as sft_config
+    from trainer.config.sft import parse_args as sft_args
     save_dir = os.path.join(args.out, args.phases_case)
     flags = sft_args(["--device", "cpu", "--model_path", args.model_dir, "--data_path",
                       os.path.join(args.out, "chat.jsonl"), "--save_dir", save_dir, "--batch_size", "1",
@@ -314,7 +315,7 @@ def measure_phases(args) -> None:
     peaks, baseline = {}, process_kib("VmRSS")
     with measured_phase("load", peaks, baseline):
         model = build_model(flags, info.device, path=flags.model_path)
-    run = Run(flags, info, model, dataset, collator, tokenizer_dir)
+    run = Run(flags, info, model, dataset, collator, tokenizer_dir, sft_config.RESUMABLE)
     windows = run.windows()
     sft_step(run, tokenizer, flags, next(windows)[1])  # the first: AdamW's moments are created at its end
     with measured_phase("step", peaks, baseline):

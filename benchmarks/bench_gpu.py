@@ -408,8 +408,9 @@ def release_after_overrun(kit: Kit) -> None:
     """What a phase stopped mid-way leaves for the next ones, given back: torch.compile's state (dynamo's caches,
     inductor's CUDA-graph trees, maybe half-built), gradients on the full student (a step stopped before its
     zero_grad) and the memory of the phase's tensors (garbage once the exception is gone). Its folders are removed
-    by its own finally blocks, its server stopped; the loops give back their signal handlers (trainer/skeleton/guard.py);
-    they run without a process group (no RANK in the kit's environment), so none is left."""
+    by its own finally blocks, its server stopped; the loops give back their signal handlers
+    (trainer/skeleton/guard.py); they run without a process group (no RANK in the kit's environment), so none is
+    left."""
     torch._dynamo.reset()
     if kit.full_models:
         kit.full_models[0].zero_grad(set_to_none=True)

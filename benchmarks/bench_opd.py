@@ -8,18 +8,18 @@
                                                         # every small op can wait a scheduler slice for its 2nd thread
 
 One OPD step on one micro-batch, phase by phase, with the calls train_opd.py makes:
-  generation       trainer.rollouts.source.sample_completions itself (the loop's rollout, not a copy): one torch.Generator per
-                   row seeded derived_seed(seed, epoch, row), student in eval mode under autocast, generate(...,
-                   do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences; the
-                   benchmark's step number stands in for the epoch, so every step samples afresh
+  generation       trainer.rollouts.source.sample_completions itself (the loop's rollout, not a copy): one
+                   torch.Generator per row seeded derived_seed(seed, epoch, row), student in eval mode under autocast,
+                   generate(..., do_sample=True, generator=generators, vocab_size=len(tokenizer)), then build_sequences;
+                   the benchmark's step number stands in for the epoch, so every step samples afresh
   teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
                    chunk by chunk inside the loss)
-  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/losses/fused_jsd.py: student
-                   AND teacher lm_head per chunk, beta=1: reverse KL, the gradients of the student's hidden states
-                   and head computed in the same pass), backward of the summed loss (scales those, then the body)
+  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/losses/fused_jsd.py:
+                   student AND teacher lm_head per chunk, beta=1: reverse KL, the gradients of the student's hidden
+                   states and head computed in the same pass), backward of the summed loss (scales those, then the body)
   optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
 Phases are timed with console.PhaseClock (the loop's own clock; its seconds are shown here in ms). The loss
-phases are spelled out rather than calling train_opd.distill_loss, which would time them as one.
+phases are spelled out rather than calling the teachers' loss (Teachers.loss), which would time them as one.
 The same 8 demo prompts (opd_prompts rows 0..7, PromptCollator) every step, sampled with per-row seeds that change
 with the step. --warmup steps first, then the median of --steps steps per phase; shares are of the sum of medians.
 Generation stops at the tokenizer's EOS, as in training (there is no way to switch that off: the benchmark runs the
@@ -107,12 +107,12 @@ def prompt_batch(args, tokenizer) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# one OPD step, phase by phase (train_opd.py's sample_completions itself; distill_loss and Run.backward /
+# one OPD step, phase by phase (train_opd.py's sample_completions itself; Teachers.loss and Run.backward /
 # optimizer_step spelled out, so that each is timed on its own)
 
 def rollout(args, student, tokenizer, batch, step: int):
-    """trainer.rollouts.source.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every step);
-    -> input_ids, attention_mask, labels."""
+    """trainer.rollouts.source.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every
+    step); -> input_ids, attention_mask, labels."""
     return sample_completions(student, args, tokenizer, batch, step, args.device,
                               resolve_precision(args.device, args.dtype).autocast)  # what Run.autocast returns
 

@@ -1,7 +1,7 @@
 """Bias and variance of a served teacher's signals: the per-token reverse KL(student || teacher) of the top-K
-estimate (`trainer.losses.topk_divergence.topk_divergence`: top-K + sampled token + tail bucket) for K = 1, 4, 16, 64 and of
-the sampled-token estimate (log p_S(y) - log p_T(y)), against the exact full-vocabulary value on the same samples;
-with --serve 1 also what a vLLM teacher server sends and how long it takes per request.
+estimate (`trainer.losses.topk_divergence.topk_divergence`: top-K + sampled token + tail bucket) for K = 1, 4, 16, 64
+and of the sampled-token estimate (log p_S(y) - log p_T(y)), against the exact full-vocabulary value on the same
+samples; with --serve 1 also what a vLLM teacher server sends and how long it takes per request.
 
     python benchmarks/bench_topk.py                       # checkpoints/sft (teacher), checkpoints/kd (student)
     python benchmarks/bench_topk.py --teacher DIR --student DIR --serve 1

@@ -43,7 +43,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from model import Qwen3Config, Qwen3ForCausalLM
 from trainer.losses.chunked import chunked_loss, chunked_sft_loss
 from trainer.skeleton.sharding import reshard_root, shard
-from trainer.train_distillation import ce_and_kd
+from trainer.losses.divergences import ce_and_kd
 
 # The public config.json of each Qwen/Qwen3-* model (huggingface.co/Qwen): hidden, intermediate, layers, attention
 # heads, key/value heads, tied embeddings; all have head_dim 128 and the 151,936-row vocabulary.

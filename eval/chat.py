@@ -108,7 +108,7 @@ def reply(model: Qwen3ForCausalLM, tokenizer, history: list[dict], args: argpars
         answer = "".join(shown).removesuffix("\n")
         sys.stdout.write("\n")
         sys.stdout.flush()
-        say("reply stopped (what was shown stays in the conversation; /reset clears it)")
+        notify("reply stopped (what was shown stays in the conversation; /reset clears it)")
     history.append({"role": "assistant", "content": answer})
     return answer
 
@@ -125,7 +125,7 @@ COMMANDS = ("/help", "/reset", "/exit")
 BARE_WORDS = {"help": "/help", "exit": "/exit", "quit": "/exit"}
 
 
-def say(line: str) -> None:
+def notify(line: str) -> None:
     """A message to the user, never a reply: stderr, so that stdout holds the replies only."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
@@ -145,19 +145,19 @@ def command_of(message: str) -> str | None:
 def run_command(command: str, message: str, history: list[dict], system: list[dict]) -> bool:
     """Carry out a command in place on `history`, answering with its line(s); -> False to quit."""
     if command in COMMANDS and len(message.split()) > 1:
-        say(f"{message.split()[0]} takes no arguments; nothing was sent to the model")
+        notify(f"{message.split()[0]} takes no arguments; nothing was sent to the model")
         return True
     if command == "/exit":
         return False
     if command == "/help":
-        say(HELP)
+        notify(HELP)
     elif command == "/reset":
         turns = sum(turn["role"] == "user" for turn in history)
         history[:] = system
-        say(f"conversation cleared ({turns} turn{'' if turns == 1 else 's'})")
+        notify(f"conversation cleared ({turns} turn{'' if turns == 1 else 's'})")
     else:
-        say(f"unknown command {command}: nothing was sent to the model (/help lists the commands; start with // "
-            f"to send a message that begins with /)")
+        notify(f"unknown command {command}: nothing was sent to the model (/help lists the commands; start with // "
+               f"to send a message that begins with /)")
     return True
 
 
@@ -205,7 +205,7 @@ class Terminal:
                 readline.read_history_file(history_file)
                 self.loaded = readline.get_current_history_length()
             except OSError as error:
-                say(f"chat history is kept for this session only: cannot use {history_file} ({error.strerror})")
+                notify(f"chat history is kept for this session only: cannot use {history_file} ({error.strerror})")
                 self.history_file = ""
 
     def complete(self, text: str, state: int) -> str | None:
@@ -257,7 +257,7 @@ class Terminal:
             else:
                 self.readline.write_history_file(self.history_file)
         except OSError as error:
-            say(f"chat history not saved to {self.history_file} ({error.strerror})")
+            notify(f"chat history not saved to {self.history_file} ({error.strerror})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return converse(model, tokenizer, history, system, args, generator, read=lambda: stdin.readline() or None)
     terminal = Terminal(default_history_file() if args.history_file is None else args.history_file)
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    say(f"chat with {args.model_path} ({args.device}, {dtype}; up to {args.max_new_tokens} new tokens a reply)\n"
-        f"/help for the commands, /reset to clear the conversation, /exit or Ctrl-D to quit; Ctrl-C stops a reply")
+    notify(f"chat with {args.model_path} ({args.device}, {dtype}; up to {args.max_new_tokens} new tokens a reply)\n"
+           f"/help for the commands, /reset to clear the conversation, /exit or Ctrl-D to quit; Ctrl-C stops a reply")
     try:
         return converse(model, tokenizer, history, system, args, generator, read=terminal.read, stoppable=True)
     finally:

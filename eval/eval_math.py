@@ -54,7 +54,7 @@ from dataset.sources import RowDataset  # noqa: E402
 from eval.grader import grade, wilson_interval  # noqa: E402
 from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
 from model.precision import inference_dtype  # noqa: E402
-from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
+from serving.engine import CompletionServer, open_checked_server, probe_token_ids  # noqa: E402
 from serving.weight_sync import check_served_weights  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
 
@@ -315,15 +315,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def connect_server(args: argparse.Namespace) -> CompletionServer | None:
-    if not args.server_url:
-        return None
-    server = CompletionServer(args.server_url, args.server_model or args.model_path, what="server",
-                              api_key_env=args.server_api_key_env)
-    server.check(args.max_prompt_length + args.max_new_tokens)
-    return server
-
-
 def output_paths(out: str | None, model_path: str, data_path: str) -> tuple[str, str]:
     """-> (per-sample JSONL, summary JSON). The default lies beside the model folder, never inside it: a training
     run's next save replaces that folder whole, and the results would vanish with it."""
@@ -352,7 +343,11 @@ def main(argv: list[str] | None = None) -> dict:
         check_ground_truth(rows)  # before the model loads: a bad file should fail in a second, not a minute
     except ValueError as e:
         raise UserError(f"{data_path}: {e}") from None
-    server = connect_server(args)  # a server that is down is refused before the model loads
+    server = None
+    if args.server_url:  # a server that is down is refused before the model loads
+        server = open_checked_server(args.server_url, args.server_model or args.model_path, what="server",
+                                     max_length=args.max_prompt_length + args.max_new_tokens,
+                                     api_key_env=args.server_api_key_env)
     torch.manual_seed(args.seed)
     model, tokenizer = load_for_inference(args.model_path, args.device, args.dtype)
     if server is not None:

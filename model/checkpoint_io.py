@@ -128,8 +128,8 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
     """Load an HF Qwen3 folder (config.json + safetensors) into our Qwen3ForCausalLM in `dtype` on `device`.
 
     The model is built on the meta device and filled tensor by tensor, each cast as it is read: the peak is the
-    model plus one tensor. `shard` (trainer/skeleton/sharding.py's fully_shard, applied in place on the meta model) makes
-    each process read only the rows of each tensor its shards hold: no process ever holds the whole model.
+    model plus one tensor. `shard` (trainer/skeleton/sharding.py's fully_shard, applied in place on the meta model)
+    makes each process read only the rows of each tensor its shards hold: no process ever holds the whole model.
     A missing folder or file, a damaged file, or weights that do not match the config raise a ModelFileError
     (a UserError and a ValueError) naming the file and what to do -- before any weight is read."""
     _check_folder(path)

@@ -200,6 +200,22 @@ class CompletionServer:
         return results
 
 
+def open_checked_server(base_url: str, model: str, *, what: str, max_length: int, api_key_env: str | None = None,
+                        tokenizer=None, topk: int = 0, **client: Any) -> CompletionServer:
+    """A server checked at once, so that one that is down or wrong is refused in seconds, before any model loads:
+    up, serving `model` with a context of at least `max_length`, and, given the student's tokenizer, the same
+    tokenizer (a teacher asked for its top-`topk`: and that many log-probabilities per position). `client`:
+    CompletionServer's concurrency, timeout and retries (its defaults otherwise). The loops' servers
+    (trainer/rollouts/servers.py) and eval_math.py's --server_url both start here."""
+    server = CompletionServer(base_url, model, what=what, api_key_env=api_key_env, **client)
+    server.check(max_length)
+    if tokenizer is not None:
+        server.check_tokenizer(tokenizer)
+        if topk:
+            server.check_topk(topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
+    return server
+
+
 def completions_output(prompt_ids: torch.Tensor, completions: Sequence[Sequence[int]], eos_token_id: int | list[int],
                        pad_token_id: int) -> GenerateOutput:
     """Rows of completion token ids -> `model.generate`'s output: padded after each row to the longest, the mask

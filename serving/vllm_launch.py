@@ -10,7 +10,7 @@ points at another):
 
     VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this repository> python -m vllm.entrypoints.openai.api_server \
         --model DIR --served-model-name NAME --dtype DTYPE --max-model-len N --host HOST --port PORT \
-        --worker-extension-cls serving.vllm_worker.WeightSync
+        --worker-extension-cls serving.vllm_worker.WeightSyncWorker
 
 Dev mode serves /collective_rpc and /reset_prefix_cache (the weight sync uses both); the worker extension loads the
 pushed weights (serving/vllm_worker.py). On a CPU, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here.
@@ -29,7 +29,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = os.environ.get("DISTILL_VLLM_VENV", os.path.expanduser("~/.cache/distill/vllm-venv"))
-EXTENSION = "serving.vllm_worker.WeightSync"
+EXTENSION = "serving.vllm_worker.WeightSyncWorker"
 
 
 def vllm_python(venv: str = DEFAULT_VENV) -> str | None:

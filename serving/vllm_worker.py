@@ -4,7 +4,8 @@ Start the server with it (the repository root on PYTHONPATH; dev mode serves /co
 /reset_prefix_cache):
 
     VLLM_SERVER_DEV_MODE=1 PYTHONPATH=/path/to/this/repo python -m vllm.entrypoints.openai.api_server \
-        --model checkpoints/kd --served-model-name student --worker-extension-cls serving.vllm_worker.WeightSync ...
+        --model checkpoints/kd --served-model-name student \
+        --worker-extension-cls serving.vllm_worker.WeightSyncWorker ...
 
 The trainer writes `model.safetensors` (HF names) where the server can read it and calls, through
 POST /collective_rpc, `load_weights_file(path)` on every worker. That loads the tensors with vLLM's own in-place
@@ -21,8 +22,9 @@ from __future__ import annotations
 import time
 
 
-class WeightSync:
-    """Mixed into vLLM's worker class by `--worker-extension-cls`: `self` is the worker."""
+class WeightSyncWorker:
+    """Mixed into vLLM's worker class by `--worker-extension-cls`: `self` is the worker. The worker's
+    end of a weight sync; the trainer's end is serving/weight_sync.py's `WeightSync`."""
 
     def load_weights_file(self, path: str) -> dict:
         from safetensors.torch import load_file

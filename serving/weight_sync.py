@@ -7,9 +7,9 @@
 Mechanism (works on vLLM's CPU build, which has no NCCL or CUDA-IPC weight transfer): the weights are written under
 their HF names, tensor by tensor (a sharded one's rows sent to rank 0 rank by rank), to one safetensors file where
 the server can read it (the same machine, or a shared filesystem; on GPUs /dev/shm keeps it in memory), then POST
-/collective_rpc calls `load_weights_file` of the worker extension `serving.vllm_worker.WeightSync` on every worker,
-then POST /reset_prefix_cache drops keys and values computed with the old weights (a cached prompt would otherwise
-be continued from stale activations).
+/collective_rpc calls `load_weights_file` of the worker extension `serving.vllm_worker.WeightSyncWorker` on every
+worker, then POST /reset_prefix_cache drops keys and values computed with the old weights (a cached prompt would
+otherwise be continued from stale activations).
 
 Why verify: a reload can miss a tensor silently (vLLM 0.32's own `reload_weights` leaves the tied head's packed CPU
 copy stale), a server can be restarted from the original checkpoint, or serve another dtype. So after every push

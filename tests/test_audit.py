@@ -1,8 +1,8 @@
 # python -m pytest tests/test_audit.py
-"""Logit-free OPD's pieces (trainer/logit_free/audit.py): the peak-entropy scheduler against a reference written differently, the
-student's entropy and log-probabilities against dense float64, the agreement and its weight against closed forms, the
-loss, its gradient and the KL anchor against dense autograd, the Monte Carlo estimator against its expectation, and
-the white-box reverse-KL signal the bounded weight replaces."""
+"""Logit-free OPD's pieces (trainer/logit_free/audit.py): the peak-entropy scheduler against a reference written
+differently, the student's entropy and log-probabilities against dense float64, the agreement and its weight against
+closed forms, the loss, its gradient and the KL anchor against dense autograd, the Monte Carlo estimator against its
+expectation, and the white-box reverse-KL signal the bounded weight replaces."""
 import math
 import random
 from types import SimpleNamespace
@@ -12,9 +12,9 @@ import torch
 
 from dataset.collators import IGNORE_INDEX
 from trainer.logit_free.agreement import TEXT_CAP, agreement, similarity
-from trainer.logit_free.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking, audit_loss_sum,
-                           choose_chunks, chunked_audit_loss, completion_lengths, plan_audits, position_stats,
-                           position_weights, posterior_weight)
+from trainer.logit_free.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking,
+                                      audit_loss_sum, choose_chunks, chunked_audit_loss, completion_lengths,
+                                      plan_audits, position_stats, position_weights, posterior_weight)
 from trainer.losses.chunked import completion_hidden
 from trainer.losses.closed_forms import sampled_token_kl_loss
 

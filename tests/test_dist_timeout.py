@@ -24,7 +24,7 @@ from trainer.skeleton.distributed import DistInfo, check_save_time, leave_proces
 from trainer.skeleton.loading import build_model
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
-from trainer.train_sft import parse_args as sft_args
+from trainer.config.sft import parse_args as sft_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SFT = os.path.join(ROOT, "trainer", "train_sft.py")

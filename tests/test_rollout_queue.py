@@ -14,6 +14,7 @@ from common.errors import RuntimeFailure
 from trainer.skeleton.run_state import RunState, merge_rollouts
 from trainer.rollouts.queue import RolloutQueue
 from trainer.skeleton.data_stream import DataStream
+from trainer.skeleton.run import Run
 
 
 def windows(steps: int, rows_per_step: int = 2) -> list[tuple[int, int, list[dict]]]:
@@ -58,7 +59,7 @@ def drive(queue: RolloutQueue, server: FakeServer, steps: int, staleness: int, s
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_step_s_samples_from_the_weights_of_step_s_minus_staleness(staleness):
     server = FakeServer()
-    out = drive(RolloutQueue(server.sample, RunState(), staleness), server, 6, staleness, RunState())
+    out = drive(RolloutQueue(server.sample, {}, staleness), server, 6, staleness, RunState())
     assert [version for version, _ in out] == [max(0, s - staleness) for s in range(6)]
     # every row sampled by the server from exactly those weights
     assert all(row[0] == version for version, rows in out for row in rows)
@@ -69,7 +70,7 @@ def test_overlap_changes_when_the_work_happens_not_what_is_computed():
     results = {}
     for overlap in (True, False):
         server, state = FakeServer(), RunState()
-        results[overlap] = drive(RolloutQueue(server.sample, state, 1, overlap=overlap), server, 6, 1, state)
+        results[overlap] = drive(RolloutQueue(server.sample, state.rollouts, 1, overlap=overlap), server, 6, 1, state)
         assert server.threads == ({"rollouts"} if overlap else {threading.current_thread().name})
     assert results[True] == results[False]
 
@@ -77,30 +78,30 @@ def test_overlap_changes_when_the_work_happens_not_what_is_computed():
 def test_off_policy_steps_sample_nothing():
     server, state = FakeServer(), RunState()
     on_policy = lambda epoch, step: step % 2 == 0  # noqa: E731
-    out = drive(RolloutQueue(server.sample, state, 1), server, 6, 1, state, on_policy)
+    out = drive(RolloutQueue(server.sample, state.rollouts, 1), server, 6, 1, state, on_policy)
     assert server.calls == 3 and [version for version, _ in out] == [0, 1, 3]
 
 
 def test_a_failed_rollout_is_raised_where_the_loop_waits_and_nothing_half_done_is_kept():
     server, state = FakeServer(fail_at=3), RunState()
-    queue = RolloutQueue(server.sample, state, 1)
+    queue = RolloutQueue(server.sample, state.rollouts, 1)
     with pytest.raises(RuntimeFailure, match="failed"):
         drive(queue, server, 6, 1, state)
-    assert 3 not in state.rollouts  # the step whose rollouts failed: lost, not half-kept
+    assert 3 not in queue.kept_now()  # the step whose rollouts failed: lost, not half-kept
 
 
 def test_a_resumed_queue_trains_on_the_kept_rollouts_and_resamples_only_a_lost_step(capsys):
     server, state = FakeServer(), RunState()
-    reference = drive(RolloutQueue(server.sample, state, 1), server, 6, 1, state)
+    reference = drive(RolloutQueue(server.sample, state.rollouts, 1), server, 6, 1, state)
     # a checkpoint after step 3 (0-based steps 0-2 done) keeps step 3's rollouts, from the weights of step 2
     kept = {3: {"version": 2, "rows": {6: [2, 6], 7: [2, 7]}}}
     server, resumed = FakeServer(), RunState(step=3, rollouts=dict(kept))
-    out = drive(RolloutQueue(server.sample, resumed, 1), server, 6, 1, resumed, start=3)
+    out = drive(RolloutQueue(server.sample, resumed.rollouts, 1), server, 6, 1, resumed, start=3)
     assert out == reference[3:]
     assert server.calls == 2  # steps 4 and 5 only
     # the same checkpoint whose step-3 rollouts were lost with a failed server: sampled again, from newer weights
     server, lost = FakeServer(), RunState(step=3)
-    out = drive(RolloutQueue(server.sample, lost, 1), server, 6, 1, lost, start=3)
+    out = drive(RolloutQueue(server.sample, lost.rollouts, 1), server, 6, 1, lost, start=3)
     assert out[0][0] == 3 and out[1:] == reference[4:]
     assert "the rollouts of step 4, from the weights of step 2, were lost" in capsys.readouterr().out
 
@@ -113,11 +114,15 @@ def test_a_checkpoint_keeps_the_steps_every_rank_has_and_not_those_trained_on():
 
 
 def lookahead_run(steps_per_epoch: int, epochs: int, total_steps: int, state: RunState):
-    def stream():
-        for epoch in range(state.epoch, epochs):
+    """A run (its state, and its data stream's `windows_ahead` over a stand-in for the loader) of `epochs` epochs of
+    `steps_per_epoch` one-window steps, `total_steps` long."""
+    def stream(step, current_epoch, samples_in_epoch):
+        for epoch in range(current_epoch, epochs):
             for s in range(steps_per_epoch):
                 yield epoch, [f"e{epoch}w{s}"]
-    return SimpleNamespace(state=state, total_steps=total_steps, _stream=stream)
+    data = SimpleNamespace(total_steps=total_steps, _stream=stream)
+    data.windows_ahead = lambda *position: DataStream.windows_ahead(data, *position)
+    return SimpleNamespace(state=state, stream=data)
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])
@@ -126,9 +131,10 @@ def test_windows_ahead_yields_the_same_windows_and_moves_the_data_position_only_
     state = RunState()
     run = lookahead_run(3, 2, 5, state)
     seen = []
-    for epoch, window, coming in DataStream.windows_ahead(run, count):
+    for epoch, window, coming in Run.windows_ahead(run, count):
         assert state.epoch == epoch  # the epoch of the window being trained, not of the ones ahead
         seen.append(window[0])
+        state.step += 1  # the run's optimizer step
         assert [s for s, _, _ in coming] == [s for s in range(len(seen), len(seen) + count) if s < 5]
         assert [w[0] for _, _, w in coming] == [f"e{s // 3}w{s % 3}" for s, _, _ in coming]
         if len(seen) == 5:

@@ -1,6 +1,6 @@
 # python -m pytest tests/test_teachers.py
-"""Several teachers in one run (--teachers, trainer/teachers/teacher_set.py) on tiny Qwen3s with the real vocabulary, CPU: the
-first step's loss, per-teacher numbers and gradient equal the token-weighted combination of the single-teacher
+"""Several teachers in one run (--teachers, trainer/teachers/teacher_set.py) on tiny Qwen3s with the real vocabulary,
+CPU: the first step's loss, per-teacher numbers and gradient equal the token-weighted combination of the single-teacher
 computations on each teacher's rows (closed forms from full logits, KD and OPD); 2 sharded ranks where one has no
 row for a teacher finish; a teacher whose chat template renders the prompts differently is refused with the
 differing token; the file and the routing are checked at start-up. Accumulation, 2 ranks and SIGKILL + resume with
@@ -23,7 +23,7 @@ from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from support import ROOT, TINY_CONFIG
 from trainer.skeleton.data_stream import EpochSampler
 from trainer.losses.closed_forms import generalized_jsd_loss
-from trainer.teachers.teacher_set import read_teachers_file
+from trainer.teachers.specs import read_teachers_file
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 
@@ -317,8 +317,10 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
     import contextlib
     import types
 
+    from trainer.losses.divergences import Divergence
     from trainer.losses.policy_gradient import TEACHER_LOGP
-    from trainer.teachers.teacher_set import Routing, Teacher, Teachers
+    from trainer.teachers.specs import Routing
+    from trainer.teachers.teacher_set import Teacher, Teachers
     from trainer.train_rl import token_values
     from trainer.skeleton.window_metrics import WindowMetrics
     tokenizer = load_tokenizer(None)
@@ -327,12 +329,14 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
             for i in range(4)]
     batch = SFTCollator(tokenizer, 96, 32, enable_thinking=False)(rows)
     models = {name: teacher_model(seed) for name, seed in SEEDS.items()}
-    teachers = Teachers([Teacher(name, model, None, 0) for name, model in models.items()],
+    teachers = Teachers([Teacher(name, model, None, 0, Divergence("sampled_kl")) for name, model in models.items()],
                         Routing(list(SEEDS), "teacher", None))
     run = types.SimpleNamespace(device="cpu", teacher_autocast=contextlib.nullcontext, metrics=WindowMetrics("cpu"))
     args = types.SimpleNamespace(loss_chunk_size=16, gen_temperature=1.0)
-    values = token_values(args, run, torch.zeros(4), batch["labels"], None, teachers, teachers.routes.route(rows),
-                          batch["input_ids"], batch["attention_mask"], len(tokenizer))
+    scores = teachers.score({"rows": rows}, batch["input_ids"], batch["attention_mask"], batch["labels"],
+                            contextlib.nullcontext)
+    values = token_values(args, run, torch.zeros(4), batch["labels"], None, teachers, scores, batch["input_ids"],
+                          batch["attention_mask"], len(tokenizer))
     expected = []
     for i, row in enumerate(rows):
         with torch.no_grad():

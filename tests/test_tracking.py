@@ -79,7 +79,7 @@ def test_config_records_the_dtype_the_run_trained_in(device, requested, expected
 
 
 def test_the_logged_config_names_the_defaulted_model_config_and_data(tmp_path, monkeypatch):
-    from trainer.train_sft import parse_args
+    from trainer.config.sft import parse_args
     args = parse_args(["--save_dir", str(tmp_path)])
     assert args.model_config.endswith(os.path.join("model", "configs", "qwen3-tiny.json"))
     config = tracker_config(args, {"device": "cpu", "world_size": 1, "dtype": "float32",

@@ -19,39 +19,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.errors import ArgumentParser, run_script
-from trainer.skeleton.guard import stop_signals_noted
+from common.errors import run_script
+from trainer.config import sft as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.losses.chunked import chunked_sft_loss, completion_hidden
-from trainer.skeleton.distributed import init_distributed_mode
-from trainer.config.flags import add_common_args, validate_common_args
-from trainer.skeleton.loading import build_model, load_sft_data
-from trainer.skeleton.run import Run
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description="SFT of a Qwen3 model on chat data (masked cross entropy)")
-    add_common_args(parser, save_weight="sft")
-    args = parser.parse_args(argv)
-    validate_common_args(args)
-    return args
+from trainer.skeleton import Run, build_student, init_distributed_mode, load_sft_data, train_noting_stop_signals
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    with stop_signals_noted():  # SIGTERM / SIGUSR1 from here on: the step is finished and saved; at the end
-        train(args)            # (done, refused or failed) the process's own handlers are back
+    train_noting_stop_signals(train, config.parse_args(argv))  # a stop signal from here on: the step ends, saved
 
 
 def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its model on its own device
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
-    model = build_model(args, info.device, path=args.model_path, config_path=args.model_config)
-    run = Run(args, info, model, dataset, collator, tokenizer_dir)
+    model = build_student(args, info.device, tokenizer)
+    run = Run(args, info, model, dataset, collator, tokenizer_dir, config.RESUMABLE)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step)  # each rank its share (--fsdp 1: all)
 
-    if evaluator.due(run.step, run.done):  # step 0: the baseline later evaluations compare against
-        run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast))
+    run.evaluate_when_due(evaluator)  # step 0: the baseline later evaluations compare against
     for epoch, window in run.windows():
         for i, batch in enumerate(window):
             batch = {k: v.to(run.device) for k, v in batch.items()}
@@ -64,13 +50,8 @@ def train(args: argparse.Namespace) -> None:
                                                             vocab_size=len(tokenizer))
                 run.backward(loss_sum, num_tokens)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
-        run.log(metrics)                # console, metrics.jsonl, swanlab: every --log_interval steps and the last
-        if run.save_due():              # every --save_interval steps, the last one, and on a stop signal
-            run.save()
-        if evaluator.due(run.step, run.done):  # every --eval_interval steps and the last one
-            run.log_eval(evaluator.evaluate(run.step, run.raw_model, run.autocast))
-        if run.done or run.stop_signal:  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
-            break
+        if run.end_step(metrics, evaluator=evaluator):  # log; save, evaluate when due
+            break  # --epochs / --max_steps reached, or SIGTERM / SIGUSR1 / Ctrl-C
     run.finish()
 
 

@@ -15,10 +15,21 @@ from common.checks import check_device, check_model_dir
 from common.errors import refuse
 from common.files import check_writable
 from model.precision import DTYPE_CHOICES, resolve_precision
-from trainer.skeleton.resume_checks import check_run_name, resume_change_names
-from trainer.skeleton.loading import DEFAULT_MODEL_CONFIG, ROOT
 from trainer.skeleton.distributed import DEFAULT_DIST_TIMEOUT, SAVE_WRITE_BYTES_PER_S
+from trainer.skeleton.loading import DEFAULT_MODEL_CONFIG, ROOT
+from trainer.skeleton.resume_checks import check_run_name, resume_change_names
 
+
+
+# Flags that may differ on resume: they change how the run is executed or logged, not what it computes. Any other
+# change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
+# Each loop's config (trainer/config/LOOP.py) adds its own groups' to these: its RESUMABLE.
+SHARED_RESUMABLE = frozenset({
+    "from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab", "swanlab_mode",
+    "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "gradient_checkpointing", "eval_interval",
+    "eval_rows", "eval_data_path", "eval_max_new_tokens", "save_dir", "start_over", "dist_timeout", "resume_changes"})
+# where the frozen models live, and a start-up check: not what the run computes
+TEACHER_RESUMABLE = frozenset({"replicate_teacher", "accept_template_difference"})
 
 
 def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
@@ -166,6 +177,16 @@ def add_teacher_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--teacher_dtype", default="auto", choices=DTYPE_CHOICES,
                    help="the teacher's weights; auto: the --dtype autocast computes in, except with float16 "
                         "(a real Qwen3 may overflow fp16): bfloat16 where the device has it, else float32")
+
+
+def default_student(args: argparse.Namespace, run_name: str, command: str) -> None:
+    """Without --model_path / --model_config: the student is the demo run `run_name`'s model (SAVE_DIR/RUN_NAME),
+    which `command` writes; refused up front when there is none."""
+    if args.model_path or args.model_config:
+        return
+    args.model_path = os.path.join(args.save_dir, run_name)
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        refuse(f"no student at {args.model_path}: run `{command}` first, or pass --model_path / --model_config")
 
 
 def resolve_teacher_path(args: argparse.Namespace) -> None:

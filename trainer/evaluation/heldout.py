@@ -18,12 +18,12 @@ from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from eval.grader import grade_batch
 from model import Decoder, generate
-from trainer.skeleton.distributed import DistInfo
+from trainer.losses.chunked import completion_hidden
 from trainer.losses.divergences import divergence_sums
+from trainer.skeleton.distributed import DistInfo
+from trainer.skeleton.sharding import reshard_root
 from trainer.teachers.parts import teacher_scores
 from trainer.teachers.teacher_set import EvalTeacher
-from trainer.losses.chunked import completion_hidden
-from trainer.skeleton.sharding import reshard_root
 
 # what an evaluation adds up over its prompts, besides each teacher's divergence sums (`divergence_keys`): one
 # process's total, or the ranks' shares all-reduced

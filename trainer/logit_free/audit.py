@@ -5,8 +5,8 @@ A third-party reimplementation of OmniOPD (arXiv 2606.01476). The paper's abstra
 * peak-entropy chunk audits: the student's completion is audited where the student was most uncertain;
 * teacher Monte Carlo continuations: the teacher continues the completion from each audited chunk's start N times;
 * a bounded weight estimated from those teacher samples replaces the log-ratio log p_S(y) - log p_T(y) of white-box
-  reverse-KL OPD (`sampled_token_kl_loss` in trainer/losses/closed_forms.py), which a text-only teacher cannot give and which grows
-  without bound as the teacher's probability of a sampled token falls;
+  reverse-KL OPD (`sampled_token_kl_loss` in trainer/losses/closed_forms.py), which a text-only teacher cannot give and
+  which grows without bound as the teacher's probability of a sampled token falls;
 * a KL anchor to the base model on the positions no chunk audits.
 
 Everything else here is this reimplementation's reading, stated once:
@@ -16,9 +16,9 @@ Everything else here is this reimplementation's reading, stated once:
   non-overlapping chunks of CHUNK_LEN = 50 tokens, taken greedily from the highest entropy at a chunk's FIRST token
   down; a chunk that would run past the completion is skipped; equal entropies go to the later position; a
   completion shorter than CHUNK_LEN gets no audit.
-* Agreement (trainer/logit_free/agreement.py's `similarity`, `agreement`): each continuation is cut to the student chunk's character length, then
-  k = sum over the N continuations of phi(student chunk, continuation), phi in [0, 1]: by default
-  1 - Levenshtein(a, b) / max(len a, len b) on characters (rapidfuzz), each string capped at TEXT_CAP = 4,000
+* Agreement (trainer/logit_free/agreement.py's `similarity`, `agreement`): each continuation is cut to the student
+  chunk's character length, then k = sum over the N continuations of phi(student chunk, continuation), phi in [0, 1]: by
+  default 1 - Levenshtein(a, b) / max(len a, len b) on characters (rapidfuzz), each string capped at TEXT_CAP = 4,000
   characters, two empty strings 1.0; or ROUGE-1 F on whitespace tokens.
 * Weight (`posterior_weight`): the Dirichlet-Multinomial (here Beta-Binomial) posterior mean
   pi_hat = (k + alpha * pi_bar) / (N + alpha), the prior mean pi_bar = exp(mean over the chunk of log p_S(y_t)) at
@@ -27,8 +27,8 @@ Everything else here is this reimplementation's reading, stated once:
 * Loss, as a SUM over completion tokens (the skeleton divides by the window's completion tokens over all ranks):
       - sum_{audited chunks c} pi_hat_c * sum_{t in c} log p_S(y_t)            (`audit_loss_sum`, `chunked_audit_loss`)
       + beta * sum_{unaudited t} KL(p_ref || p_S)                              (the anchor, see below)
-  at temperature 1. The anchor is trainer/losses/divergences.py's `Divergence("jsd", beta=0.0)` (forward KL with the frozen
-  starting model as its "teacher") called on the labels `anchor_labels` returns: audited positions IGNORE_INDEX.
+  at temperature 1. The anchor is trainer/losses/divergences.py's `Divergence("jsd", beta=0.0)` (forward KL with the
+  frozen starting model as its "teacher") called on the labels `anchor_labels` returns: audited positions IGNORE_INDEX.
   Its token count is then the unaudited positions only; the loop's normaliser stays every completion token.
 
 How a loop uses it, one micro-batch (flattened form throughout: `completion_hidden` is called once and gives (N, H)

@@ -1,7 +1,7 @@
 """The divergences between the student and a teacher on the same completions: one dispatcher that training and
 held-out evaluation both call, so what they compute cannot drift apart.
 
-Three kinds, by what the teacher gives:
+Four kinds, by what the teacher gives:
     jsd         generalized JSD over the full vocabulary at `beta` (1: reverse KL(student || teacher)): a local
                 teacher's logits (trainer/losses/closed_forms.py)
     topk        the same over the teacher's top-K, the sampled token and one tail bucket per position: a served
@@ -9,6 +9,8 @@ Three kinds, by what the teacher gives:
                 (trainer/losses/topk_divergence.py; a lower bound of jsd, exact as the top-K covers the mass)
     sampled_kl  the policy-gradient form of reverse KL: the teacher's log-probability of each sampled token only;
                 its loss is a surrogate whose gradient is the reverse KL's, its value the one-sample estimate
+    kd          classic KD on fixed data: alpha * cross entropy against the data + (1 - alpha) * T^2
+                KL(teacher || student) over the full vocabulary, a local teacher's logits
 
 Evaluation's choice, stated once (`evaluation_divergence`): the exact full-vocabulary divergence wherever a local
 teacher allows it, whatever training uses; with a served teacher, what training computes.
@@ -19,17 +21,19 @@ subset of positions is the same call with the others' labels set to IGNORE_INDEX
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from dataset.collators import IGNORE_INDEX
 from trainer.losses.chunked import chunked_loss
+from trainer.losses.closed_forms import (distillation_loss, sampled_token_kl_from_logprobs, sampled_token_kl_loss,
+                                         sft_loss)
 from trainer.losses.fused_jsd import chunked_generalized_jsd_loss
-from trainer.losses.closed_forms import sampled_token_kl_from_logprobs, sampled_token_kl_loss
 from trainer.losses.topk_divergence import chunked_topk_divergence
 
-KINDS = ("jsd", "topk", "sampled_kl")
+KINDS = ("jsd", "topk", "sampled_kl", "kd")
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,12 @@ class Divergence:
     beta: float = 1.0         # jsd / topk: 0 forward KL, 1 reverse KL, between: generalized JSD
     temperature: float = 1.0  # the softmax temperature of both distributions
     topk: int = 0             # topk: K
+    alpha: float = 0.0        # kd: the weight of the cross entropy against the data
 
     def extra_names(self) -> tuple[str, ...]:
         """The per-token numbers `divergence_sums` logs beside the loss (DivergenceSums.extras)."""
-        return {"topk": ("teacher_tail_mass",), "sampled_kl": ("reverse_kl_estimate",)}.get(self.kind, ())
+        return {"topk": ("teacher_tail_mass",), "sampled_kl": ("reverse_kl_estimate",),
+                "kd": ("ce", "kd")}.get(self.kind, ())
 
     def metric_name(self) -> str:
         """How its value is logged: reverse_kl / jsd_beta<b>, with _top<K> for topk; reverse_kl_estimate."""
@@ -57,6 +63,14 @@ class DivergenceSums:
     tokens: torch.Tensor       # the completion tokens it covers
     value: torch.Tensor        # the divergence it measures, summed (sampled_kl: the estimate, not the surrogate)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # summed per-token numbers worth logging
+
+
+def ce_and_kd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+              temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of positions: summed cross entropy against the data, summed T^2 KL(teacher || student), tokens."""
+    ce_sum, num_tokens = sft_loss(student_logits, labels)
+    kd_sum = distillation_loss(student_logits, teacher_logits, labels, temperature, reduction="sum")
+    return ce_sum, kd_sum, num_tokens
 
 
 def training_divergence(loss: str, beta: float, temperature: float, teacher_topk: int) -> Divergence:
@@ -103,6 +117,11 @@ def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, studen
         loss = sampled_token_kl_loss if local else sampled_token_kl_from_logprobs
         surrogate_sum, kl_sum = loss(student_logits, teacher_logits_or_logprobs, chunk_labels, divergence.temperature)
         return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
+    if divergence.kind == "kd":  # classic KD on the data: alpha CE + (1 - alpha) T^2 KL(teacher || student)
+        ce, kd, tokens = chunked_loss(functools.partial(ce_and_kd, temperature=divergence.temperature),
+                                      student_hidden, **common, **teacher)
+        loss = divergence.alpha * ce + (1.0 - divergence.alpha) * kd
+        return DivergenceSums(loss, tokens, loss, {"ce": ce, "kd": kd})
     values = {} if local else dict(teacher_values=scores)
     surrogate, kl, tokens = chunked_loss(sampled_kl, student_hidden, **common, **teacher, **values)
     return DivergenceSums(surrogate, tokens, kl, {"reverse_kl_estimate": kl})

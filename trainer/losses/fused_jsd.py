@@ -1,5 +1,5 @@
-"""The generalized JSD of trainer/losses/closed_forms.py from final hidden states, its gradient computed with the loss: OPD's
-training phase near the machine's bound (benchmarks/bench_opd.py prints the roofline).
+"""The generalized JSD of trainer/losses/closed_forms.py from final hidden states, its gradient computed with the loss:
+OPD's training phase near the machine's bound (benchmarks/bench_opd.py prints the roofline).
 
 The generic chunked path (trainer/losses/chunked.py's `chunked_loss`) checkpoints each chunk of positions: its
 backward recomputes both lm_head projections and every elementwise step of the loss, and autograd keeps each step's

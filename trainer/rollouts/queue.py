@@ -7,7 +7,7 @@ fixed, not "whatever is ready", so what a run computes does not depend on timing
 happens, never what is computed (`overlap=False` does the same work in the loop's own thread: the serial
 reference the tests compare against).
 
-    rollouts = RolloutQueue(sample, run.state, staleness=S)
+    rollouts = RolloutQueue(sample, resumed, staleness=S)   # resumed: what a checkpoint kept ({} at a start)
     for epoch, window, coming in run.windows_ahead(S):
         jobs = rollouts.due(run.step, [(run.step, epoch, window), *coming], is_on_policy)
         if jobs:
@@ -17,10 +17,11 @@ reference the tests compare against).
         for batch in window:
             completions = rollouts.take(run.step, batch)   # waits for them when they are not there yet
 
-What is sampled is kept, as token ids, in `RunState.rollouts` (step -> {"version", "rows": {sample_key: ids}}), which
-every checkpoint saves (gathered from all ranks): a resumed run trains on exactly the rollouts the killed one had
-sampled from weights older than its checkpoint, which it no longer has. Only the server's requests run in the
-background thread (plain lists of ids, no tensor work): the trainer's own threads compute undisturbed.
+What is sampled is kept, as token ids, in the queue (step -> {"version", "rows": {sample_key: ids}}); every checkpoint
+saves a copy (`kept_now`, into `RunState.rollouts`, gathered from all ranks): a resumed run trains on exactly the
+rollouts the killed one had sampled from weights older than its checkpoint, which it no longer has. Only the server's
+requests run in the background thread (plain lists of ids, no tensor work): the trainer's own threads compute
+undisturbed.
 """
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ Job = tuple[int, int, Window]         # (step, epoch, window)
 class RolloutQueue:
     """`sample(batch, epoch)` -> each row's completion token ids, from the weights the server holds now."""
 
-    def __init__(self, sample: Callable[[dict, int], list[list[int]]], state, staleness: int, overlap: bool = True):
-        self.sample, self.state, self.staleness, self.overlap = sample, state, staleness, overlap
-        self.sampled = set(state.rollouts)    # steps kept, in flight or sampled by this process
+    def __init__(self, sample: Callable[[dict, int], list[list[int]]], resumed: dict[int, dict], staleness: int,
+                 overlap: bool = True):
+        """`resumed`: the rollouts a resumed run's checkpoint kept (step -> {"version", "rows"}; {} at a start)."""
+        self.sample, self.staleness, self.overlap = sample, staleness, overlap
+        self.rollouts = dict(resumed)         # step -> {"version", "rows"}: sampled, not yet trained on
+        self.sampled = set(resumed)           # steps kept, in flight or sampled by this process
         self.thread: threading.Thread | None = None
         self.kept = threading.Condition()     # notified as each step's rollouts are kept, and when a job ends
         self.running = False
@@ -90,7 +94,7 @@ class RolloutQueue:
                     completions = self.sample(batch, epoch)
                     rows.update({sample_key(row): ids for row, ids in zip(batch["rows"], completions)})
                 with self.kept:
-                    self.state.rollouts[s] = {"version": step, "rows": rows}  # a save sees all or none of a step
+                    self.rollouts[s] = {"version": step, "rows": rows}  # a save sees all or none of a step
                     self.kept.notify_all()
         except BaseException as error:  # raised in the loop's thread, where the run's failure protocol is
             self.error = error
@@ -116,17 +120,23 @@ class RolloutQueue:
         waits for them when they are not there yet (not for the rest of the job in flight)."""
         start = time.perf_counter()
         with self.kept:
-            self.kept.wait_for(lambda: step in self.state.rollouts or not self.running)
+            self.kept.wait_for(lambda: step in self.rollouts or not self.running)
         self.waited += time.perf_counter() - start
-        if step not in self.state.rollouts:
+        if step not in self.rollouts:
             self.wait()  # the job ended without them: its failure is raised here
-        if step not in self.state.rollouts:  # nothing in flight and nothing kept: a bug, not a server's failure
+        if step not in self.rollouts:  # nothing in flight and nothing kept: a bug, not a server's failure
             raise RuntimeFailure(f"no rollouts were sampled for step {step + 1}")
         with self.kept:  # trained on: never needed again
-            for old in [s for s in self.state.rollouts if s < step]:
-                del self.state.rollouts[old]
-        record = self.state.rollouts[step]
+            for old in [s for s in self.rollouts if s < step]:
+                del self.rollouts[old]
+        record = self.rollouts[step]
         return [record["rows"][sample_key(row)] for row in batch["rows"]], record["version"]
+
+    def kept_now(self) -> dict[int, dict]:
+        """A copy of the rollouts kept for coming steps, for a checkpoint (a job in flight may be adding a step: it
+        is in the copy whole or not at all)."""
+        with self.kept:
+            return dict(self.rollouts)
 
     def add_to(self, metrics) -> None:
         """wait_s (seconds the trainer waited for rollouts) and server_idle_s (the server idle between its jobs)

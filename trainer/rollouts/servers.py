@@ -8,8 +8,10 @@ import os
 
 from common.errors import refuse, refuse_first
 from common.http import ApiClient
-from serving.engine import CompletionServer, probe_token_ids
+from serving.engine import CompletionServer, open_checked_server
 from trainer.skeleton.distributed import print0
+
+SERVER_RESUMABLE = frozenset({"overlap"})  # sampling in the background or in the loop's thread: the same rollouts
 
 SERVERS = {  # role -> (what messages call it, default --ROLE_model, what --ROLE_url does)
     "rollout": ("rollout server", "student",
@@ -115,7 +117,8 @@ def check_server_wait(args: argparse.Namespace, teacher_url: str | None) -> None
 
 
 def connect_server(args: argparse.Namespace, role: str) -> CompletionServer | None:
-    """The --ROLE_url server (None without one), checked at once (`open_server`; teachers: trainer/teachers/teacher_set.py)."""
+    """The --ROLE_url server (None without one), checked at once (`open_server`; teachers:
+    trainer/teachers/teacher_set.py)."""
     url = getattr(args, f"{role}_url")
     if not url:
         return None
@@ -125,17 +128,11 @@ def connect_server(args: argparse.Namespace, role: str) -> CompletionServer | No
 
 def open_server(args: argparse.Namespace, url: str, model: str, api_key_env: str | None, what: str,
                 tokenizer=None, topk: int = 0) -> CompletionServer:
-    """A server checked at once: up, serving `model` with a context of at least --max_length, and, given the
-    student's tokenizer, the same tokenizer (a teacher asked for its top-`topk`: and that many log-probabilities
-    per position)."""
-    server = CompletionServer(url, model, what=what, api_key_env=api_key_env, concurrency=args.rollout_concurrency,
-                              timeout=args.rollout_timeout)
-    server.check(args.max_length)
-    if tokenizer is not None:
-        server.check_tokenizer(tokenizer)
-        if topk:
-            server.check_topk(topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
-    return server
+    """`open_checked_server` with the run's flags: a context of at least --max_length, requests at
+    --rollout_concurrency and --rollout_timeout."""
+    return open_checked_server(url, model, what=what, max_length=args.max_length, api_key_env=api_key_env,
+                               tokenizer=tokenizer, topk=topk, concurrency=args.rollout_concurrency,
+                               timeout=args.rollout_timeout)
 
 
 def say_servers(args: argparse.Namespace, teacher_topk: int | None = 0) -> None:

@@ -3,14 +3,15 @@
 pushed and verified before the rollouts they sample, and with --max_staleness S sampled S steps ahead in the
 background (trainer/rollouts/queue.py) -- and, for micro-batches that are not on-policy, the rows' own completions.
 
-    rollouts = Rollouts(args, run, tokenizer, server, decoder, on_policy=...)
+    rollouts = Rollouts(args, tokenizer, server, decoder, on_policy, run.raw_model, run.autocast, ...)
+    run.keep_rollouts(rollouts.kept)                          # every save keeps the rollouts sampled ahead
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
-        rollouts.before_step(epoch, window, coming, clock)   # served: drain, push + verify the weights, sample ahead
+        rollouts.before_step(run.step, epoch, window, coming, clock)  # served: drain, push + verify, sample ahead
         for batch in window:
-            input_ids, attention_mask, labels = rollouts.sequences(batch, epoch, on_policy, clock)
-        rollouts.add_to(run.metrics)                          # wait_s, server_idle_s, staleness
-        if run.save_due(): rollouts.before_save(); run.save()  # the rollouts sampled ahead go into the checkpoint
-    rollouts.close()                                          # the weights written for the server are removed
+            input_ids, attention_mask, labels = rollouts.sequences(batch, run.step, epoch, on_policy, clock)
+        rollouts.add_to(run.metrics)                          # sync agreement, staleness, wait_s, server_idle_s
+        if run.end_step(metrics, shown, evaluator, rollouts.before_save): break  # saved: the rollouts sampled ahead too
+    run.finish(rollouts.close)                                # the weights written for the server are removed
 
 Each row samples with its own seed (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the
 world size or accumulation, and a resumed run draws exactly what the killed one would have.
@@ -29,82 +30,93 @@ from dataset.collators import build_sequences
 from model import Decoder, generate
 from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
-from trainer.skeleton.distributed import print0
-from trainer.skeleton.loading import sft_collator
 from trainer.rollouts.queue import RolloutQueue
-from trainer.skeleton.run import Run
+from trainer.skeleton.distributed import is_main_process, print0
+from trainer.skeleton.loading import sft_collator
+from trainer.skeleton.window_metrics import WindowMetrics
 
 Sequences = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention_mask, labels (completion only)
 
 
 class Rollouts:
-    def __init__(self, args: argparse.Namespace, run: Run, tokenizer, server: CompletionServer | None,
-                 decoder: Decoder | None, on_policy: Callable[[int, int], bool]):
+    def __init__(self, args: argparse.Namespace, tokenizer, server: CompletionServer | None, decoder: Decoder | None,
+                 on_policy: Callable[[int, int], bool], student: torch.nn.Module, autocast: Callable,
+                 dtype: torch.dtype, fail_together: Callable, resumed: dict[int, dict]):
         """`on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
-        `decoder`: the built-in engine's decode step (compiled with --use_compile 1)."""
-        self.args, self.run, self.tokenizer, self.server, self.decoder = args, run, tokenizer, server, decoder
-        self.on_policy = on_policy
+        `decoder`: the built-in engine's decode step (compiled with --use_compile 1). `student`: the model being
+        trained (unwrapped), which samples or whose weights the server gets; `autocast` its forward context,
+        `dtype` the one it computes in. `fail_together`: the run's failure protocol (Run.fail_together), around
+        every request to the server. `resumed`: the rollouts a resumed run's checkpoint kept ({} at a start)."""
+        self.args, self.tokenizer, self.server, self.decoder = args, tokenizer, server, decoder
+        self.on_policy, self.student, self.autocast, self.fail_together = on_policy, student, autocast, fail_together
+        self.device = str(next(student.parameters()).device)
         self.data_collator = sft_collator(args, tokenizer)  # steps that are not on-policy: the rows' completions
+        self.stats = WindowMetrics(self.device)  # this step's numbers, until the loop takes them (`add_to`)
         self.weight_sync = self.queue = None
         if server is not None:
-            self.weight_sync = WeightSync(server, rollout_weights_path(args), probe_token_ids(tokenizer),
-                                          run.precision.compute, active=run.dist.is_main, say=print0)
-            sample = served_sampler(server, args, tokenizer, run.raw_model.config.vocab_size)
-            self.queue = RolloutQueue(sample, run.state, args.max_staleness, overlap=bool(args.overlap))
+            self.weight_sync = WeightSync(server, rollout_weights_path(args), probe_token_ids(tokenizer), dtype,
+                                          active=is_main_process(), say=print0)
+            sample = served_sampler(server, args, tokenizer, student.config.vocab_size)
+            self.queue = RolloutQueue(sample, resumed, args.max_staleness, overlap=bool(args.overlap))
 
-    def before_step(self, epoch: int, window: list[dict], coming: list, clock) -> None:
-        """Served rollouts: the steps whose rollouts come from the current weights (this one with --max_staleness 0,
-        the one S ahead otherwise); once the server is done with older weights, it gets these, verified, and starts
-        sampling. Every --sync_interval steps a push. Nothing to do for the built-in engine."""
-        run = self.run
-        jobs = [] if self.queue is None else self.queue.due(run.step, [(run.step, epoch, window), *coming],
-                                                            self.on_policy)
+    def before_step(self, step: int, epoch: int, window: list[dict], coming: list, clock) -> None:
+        """Served rollouts, before optimizer step `step` (the count done): the steps whose rollouts come from the
+        current weights (this one with --max_staleness 0, the one S ahead otherwise); once the server is done with
+        older weights, it gets these, verified, and starts sampling. Every --sync_interval steps a push. Nothing to
+        do for the built-in engine."""
+        jobs = [] if self.queue is None else self.queue.due(step, [(step, epoch, window), *coming], self.on_policy)
         if not jobs:
             return
-        with clock("drain"), run.fail_together():  # the rollouts in flight, sampled from older weights, finish
+        with clock("drain"), self.fail_together():  # the rollouts in flight, sampled from older weights, finish
             self.queue.wait()
-        if self.weight_sync.due(run.step, self.args.sync_interval):
-            with clock("sync"), run.fail_together():    # rank 0 writes them, the server loads them
-                self.weight_sync.push(run.raw_model, run.step)  # --fsdp 1: gathered tensor by tensor
-            with clock("verify"), run.fail_together():  # its log-probs of a probe == ours, or the run stops
-                agreement = self.weight_sync.verify(run.raw_model, run.autocast)
-                run.metrics.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
-                run.metrics.total("sync_logprob_mean", agreement["mean"])
-                run.metrics.rank_mean("weight_pushes", 1)  # per window: the console line shows the pushes
-        self.queue.start(jobs, run.step)  # a failure is raised where they are waited for
+        if self.weight_sync.due(step, self.args.sync_interval):
+            with clock("sync"), self.fail_together():    # rank 0 writes them, the server loads them
+                self.weight_sync.push(self.student, step)  # --fsdp 1: gathered tensor by tensor
+            with clock("verify"), self.fail_together():  # its log-probs of a probe == ours, or the run stops
+                agreement = self.weight_sync.verify(self.student, self.autocast)
+                self.stats.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
+                self.stats.total("sync_logprob_mean", agreement["mean"])
+                self.stats.rank_mean("weight_pushes", 1)  # per window: the console line shows the pushes
+        self.queue.start(jobs, step)  # a failure is raised where they are waited for
 
-    def sequences(self, batch: dict, epoch: int, on_policy: bool, clock) -> Sequences:
-        """Steps 1-2 of a micro-batch: its rows' samples (the queue's, waited for when they are not there yet, or
-        the built-in engine's), or off-policy the rows' own completions -> input_ids, attention_mask and labels on
-        the completion through its first EOS."""
-        run = self.run
-        with clock("gen"), run.fail_together(self.server is not None):
+    def sequences(self, batch: dict, step: int, epoch: int, on_policy: bool, clock) -> Sequences:
+        """Steps 1-2 of a micro-batch of optimizer step `step`: its rows' samples (the queue's, waited for when they
+        are not there yet, or the built-in engine's), or off-policy the rows' own completions -> input_ids,
+        attention_mask and labels on the completion through its first EOS."""
+        with clock("gen"), self.fail_together(self.server is not None):
             if on_policy and self.queue is not None:
-                completions, version = self.queue.take(run.step, batch)
+                completions, version = self.queue.take(step, batch)
                 # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
-                run.metrics.ratio("staleness", run.step - version, 1)
-                return served_sequences(batch, completions, self.tokenizer, run.device)
+                self.stats.ratio("staleness", step - version, 1)
+                return served_sequences(batch, completions, self.tokenizer, self.device)
             if on_policy:
-                return sample_completions(run.raw_model, self.args, self.tokenizer, batch, epoch, run.device,
-                                          run.autocast, self.decoder)
-            data = {k: v.to(run.device) for k, v in self.data_collator(batch["rows"]).items()}
+                return sample_completions(self.student, self.args, self.tokenizer, batch, epoch, self.device,
+                                          self.autocast, self.decoder)
+            data = {k: v.to(self.device) for k, v in self.data_collator(batch["rows"]).items()}
             return data["input_ids"], data["attention_mask"], data["labels"]
 
-    def add_to(self, metrics) -> None:
-        """Seconds the trainer waited for rollouts, and the server sat idle between its jobs (served only)."""
+    def add_to(self, metrics: WindowMetrics) -> None:
+        """This step's numbers into the loop's window `metrics`: the weight sync's agreement and pushes, the
+        rollouts' staleness, the seconds the trainer waited for rollouts and the server sat idle between its jobs
+        (served only)."""
+        metrics.merge(self.stats)
         if self.queue is not None:
             self.queue.add_to(metrics)
+
+    def kept(self) -> dict[int, dict]:
+        """The rollouts sampled ahead for coming steps, which a checkpoint keeps (Run.keep_rollouts)."""
+        return {} if self.queue is None else self.queue.kept_now()
 
     def before_save(self) -> None:
         """The checkpoint keeps the rollouts sampled ahead (token ids; a resume needs them): the job in flight
         finishes first."""
         if self.queue is not None:
-            with self.run.fail_together():
+            with self.fail_together():
                 self.queue.wait()
 
     def close(self) -> None:
         """The weights written for the server are removed (a resumed run pushes its own before it samples)."""
-        if self.weight_sync is not None and self.run.dist.is_main:
+        if self.weight_sync is not None and is_main_process():
             self.weight_sync.remove_file()
 
 

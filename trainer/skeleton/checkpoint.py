@@ -57,9 +57,11 @@ class Checkpoints:
     """One run name's checkpoints (see the module docstring). Every rank holds one; rank 0 writes the files."""
 
     def __init__(self, args: argparse.Namespace, info: DistInfo, tokenizer_dir: str | None,
-                 accepted_changes: set[str]):
-        """`accepted_changes`: the flags --resume_changes lets differ from the checkpoint's."""
-        self.args, self.dist, self.tokenizer_dir, self.accepted_changes = args, info, tokenizer_dir, accepted_changes
+                 resumable: set[str], accepted_changes: set[str]):
+        """`resumable`: the flags a resume may change (the loop's config); `accepted_changes`: those --resume_changes
+        lets differ from the checkpoint's besides."""
+        self.args, self.dist, self.tokenizer_dir = args, info, tokenizer_dir
+        self.resumable, self.accepted_changes = resumable, accepted_changes
         self.prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.prefix}_resume.pt"
         self.metrics_path = f"{self.prefix}_metrics.jsonl"
@@ -188,7 +190,8 @@ class Checkpoints:
         if not os.path.exists(self.resume_path):
             print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
             return RunState()
-        checkpoint = load_checkpoint(self.resume_path, self.args, global_batch, model, self.accepted_changes)
+        checkpoint = load_checkpoint(self.resume_path, self.args, global_batch, model, self.resumable,
+                                     self.accepted_changes)
         if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
             load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), model, optimizer)
         else:

@@ -93,11 +93,11 @@ class SkipBatchSampler(Sampler[list[int]]):
 class DataStream:
     """The run's rows as optimizer steps: (epoch, window), a window being up to accumulation_steps collated
     micro-batches of this rank (an epoch's last, shorter window is a step of its own), from where the run stands
-    (`state`: epoch, samples consumed in it) to the end of its last epoch. The data position in `state` moves only
-    as windows are yielded, so a checkpoint written after step s resumes at step s + 1's first row."""
+    (its step, epoch and samples consumed in that epoch: the run's state, which the run alone moves, as windows are
+    yielded) to the end of its last epoch."""
 
-    def __init__(self, dataset, collate_fn, args, info, state):
-        self.dataset, self.collate_fn, self.info, self.state = dataset, collate_fn, info, state
+    def __init__(self, dataset, collate_fn, args, info):
+        self.dataset, self.collate_fn, self.info = dataset, collate_fn, info
         self.batch_size, self.accumulation_steps = args.batch_size, args.accumulation_steps
         self.epochs, self.seed, self.num_workers = args.epochs, args.seed, args.num_workers
         self.total_steps = 0  # set by the run once its length is known (--max_steps)
@@ -109,30 +109,29 @@ class DataStream:
     def steps_per_epoch(self) -> int:
         return math.ceil(self.micro_batches_per_epoch() / self.accumulation_steps)
 
-    def windows_ahead(self, count: int):
-        """Yield (epoch, window, coming): `coming` the (step, epoch, window) of the optimizer steps after this one,
-        up to `count` of them and none beyond the run's last (OPD's --max_staleness samples them ahead). Yields
-        nothing for a run already complete; ends early only when the loop breaks (--max_steps, a stop signal)."""
-        stream, step = self._stream(), self.state.step
+    def windows_ahead(self, count: int, step: int, epoch: int, samples_in_epoch: int):
+        """Yield (epoch, window, coming) from the position (`step` optimizer steps done, `samples_in_epoch` global
+        samples of `epoch` consumed): `coming` the (step, epoch, window) of the optimizer steps after this one, up
+        to `count` of them and none beyond the run's last (OPD's --max_staleness samples them ahead). Yields nothing
+        for a run already complete; ends early only when the loop breaks (--max_steps, a stop signal)."""
+        stream = self._stream(step, epoch, samples_in_epoch)
         coming = list(itertools.islice(stream, count))
         while True:
             coming.extend(itertools.islice(stream, 1))  # one more, while the stream has any
             if not coming:
                 return
             epoch, window = coming.pop(0)
-            if epoch != self.state.epoch:  # the previous epoch is done: this one starts from its first sample
-                self.state.epoch, self.state.samples_in_epoch = epoch, 0
             yield epoch, window, [(step + 1 + i, e, w) for i, (e, w) in enumerate(coming)
                                   if step + 1 + i < self.total_steps]
             step += 1
 
-    def _stream(self):
-        """(epoch, window) from the run's data position on, without moving it."""
-        first_epoch = self.epochs if self.state.step >= self.total_steps else self.state.epoch
+    def _stream(self, step: int, current_epoch: int, samples_in_epoch: int):
+        """(epoch, window) from the data position on."""
+        first_epoch = self.epochs if step >= self.total_steps else current_epoch
         for epoch in range(first_epoch, self.epochs):
             skip = 0
             if epoch == first_epoch:
-                skip = batches_to_skip(self.state.samples_in_epoch, self.info.world_size, self.batch_size)
+                skip = batches_to_skip(samples_in_epoch, self.info.world_size, self.batch_size)
             sampler = EpochSampler(len(self.dataset), self.seed, epoch, self.info.rank, self.info.world_size)
             loader = DataLoader(self.dataset, batch_sampler=SkipBatchSampler(sampler, self.batch_size, skip),
                                 collate_fn=self.collate_fn, num_workers=self.num_workers)

@@ -3,7 +3,7 @@ main to its last -- what happens on SIGTERM, SIGUSR1 and Ctrl-C before the loop'
 (`stop_signals_noted`), once it does (`StopRequest`: finish the step, save, stop), and which handlers the process
 has again afterwards. Imports nothing of the loops.
 
-    with stop_signals_noted():      # in each script's main, around everything it does
+    train_noting_stop_signals(train, args)   # each script's main: stop_signals_noted() around train(args)
         ...                         # start-up: a preemption notice is only noted
         run = Run(...)              # its StopRequest takes the noted signal over: the run trains its
         ...                         # current step, saves it and exits 75
@@ -15,6 +15,7 @@ rank can begin training.
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import json
@@ -49,6 +50,13 @@ def stop_signals_noted() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _noted["signal"] = 0
+
+
+def train_noting_stop_signals(train: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """A loop's `train(args)` with SIGTERM / SIGUSR1 noted from its first line on (the step is finished and saved);
+    at the end (done, refused or failed) the process's own handlers are back."""
+    with stop_signals_noted():
+        train(args)
 
 
 def take_noted_stop_signal() -> int:
@@ -133,7 +141,8 @@ class StopRequest:
     def __init__(self, step: Callable[[], int], last_checkpoint: Callable[[], str]):
         self.step, self.last_checkpoint, self.signal = step, last_checkpoint, 0
         self.previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
-        # a notice that arrived while the script was starting (trainer/guard.stop_signals_noted) counts from here
+        # a notice that arrived while the script was starting (trainer/skeleton/guard.py, stop_signals_noted) counts
+        # from here
         noted = take_noted_stop_signal()
         if noted:
             self.handle(noted, None)

@@ -1,6 +1,7 @@
 """Loading what a loop trains: the student (from an HF folder or a config and a seed, sharded with --fsdp 1), the
 tokenizer, and the rows -- every row rendered and checked before any model is built, so a bad row stops the run
-at start-up, not hours in. The frozen models a loss reads (a teacher, a reference) load in trainer/teachers/frozen.py."""
+at start-up, not hours in. The frozen models a loss reads (a teacher, a reference) load in
+trainer/teachers/frozen.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from common.errors import refuse
 from dataset.collators import PromptCollator, SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
@@ -39,6 +41,22 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
     if sharded:
         return sharded_random_model(config, seed, device, precision.compute)
     return create_model(config, seed=seed, device=device)
+
+
+def build_student(args: argparse.Namespace, device: str, tokenizer: QwenTokenizer) -> torch.nn.Module:
+    """The student: --model_path's weights, or --model_config's random init (`build_model`), with an embedding row
+    for every token of the tokenizer."""
+    student = build_model(args, device, path=args.model_path, config_path=args.model_config)
+    check_embedding(student, tokenizer, "student")
+    return student
+
+
+def check_embedding(model: torch.nn.Module, tokenizer: QwenTokenizer, role: str) -> None:
+    """Token-level losses read every token's row of the embedding and the lm_head: a model with fewer rows than the
+    tokenizer has tokens is refused at start-up."""
+    if model.config.vocab_size < len(tokenizer):
+        refuse(f"the {role}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
+               f"{len(tokenizer)} tokens")
 
 
 def sharding_ranks(args: argparse.Namespace) -> bool:

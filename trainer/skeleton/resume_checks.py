@@ -16,14 +16,6 @@ from trainer.skeleton.guard import RunLock
 
 CHECKPOINT_FORMAT = 1
 
-# Flags that may differ on resume: they change how the run is executed or logged, not what it computes. Any other
-# change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
-RESUMABLE_CHANGES = {"from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab",
-                     "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile",
-                     "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path",
-                     "eval_max_new_tokens", "save_dir", "start_over", "replicate_teacher", "dist_timeout",
-                     "resume_changes", "overlap", "accept_template_difference"}
-
 
 def resume_change_names(args: argparse.Namespace) -> set[str]:
     """The flag names --resume_changes lists (comma-separated, with or without the leading --)."""
@@ -31,8 +23,10 @@ def resume_change_names(args: argparse.Namespace) -> set[str]:
 
 
 def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, model: torch.nn.Module,
-                    accepted: set[str]) -> dict:
-    """Read a resume checkpoint and check it belongs to this run; a damaged or foreign one is a clear error."""
+                    resumable: set[str], accepted: set[str]) -> dict:
+    """Read a resume checkpoint and check it belongs to this run; a damaged or foreign one is a clear error.
+    `resumable`: the flags that may differ from the checkpoint's (the loop's config says which: those that change
+    how the run executes or logs, not what it computes); `accepted`: those --resume_changes lets differ besides."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # torch raises several types for a truncated or corrupt zip; all mean the same
@@ -49,7 +43,7 @@ def load_checkpoint(path: str, args: argparse.Namespace, global_batch: int, mode
     saved = {**checkpoint["args"], "dtype": trained_dtype(checkpoint)}
     current = {**vars(args), "dtype": resolve_precision(args.device, args.dtype).name}
     changed = {k: (saved.get(k), v) for k, v in current.items()
-               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
+               if k not in resumable and k in saved and saved[k] != v}
     refused = {k: change for k, change in changed.items() if k not in accepted}
     if refused:
         details = ", ".join(describe_change(k, old, new) for k, (old, new) in refused.items())

@@ -1,21 +1,21 @@
 """The run: one training run's mechanics, one call away from the algorithm. A script calls, in this order:
 
-    run = Run(args, dist_info, model, dataset, collate_fn, tokenizer_dir)   # lock, DDP, optimizer, resume, logs
+    run = Run(args, dist_info, model, dataset, collate_fn, tokenizer_dir, config.RESUMABLE)  # lock, DDP, resume, logs
+    run.evaluate_when_due(evaluator)             # the baseline, before the first step
     for epoch, window in run.windows():          # from where the run stands to the end of the last epoch
         for i, batch in enumerate(window):
             with run.micro_step(i, len(window)):  run.backward(loss_sum, num_tokens)
         metrics = run.optimizer_step()
-        run.log(metrics)
-        if run.save_due(): run.save()
-        ... evaluate when due ...
-        if run.done or run.stop_signal: break
+        if run.end_step(metrics, evaluator=evaluator):  # log; save and evaluate when due; True: done or stopped
+            break
     run.finish()                                 # after a stop signal: exits 75 / 130 with how to continue
 
-What the run does is in the files it calls: the data stream (trainer/skeleton/data_stream.py), the optimizer step and its
-exact normalisation (trainer/skeleton/optimizer_step.py), checkpoints (trainer/skeleton/checkpoint.py), the run lock and the stop
-signals (trainer/skeleton/guard.py), the logs (trainer/skeleton/run_log.py), the window's metrics (trainer/skeleton/window_metrics.py), the
-precision rule (model/precision.py). What it does not do: collation, generation, forward passes and losses -- those
-are the algorithm, and each script spells them out, together with what happens at the end of every step.
+What the run does is in the files it calls: the data stream (trainer/skeleton/data_stream.py), the optimizer step and
+its exact normalisation (trainer/skeleton/optimizer_step.py), checkpoints (trainer/skeleton/checkpoint.py), the run lock
+and the stop signals (trainer/skeleton/guard.py), the logs (trainer/skeleton/run_log.py), the window's metrics
+(trainer/skeleton/window_metrics.py), the precision rule (model/precision.py). What it does not do: collation,
+generation, forward passes and losses -- those are the algorithm, and each script spells them out; what follows each
+step (log, save, evaluate, stop) is one call of the run, `end_step`, that the script makes.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,15 +38,16 @@ from trainer.skeleton.data_stream import DataStream
 from trainer.skeleton.distributed import DistInfo, check_save_time, print0
 from trainer.skeleton.guard import RunLock, StopRequest
 from trainer.skeleton.optimizer_step import get_lr, loss_divisor, make_optimizer, window_step
-from trainer.skeleton.run_log import RunLog
 from trainer.skeleton.resume_checks import resume_change_names
+from trainer.skeleton.run_log import RunLog
 from trainer.skeleton.run_state import RunState
 from trainer.skeleton.window_metrics import WindowMetrics, all_reduce_sum
 
 
 class Run:
     def __init__(self, args: argparse.Namespace, info: DistInfo, model: torch.nn.Module, dataset, collate_fn,
-                 tokenizer_dir: str | None):
+                 tokenizer_dir: str | None, resumable: set[str]):
+        """`resumable`: the flags a resume may change without --resume_changes (the loop's config.RESUMABLE)."""
         self.args, self.dist, self.device, self.dataset = args, info, info.device, dataset
         # ranks must not draw the same random numbers (dropout, sampling); the data order does not depend on these
         # generators at all, it is a function of (seed, epoch) in the data stream
@@ -54,16 +56,17 @@ class Run:
         self.precision = resolve_precision(self.device, args.dtype, getattr(args, "teacher_dtype", None))
         self.raw_model, self.model = model, self.wrap(model)  # checkpointing, compile, DDP (FSDP: sharded already)
         self.optimizer, self.scaler = make_optimizer(model, args), self.precision.scaler()
-        self.checkpoints = Checkpoints(args, info, tokenizer_dir, resume_change_names(args))
+        self.checkpoints = Checkpoints(args, info, tokenizer_dir, resumable, resume_change_names(args))
         self.resume_path, self.out_prefix = self.checkpoints.resume_path, self.checkpoints.prefix
         self.state = RunState()
-        self.stream = DataStream(dataset, collate_fn, args, info, self.state)
+        self.stream = DataStream(dataset, collate_fn, args, info)
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
         self.lock = self.take_run_name()
-        self.state = self.stream.state = self.start_or_resume()
+        self.state = self.start_or_resume()  # the run's state: this run alone moves it
         self.logs = RunLog(args, info, self.state, self.checkpoints.metrics_path, self.total_steps,
                            self.effective_settings())
         self.metrics = WindowMetrics(self.device)  # the window's numbers: the loop's own and the run's
+        self.kept_rollouts = lambda: self.state.rollouts  # what a save keeps of the rollouts sampled ahead
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
         # wall time of the processes before this one (a resumed run's "done" line counts the whole run)
         self.started_at_step, self.elapsed_before = self.state.step, self.state.elapsed_s
@@ -140,13 +143,18 @@ class Run:
     # -- one optimizer step -----------------------------------------------------------------------------------------
 
     def windows(self):
-        """Yield (epoch, window) from where the run stands to the end of its last epoch (trainer/skeleton/data_stream.py)."""
-        for epoch, window, _ in self.stream.windows_ahead(0):
+        """Yield (epoch, window) from where the run stands to the end of its last epoch
+        (trainer/skeleton/data_stream.py)."""
+        for epoch, window, _ in self.windows_ahead(0):
             yield epoch, window
 
     def windows_ahead(self, count: int):
         """As `windows`, with the next `count` steps too: (epoch, window, coming) (DataStream.windows_ahead)."""
-        return self.stream.windows_ahead(count)
+        state = self.state
+        for epoch, window, coming in self.stream.windows_ahead(count, state.step, state.epoch, state.samples_in_epoch):
+            if epoch != state.epoch:  # the previous epoch is done: this one starts from its first sample
+                state.epoch, state.samples_in_epoch = epoch, 0
+            yield epoch, window, coming
 
     def micro_step(self, index: int, window_size: int):
         """Context for one micro-batch's forward *and* backward: DDP syncs gradients only on the window's last; FSDP
@@ -173,8 +181,8 @@ class Run:
         self.metrics.total("tokens", num_tokens)
 
     def optimizer_step(self) -> dict:
-        """Exact normalisation over the window and all ranks, clip, step (trainer/skeleton/optimizer_step.py). Returns the
-        window's metrics."""
+        """Exact normalisation over the window and all ranks, clip, step (trainer/skeleton/optimizer_step.py). Returns
+        the window's metrics."""
         args, state = self.args, self.state
         values, stop = self.metrics.reduce(self.dist, float(self.stop_request.signal))
         # a signal that reached only some ranks stops all of them after this same step
@@ -225,8 +233,33 @@ class Run:
 
     # -- after the step: log, save, evaluate, stop ----------------------------------------------------------------
 
+    def end_step(self, metrics: dict, show: tuple[str, ...] = (), evaluator=None,
+                 before_save: Callable[[], None] | None = None, can_fail: bool = False) -> bool:
+        """What follows every optimizer step, in this order: log the step's `metrics` (`show`: the loop's numbers on
+        the console line); save when due, `before_save` first (the rollouts sampled ahead finish, to be kept);
+        evaluate when due (`evaluate_when_due`). -> whether the run stops here: done, or a stop signal."""
+        self.log(metrics, show)
+        if self.save_due():
+            if before_save is not None:
+                before_save()
+            self.save()
+        self.evaluate_when_due(evaluator, can_fail)
+        return self.done or bool(self.stop_signal)
+
+    def evaluate_when_due(self, evaluator, can_fail: bool = False) -> None:
+        """The held-out evaluation (trainer/evaluation/heldout.py) when it is due: before training (the baseline the
+        later ones compare against), every --eval_interval steps and at the last step. `can_fail`: a teacher server
+        is asked, so the ranks fail together (`fail_together`)."""
+        if evaluator is None:
+            return
+        with self.fail_together(can_fail):
+            if evaluator.due(self.state.step, self.done):
+                self.log_eval(evaluator.evaluate(self.state.step, self.raw_model, self.autocast,
+                                                 self.teacher_autocast))
+
     def log(self, metrics: dict, show: tuple[str, ...] = ()) -> None:
-        """Rank 0: the step's metrics to metrics.jsonl, the tracker, the bar and the console (trainer/skeleton/run_log.py)."""
+        """Rank 0: the step's metrics to metrics.jsonl, the tracker, the bar and the console
+        (trainer/skeleton/run_log.py)."""
         self.logs.step(metrics, self.done, bool(self.stop_signal), show)
 
     def log_eval(self, metrics: dict) -> None:
@@ -237,16 +270,25 @@ class Run:
         """Every --save_interval steps, at the last step, and after a stop signal."""
         return self.state.step % self.args.save_interval == 0 or self.done or bool(self.stop_signal)
 
+    def keep_rollouts(self, kept: Callable[[], dict]) -> None:
+        """The rollouts sampled ahead for coming steps (`kept()`: a copy of them, trainer/rollouts/source.py) go into
+        every save from here on: a resumed run trains on them, from weights it no longer has."""
+        self.kept_rollouts = kept
+
     def save(self) -> None:
-        """Every rank: the export and the resume file of this step (trainer/skeleton/checkpoint.py: the resume file is the
-        commit point, written last)."""
+        """Every rank: the export and the resume file of this step (trainer/skeleton/checkpoint.py: the resume file
+        is the commit point, written last)."""
         self.state.elapsed_s = self.elapsed_before + self.logs.timer.elapsed()
+        self.state.rollouts = self.kept_rollouts()
         self.checkpoints.save(self.raw_model, self.optimizer, self.scaler, self.state, self.global_batch)
         self.saved_step = self.state.step
 
-    def finish(self) -> None:
-        """Close the logs and the lock. A run stopped by a signal before its end says how to continue and exits
-        (75 for SIGTERM / SIGUSR1, 130 for Ctrl-C) with its checkpoint written."""
+    def finish(self, *close: Callable[[], None]) -> None:
+        """`close` the loop's components (the rollouts, the teachers' connections), then the logs and the lock. A
+        run stopped by a signal before its end says how to continue and exits (75 for SIGTERM / SIGUSR1, 130 for
+        Ctrl-C) with its checkpoint written."""
+        for component in close:
+            component()
         self.close()
         if self.finished_before:
             print0(f"already finished: {self.resume_path} is at step {self.state.step} of {self.total_steps}, nothing "

@@ -1,6 +1,7 @@
 """What a run has done and keeps across a resume, besides the weights and the optimizer: where it stands in the data
 (epoch, step, samples), its tracker id, fp16's skipped steps, and the rollouts sampled ahead for coming steps.
-Checkpoints save it (trainer/skeleton/checkpoint.py); the run, the data stream and the rollout queue update it."""
+Checkpoints save it (trainer/skeleton/checkpoint.py); the run alone updates it (the data position as its stream
+yields windows; the rollouts sampled ahead, a copy of the rollout queue's, at every save)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -53,6 +53,14 @@ class WindowMetrics:
     def rank_mean(self, name: str, value) -> None:
         self._add("rank_mean", name, value)
 
+    def merge(self, other: WindowMetrics) -> None:
+        """Add what a component collected on its own (`other`, each name with its kind) to this window, and empty
+        `other` for the next one."""
+        for name, values in other.sums.items():
+            self._add(other.kinds[name], name, *values)
+        self.undefined_when_empty |= other.undefined_when_empty
+        other.kinds, other.sums, other.undefined_when_empty = {}, {}, set()
+
     def reduce(self, info: DistInfo, extra: float = 0.0) -> tuple[dict[str, float], float]:
         """-> (name -> value, the all-ranks sum of `extra`), and start the next window empty. `extra` rides along
         in the same all-reduce (the stop flag: one collective per step, not two)."""

@@ -2,8 +2,8 @@
 the start-up probe: dataset/continuations.py), and the questions of an audit -- everything the loop says to a text
 endpoint, so that trainer/train_logit_free.py reads as the method.
 
-    add_teacher_args(parser); validate_teacher_args(args)          # --teacher_url, _form, _options, ...
-    teachers = connect_teachers(args, rank, routes)                # each checked at once: up, and it continues
+    add_black_box_teacher_args(parser); validate_black_box_teacher_args(args)   # --teacher_url, _form, ...
+    teachers = connect_teachers(args, rank, dataset)   # rows routed, each teacher checked at once: up, continuing
     chunks, requests, texts = audit_requests(args, tokenizer, batch, labels, chunks, epoch, step)
     answers, usages = teachers.continue_batch(requests, rows)      # each request to its row's teacher
 
@@ -27,12 +27,12 @@ from dataset.collators import split_conversation
 from dataset.continuations import (FORMS, RESERVED, ContinuationBatch, ContinuationCache, ContinuationClient,
                                    ContinuationRequest, ContinuationUsage, ends_inside_thinking)
 from dataset.teacher import SamplingParams
-from trainer.skeleton.distributed import print0
 from trainer.rollouts.servers import requests_wait_seconds
-from trainer.teachers.teacher_set import BLACK_BOX_KEYS, SINGLE, Routing, TeacherSpec, read_teachers_file
+from trainer.skeleton.distributed import print0
+from trainer.teachers.specs import BLACK_BOX_KEYS, SINGLE, Routing, TeacherSpec, read_teachers_file, routing
 
 
-def add_teacher_args(parser: argparse.ArgumentParser) -> None:
+def add_black_box_teacher_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("the black-box teacher (an OpenAI-compatible text endpoint)")
     g.add_argument("--teacher_url", default=None, help="its base URL, e.g. http://127.0.0.1:8001/v1 (required)")
     g.add_argument("--teacher_model", default="teacher", help="the model name the endpoint serves")
@@ -69,11 +69,11 @@ def add_teacher_args(parser: argparse.ArgumentParser) -> None:
                         "reverse KL to it")
 
 
-def validate_teacher_args(args: argparse.Namespace) -> None:
+def validate_black_box_teacher_args(args: argparse.Namespace) -> None:
     """The teacher flags' rules; with --teachers, each teacher's (its entry over the flags: `teacher_flags`)."""
     if args.teachers:
         for spec in black_box_specs(args):
-            validate_teacher_args(teacher_flags(args, spec))
+            validate_black_box_teacher_args(teacher_flags(args, spec))
         return
     a = args
     refuse_first([
@@ -100,7 +100,10 @@ def validate_teacher_args(args: argparse.Namespace) -> None:
 
 
 def black_box_specs(args: argparse.Namespace) -> list[TeacherSpec]:
-    """The --teachers file's endpoints (every one a "url"; a "form" among FORMS)."""
+    """The --teachers file's endpoints (every one a "url"; a "form" among FORMS), or --teacher_url's, named
+    "teacher"."""
+    if not args.teachers:
+        return [TeacherSpec(SINGLE, url=args.teacher_url)]
     specs = read_teachers_file(args.teachers, BLACK_BOX_KEYS)
     for spec in specs:
         refuse_first([
@@ -210,8 +213,11 @@ class BlackBoxTeachers:
             client.close()
 
 
-def connect_teachers(args: argparse.Namespace, rank: int, routes: Routing) -> BlackBoxTeachers:
-    """--teacher_url's teacher, or each of --teachers (`connect_teacher`)."""
+def connect_teachers(args: argparse.Namespace, rank: int, dataset) -> BlackBoxTeachers:
+    """--teacher_url's teacher, or each of --teachers (`connect_teacher`), once every row of `dataset` is found to
+    name one of them (or to get the default)."""
+    routes = routing(args, black_box_specs(args))
+    routes.check(dataset)
     if not args.teachers:
         return BlackBoxTeachers({SINGLE: connect_teacher(args, rank)}, routes)
     return BlackBoxTeachers({spec.name: connect_teacher(teacher_flags(args, spec), rank, spec.name)

@@ -12,14 +12,13 @@ import torch
 from common.errors import refuse
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
 from model.precision import resolve_precision
-from trainer.skeleton.distributed import print0
-from trainer.skeleton.loading import sharding_ranks
 from trainer.losses.chunked import completion_hidden
+from trainer.skeleton.distributed import print0
+from trainer.skeleton.loading import check_embedding, sharding_ranks
 from trainer.skeleton.sharding import shard
 
 
-def load_frozen(args: argparse.Namespace, path: str, tokenizer, student: torch.nn.Module, device: str,
-                role: str = "teacher") -> torch.nn.Module:
+def load_frozen(args: argparse.Namespace, path: str, tokenizer, device: str, role: str = "teacher") -> torch.nn.Module:
     """The frozen model at `path` (`role` names it in messages), in evaluation mode without gradients.
 
     Token-level losses compare distributions position by position, so student and frozen model must mean the same
@@ -27,10 +26,7 @@ def load_frozen(args: argparse.Namespace, path: str, tokenizer, student: torch.n
     """
     same_vocabulary(path, tokenizer, role)
     frozen = read_frozen(args, path, device, role)
-    for name, model in (("student", student), (role, frozen)):
-        if model.config.vocab_size < len(tokenizer):
-            refuse(f"the {name}'s embedding has {model.config.vocab_size} rows, fewer than the tokenizer's "
-                   f"{len(tokenizer)} tokens")
+    check_embedding(frozen, tokenizer, role)
     frozen.eval().requires_grad_(False)
     return frozen
 
@@ -67,13 +63,13 @@ def frozen_hidden(model: torch.nn.Module, autocast, input_ids: torch.Tensor, att
         return completion_hidden(model, input_ids, attention_mask, labels)[0]
 
 
-def load_reference(args: argparse.Namespace, tokenizer, student: torch.nn.Module, device: str) -> torch.nn.Module:
+def load_reference(args: argparse.Namespace, tokenizer, device: str) -> torch.nn.Module:
     """The frozen starting model a KL anchor holds the student to: --reference_path, else the student's own
     starting point -- its --model_path, or with --model_config the same random init (the config and --seed), built
     again and frozen."""
     path = args.reference_path or args.model_path
     if path:
-        return load_frozen(args, path, tokenizer, student, device, role="reference")
+        return load_frozen(args, path, tokenizer, device, role="reference")
     print0(f"the reference: the student's random init again ({os.path.relpath(args.model_config)}, seed {args.seed})")
     precision = resolve_precision(device, args.dtype, args.teacher_dtype)
     reference = create_model(Qwen3Config.from_json(args.model_config), seed=args.seed, device=device)

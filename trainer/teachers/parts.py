@@ -4,13 +4,17 @@ micro-batch, selected without a copy: the numbers of a single-teacher run are th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dataset.collators import IGNORE_INDEX
-from trainer.teachers.frozen import frozen_hidden
+from trainer.losses.divergences import Divergence
 from trainer.skeleton.sharding import is_sharded
-from trainer.teachers.teacher_set import Teacher, Teachers
+from trainer.teachers.frozen import frozen_hidden
+
+if TYPE_CHECKING:  # the teacher set builds its parts: a type only here
+    from trainer.teachers.teacher_set import Teacher, Teachers
 
 
 def teacher_scores(divergence: Divergence, teacher: torch.nn.Module | None, teacher_server, autocast,
@@ -37,6 +41,7 @@ class Part:
     rows: torch.Tensor
     positions: torch.Tensor | None
     whole: bool
+    scores: object = None  # what the teacher gave for these rows (`teacher_scores`; None: no rows here)
 
     @property
     def empty(self) -> bool:

@@ -1,62 +1,52 @@
-"""Several teachers in one run (docs/teachers.md): a --teachers file of named teachers, each a local folder or a
-served endpoint; a data column that routes every row to one of them; and, for every teacher of every run (one
-teacher too), a start-up check that its own chat template renders the rows' prompts into the student's token ids.
+"""The run's teachers behind one object (docs/teachers.md). The loop opens them at start-up in one call, and asks
+them, per micro-batch, for the scores of its sequences -- each row scored by its own teacher -- and for the loss of
+the student's hidden states against those scores:
+
+    teachers = open_teachers(args, specs, tokenizer, dataset, device, training=..., evaluation=...)
+    scores = teachers.score(batch, input_ids, attention_mask, labels, run.teacher_autocast)   # no gradients
+    loss_sum, num_tokens = teachers.loss(scores, student_hidden, head, targets, chunk_size, vocab, run.metrics)
+    teachers.reshard()                 # after the backward: a sharded teacher's gathered head is freed
+
+What a teacher gives (trainer/teachers/parts.py's `teacher_scores`): a local teacher's hidden states at the
+completion positions (its full distribution, or its top-K cut from its logits), a served teacher's log-probabilities
+of the sampled tokens or of its top-K with the tail's mass. Routing per row, sharding (trainer/teachers/frozen.py),
+serving (trainer/rollouts/servers.py) and the chat-template check (trainer/teachers/template_check.py) live
+behind it; held-out evaluation reads the same teachers (`for_evaluation`).
 
 A run with one teacher (--teacher_path / --teacher_url) is a set of one, named "teacher": the loops have one way of
-scoring, and a single teacher's numbers are those of the loops before there were several.
-
-    --teachers teachers.json      {"math": {"path": "/models/Qwen3-32B-math"},
-                                   "code": {"url": "http://127.0.0.1:8001/v1", "model": "coder", "topk": 16,
-                                            "api_key_env": "CODER_KEY"}}
-    --teacher_column teacher      the data column naming a row's teacher (a row without it: --default_teacher)
+scoring, and a single teacher's numbers are those of the loops before there were several. A run with none (RL
+without --opd_coef) is an empty set: it scores nothing.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from common.errors import UserError, refuse, refuse_first
 from serving.engine import CompletionServer
-from trainer.skeleton.distributed import print0
-from trainer.teachers.frozen import load_frozen, same_vocabulary
+from trainer.losses.divergences import Divergence, DivergenceSums, divergence_sums
+from trainer.losses.policy_gradient import token_logprobs
 from trainer.rollouts.servers import open_server
-from trainer.losses.divergences import Divergence
+from trainer.skeleton.distributed import print0
 from trainer.skeleton.sharding import reshard_root
+from trainer.teachers.frozen import load_frozen, same_vocabulary
+from trainer.teachers.parts import Part, add_part_metrics, part_scores, split_by_teacher
+from trainer.teachers.specs import SINGLE, Routing, TeacherSpec, accepted_differences, routing
 from trainer.teachers.template_check import check_template
-
-SINGLE = "teacher"  # the name of the one teacher of --teacher_path / --teacher_url
-SPEC_KEYS = {"path", "url", "model", "api_key_env", "topk"}
-# a black-box teacher of the logit-free loop: an endpoint and how to ask it (trainer/teachers/black_box.py's flags)
-BLACK_BOX_KEYS = {"url", "model", "api_key_env", "form", "tokenizer_path", "options"}
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    """One teacher as the file (or the single-teacher flags) gives it: a local `path`, or a served `url` with its
-    --served-model-name `model`, the environment variable of its API key, and `topk` (its top-K per position); a
-    black-box teacher (logit-free OPD) its request `form`, `tokenizer_path` and `options` (None: the loop's flags)."""
-    name: str
-    path: str | None = None
-    url: str | None = None
-    model: str = "teacher"
-    api_key_env: str | None = None
-    topk: int = 0
-    form: str | None = None
-    tokenizer_path: str | None = None
-    options: dict | None = None
 
 
 @dataclass
 class Teacher:
-    """A loaded teacher: a frozen local model or a connected server, never both."""
+    """A loaded teacher: a frozen local model or a connected server, never both; `divergence` what the loop's loss
+    computes against it (trainer/losses/divergences.py), `evaluation` what held-out evaluation reports."""
     name: str
     model: torch.nn.Module | None
     server: CompletionServer | None
     topk: int
+    divergence: Divergence | None = None
+    evaluation: Divergence | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
@@ -73,168 +63,6 @@ class EvalTeacher:
     server: object | None = None
 
 
-def add_teachers_args(parser: argparse.ArgumentParser, black_box: bool = False) -> None:
-    """--teachers and the routing flags; `black_box`: the logit-free loop's endpoints (no template check: a
-    black-box teacher of any family reads text)."""
-    g = parser.add_argument_group("several teachers (docs/teachers.md)")
-    g.add_argument("--teachers", default=None,
-                   help="JSON file of name -> {\"url\": ..., \"model\": ..., \"api_key_env\": VAR, \"form\", "
-                        "\"tokenizer_path\", \"options\"}: each row's chunks are continued by the teacher its "
-                        "--teacher_column names (instead of --teacher_url)" if black_box else
-                        "JSON file of name -> {\"path\": HF folder} or {\"url\": ..., \"model\": ..., \"topk\": K, "
-                        "\"api_key_env\": VAR}: each row is distilled from the teacher its --teacher_column names "
-                        "(instead of --teacher_path / --teacher_url)")
-    g.add_argument("--teacher_column", default="teacher", help="the data column that names a row's teacher")
-    g.add_argument("--default_teacher", default=None,
-                   help="the teacher of rows without --teacher_column (default: such a row is refused)")
-    if black_box:
-        return
-    g.add_argument("--accept_template_difference", default="",
-                   help="comma-separated teacher names (\"teacher\" for --teacher_path / --teacher_url) whose chat "
-                        "template may render the prompts differently from the student's (checked at start-up)")
-
-
-def read_teachers_file(path: str, keys: set[str] = SPEC_KEYS) -> list[TeacherSpec]:
-    """The --teachers file -> its specs, in the file's order; anything wrong is one line naming the file and the
-    teacher. `keys`: what an entry may hold (BLACK_BOX_KEYS for the logit-free loop)."""
-    where = f"--teachers {path}"
-    if not os.path.isfile(path):
-        refuse(f"{where} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            entries = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        refuse(f"{where} is not JSON ({e}): write an object of name -> {{\"path\": ...}} or {{\"url\": ...}}")
-    if not isinstance(entries, dict) or not entries:
-        refuse(f"{where} must be a non-empty JSON object of name -> {{\"path\": ...}} or {{\"url\": ...}}")
-    specs = []
-    for name, entry in entries.items():
-        if not isinstance(entry, dict):
-            refuse(f"{where}: teacher {name!r} must be an object with \"path\" or \"url\", got {entry!r}")
-        unknown = sorted(set(entry) - keys)
-        topk = entry.get("topk", 0)
-        refuse_first([
-            (not name or "/" in name, f"{where}: a teacher's name must be non-empty and without '/', got {name!r}"),
-            (bool(unknown), f"{where}: teacher {name!r} has unknown keys {unknown} (known: {sorted(keys)})"),
-            (("path" in entry) == ("url" in entry), f"{where}: teacher {name!r} needs exactly one of \"path\" (a "
-                                                    f"local HF folder) and \"url\" (a served endpoint)"),
-            ("options" in entry and not isinstance(entry["options"], dict),
-             f"{where}: teacher {name!r}'s \"options\" must be a JSON object, got {entry.get('options')!r}"),
-            (not isinstance(topk, int) or isinstance(topk, bool) or topk < 0,
-             f"{where}: teacher {name!r}'s \"topk\" must be an integer >= 0, got {topk!r}"),
-        ])
-        spec = TeacherSpec(name, entry.get("path"), entry.get("url"), entry.get("model", "teacher"),
-                           entry.get("api_key_env"), topk, entry.get("form"), entry.get("tokenizer_path"),
-                           entry.get("options"))
-        if spec.path and not os.path.isfile(os.path.join(spec.path, "config.json")):
-            refuse(f"{where}: teacher {name!r}: no model at {spec.path} (no config.json)")
-        specs.append(spec)
-    return specs
-
-
-def teacher_specs(args: argparse.Namespace) -> list[TeacherSpec]:
-    """The run's teachers: the --teachers file's, or the one of --teacher_path / --teacher_url, named "teacher"
-    (its top-K: --teacher_topk where the loop has it)."""
-    if args.teachers:
-        return read_teachers_file(args.teachers)
-    topk = getattr(args, "teacher_topk", 0)
-    if getattr(args, "teacher_url", None):
-        return [TeacherSpec(SINGLE, url=args.teacher_url, model=args.teacher_model,
-                            api_key_env=args.teacher_api_key_env, topk=topk)]
-    return [TeacherSpec(SINGLE, path=args.teacher_path, topk=topk)]
-
-
-def validate_teachers_args(args: argparse.Namespace, specs: list[TeacherSpec], served: bool = True) -> None:
-    """The rules of several teachers: not with the single-teacher flags, a --default_teacher the file names, names in
-    --accept_template_difference that exist; `served`: whether this loop can read a served teacher (KD cannot)."""
-    names = [spec.name for spec in specs]
-    accepted = sorted(accepted_differences(args) - set(names))
-    refuse_first([
-        (bool(args.teachers and (getattr(args, "teacher_path", None) or getattr(args, "teacher_url", None))),
-         "--teachers names every teacher: drop --teacher_path / --teacher_url"),
-        (args.default_teacher is not None and args.default_teacher not in names,
-         f"--default_teacher {args.default_teacher!r} is not a teacher of --teachers {args.teachers} "
-         f"({', '.join(names)})"),
-        (bool(accepted), f"--accept_template_difference names no teacher of this run: {', '.join(accepted)} "
-                         f"(the teachers: {', '.join(names)})"),
-        (not served and any(spec.url for spec in specs),
-         "this loop reads a teacher's logits over the whole vocabulary: every teacher of --teachers needs a "
-         "local \"path\""),
-    ])
-
-
-def accepted_differences(args: argparse.Namespace) -> set[str]:
-    return {name.strip() for name in getattr(args, "accept_template_difference", "").split(",") if name.strip()}
-
-
-def served_teacher_rules(specs: list[TeacherSpec], loss: str, temperature: float) -> list[tuple[bool, str]]:
-    """What a served teacher of --teachers gives (log-probabilities at temperature 1 of the sampled tokens, or of
-    its top-K) against what OPD's --loss needs (the rules of --teacher_url, trainer/rollouts/servers.py, per teacher)."""
-    rules = []
-    for spec in specs:
-        if spec.url:
-            rules += [
-                (loss != "sampled_kl" and not spec.topk,
-                 f"teacher {spec.name!r} is served: it gives the log-probabilities of the sampled tokens and of its "
-                 f"top-K only, not the whole distribution --loss jsd needs: give it \"topk\": K in --teachers "
-                 f"(docs/serving.md), or use --loss sampled_kl"),
-                (temperature != 1.0, f"teacher {spec.name!r} is served: a server's log-probabilities are at "
-                                     f"temperature 1, not --temperature {temperature:g}: use --temperature 1"),
-            ]
-    return rules
-
-
-class Routing:
-    """Which teacher each row is distilled from: its --teacher_column, else --default_teacher; with one teacher,
-    that one for every row."""
-
-    def __init__(self, names: list[str], column: str, default: str | None):
-        self.names, self.column = names, column
-        self.index = {name: i for i, name in enumerate(names)}
-        self.default = names[0] if len(names) == 1 else default
-
-    def teacher_of(self, row: dict) -> str | None:
-        """The name of a row's teacher (None: the row names none and there is no default)."""
-        if len(self.names) == 1:
-            return self.default
-        name = row.get(self.column)
-        return self.default if name is None else name
-
-    def route(self, rows: list[dict]) -> torch.Tensor:
-        """rows -> (B,) the index of each row's teacher (the rows were checked at start-up: each has one)."""
-        return torch.tensor([self.index[self.teacher_of(row)] for row in rows], dtype=torch.long)
-
-    def check(self, dataset) -> None:
-        """Every row of `dataset` names a teacher of the run (or gets the default): the first that does not is
-        refused at start-up, naming the file, the row and the value (one teacher or none: nothing to route)."""
-        if len(self.names) <= 1:
-            return
-        path = getattr(dataset, "path", "the data")
-        for i in range(len(dataset)):
-            name = self.teacher_of(dataset[i])
-            if name is None:
-                raise UserError(f"{path}: row {i} has no {self.column!r} column and there is no --default_teacher: "
-                                f"name its teacher ({', '.join(self.names)}) or pass --default_teacher NAME")
-            if name not in self.index:
-                raise UserError(f"{path}: row {i} names teacher {name!r} in column {self.column!r}, which --teachers "
-                                f"does not give ({', '.join(self.names)})")
-
-
-def routing(args: argparse.Namespace, specs: list[TeacherSpec]) -> Routing:
-    return Routing([spec.name for spec in specs], args.teacher_column, args.default_teacher)
-
-
-class RoutedCollator:
-    """A collator whose batches also carry `teacher_index` (B,): each row's teacher (for collators that do not pass
-    the rows on, as SFTCollator)."""
-
-    def __init__(self, collator, routes: Routing):
-        self.collator, self.routes = collator, routes
-
-    def __call__(self, rows: list[dict]) -> dict:
-        return {**self.collator(rows), "teacher_index": self.routes.route(rows)}
-
-
 class Teachers:
     """The run's loaded teachers, in the file's order, and the routing of rows to them."""
 
@@ -247,14 +75,70 @@ class Teachers:
 
     @property
     def served(self) -> bool:
+        """Whether a server is asked (its failure is one the ranks must fail together on: Run.fail_together)."""
         return any(teacher.server is not None for teacher in self.members)
 
     @property
     def local(self) -> list[torch.nn.Module]:
         return [teacher.model for teacher in self.members if teacher.model is not None]
 
+    def route(self, batch: dict) -> torch.Tensor:
+        """(B,) the index of each row's teacher: the collator's `teacher_index` (RoutedCollator), else from the
+        rows."""
+        return batch["teacher_index"] if "teacher_index" in batch else self.routes.route(batch["rows"])
+
+    def score(self, batch: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+              autocast) -> list[Part]:
+        """What each teacher gives for its own rows of the micro-batch, without gradients: the micro-batch split by
+        teacher (every teacher in order, one with no rows too), each part's `scores` set. `autocast`: a local
+        teacher's forward context (Run.teacher_autocast)."""
+        if not self.members:
+            return []
+        parts = split_by_teacher(self, self.route(batch), labels)
+        for part in parts:
+            part.scores = part_scores(part, part.teacher.divergence, autocast, input_ids, attention_mask, labels)
+        return parts
+
+    def loss(self, parts: list[Part], student_hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
+             chunk_size: int, vocab_size: int, metrics) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's hidden states at the completion positions and their labels (completion_hidden) against
+        each teacher's scores: per teacher the summed per-token loss of its rows (its `divergence`), summed over
+        the teachers -> (loss sum, tokens). Each divergence's per-token numbers (CE and KD; the top-K tail mass; the
+        sampled-token KL estimate) and, with several teachers, each one's loss join the window's `metrics`, on
+        every micro-batch (zeros where a teacher has no rows: the ranks add the same names)."""
+        loss_sum = num_tokens = 0
+        for part in parts:
+            divergence = part.teacher.divergence
+            if part.empty:
+                sums = DivergenceSums(0, 0, 0, dict.fromkeys(divergence.extra_names(), 0))
+            else:
+                sums = divergence_sums(divergence, part.select(student_hidden), head, part.select(targets),
+                                       part.scores, part.teacher.lm_head_weight, chunk_size, vocab_size)
+            for name, value in sums.extras.items():
+                metrics.token_mean(name, value)
+            add_part_metrics(metrics, self, part, sums.value, sums.tokens)  # sampled_kl: its estimate
+            loss_sum, num_tokens = loss_sum + sums.loss, num_tokens + sums.tokens
+        return loss_sum, num_tokens
+
+    def token_logprobs(self, parts: list[Part], targets: torch.Tensor, out: torch.Tensor, temperature: float,
+                       chunk_size: int, vocab_size: int, autocast, metrics) -> None:
+        """Each completion token's log-probability under its row's teacher at `temperature`, written into `out`
+        (N,) (a served teacher's are at temperature 1: the config refuses another); each teacher's rows and tokens
+        join the window's `metrics` (several teachers). For the RL loop's OPD term, scored with
+        Divergence("sampled_kl")."""
+        for part in parts:
+            scores = part.scores
+            if scores is not None and part.teacher.model is not None:
+                with autocast():
+                    scores = token_logprobs(scores, part.teacher.lm_head_weight, part.select(targets), chunk_size,
+                                            vocab_size, temperature)
+            if scores is not None:
+                out[part.index] = scores.to(out.dtype)
+            add_part_metrics(metrics, self, part, None, 0 if scores is None else scores.numel())
+
     def reshard(self) -> None:
-        """Each sharded teacher's gathered head freed, after the backward that read it (trainer/skeleton/sharding.py)."""
+        """Each sharded teacher's gathered head freed, after the backward that read it
+        (trainer/skeleton/sharding.py)."""
         for model in self.local:
             reshard_root(model)
 
@@ -263,10 +147,10 @@ class Teachers:
             if teacher.server is not None:
                 teacher.server.close()
 
-    def for_evaluation(self, divergence_of) -> dict:
-        """HeldoutEvaluator's `teachers` and `teacher_of`: each teacher with the divergence `divergence_of(teacher)`
-        it reports; with several, a held-out row's teacher from its column (a row without one: no divergence)."""
-        return {"teachers": [EvalTeacher(t.name, divergence_of(t), t.model, t.server) for t in self.members],
+    def for_evaluation(self) -> dict:
+        """HeldoutEvaluator's `teachers` and `teacher_of`: each teacher with the divergence it reports (its
+        `evaluation`); with several, a held-out row's teacher from its column (a row without one: no divergence)."""
+        return {"teachers": [EvalTeacher(t.name, t.evaluation, t.model, t.server) for t in self.members],
                 "teacher_of": self.routes.teacher_of if self.several else None}
 
     def shown(self) -> tuple[str, ...]:
@@ -274,28 +158,31 @@ class Teachers:
         return tuple(f"teacher/{t.name}/loss" for t in self.members) if self.several else ()
 
 
-def check_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer, dataset) -> dict:
-    """Before any model loads: the served teachers connected (one that is down is refused now), each local one's
-    vocabulary compared with the student's, and every teacher's chat template checked against the student's on the
-    first rows' prompts (`check_template`). -> name -> the connected server of each served teacher."""
+def open_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer, dataset, device: str,
+                  training: Callable[[Teacher], Divergence], evaluation: Callable[[Teacher], Divergence]) -> Teachers:
+    """The run's teachers, before the student is built: every row of `dataset` routed to one of them (the first that
+    is not is refused), the served ones connected (one that is down is refused now), each local one's vocabulary
+    compared with the student's tokenizer and every teacher's chat template checked against the student's on the
+    first rows' prompts (`check_template`); then each local one loaded (trainer/teachers/frozen.py: frozen dtype,
+    sharded with --fsdp 1), and several said on the console. `training(teacher)` and `evaluation(teacher)`: the
+    divergence the loop's loss computes against it and the one held-out evaluation reports."""
+    routes = routing(args, specs)
+    routes.check(dataset)
     servers = {spec.name: connect_served_teacher(args, spec, tokenizer) for spec in specs if spec.url}
     for spec in specs:
         own = None if spec.url else same_vocabulary(spec.path, tokenizer, role_of(spec))
         if spec.name not in accepted_differences(args):
             check_template(args, spec.name, role_of(spec), spec.path or spec.url, servers.get(spec.name), own,
                            tokenizer, dataset)
-    return servers
-
-
-def load_teachers(args: argparse.Namespace, specs: list[TeacherSpec], servers: dict, tokenizer,
-                  student: torch.nn.Module, device: str) -> Teachers:
-    """The run's teachers: the `servers` of `check_teachers`, and each local one loaded (trainer/teachers/frozen.py: frozen
-    dtype, sharded with --fsdp 1)."""
     members = []
     for spec in specs:
-        model = None if spec.url else load_frozen(args, spec.path, tokenizer, student, device, role_of(spec))
-        members.append(Teacher(spec.name, model, servers.get(spec.name), spec.topk))
-    return Teachers(members, routing(args, specs))
+        model = None if spec.url else load_frozen(args, spec.path, tokenizer, device, role_of(spec))
+        teacher = Teacher(spec.name, model, servers.get(spec.name), spec.topk)
+        teacher.divergence, teacher.evaluation = training(teacher), evaluation(teacher)
+        members.append(teacher)
+    teachers = Teachers(members, routes)
+    say_teachers(teachers)
+    return teachers
 
 
 def role_of(spec: TeacherSpec) -> str:

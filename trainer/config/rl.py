@@ -1,0 +1,100 @@
+"""train_rl.py's options: the shared groups, the RL method's (group size, advantage, reward, clip, KL, the OPD
+term and its teachers), the student's sampling and the rollout server; the rules between them; what a resume may
+change."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from common.errors import ArgumentParser, refuse, refuse_first
+from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, default_student,
+                                  validate_common_args)
+from trainer.losses.policy_gradient import ADVANTAGES
+from trainer.rl.rewards import REWARDS
+from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
+from trainer.rollouts.source import add_sampling_args, validate_sampling_args
+from trainer.teachers.specs import add_teachers_args, read_teachers_file, teacher_specs, validate_teachers_args
+
+RESUMABLE = SHARED_RESUMABLE | TEACHER_RESUMABLE | SERVER_RESUMABLE
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description="RL with verifiable rewards (GRPO family) for a Qwen3 student")
+    add_common_args(parser, save_weight="rl")
+    add_rl_args(parser)
+    add_teachers_args(parser)
+    add_sampling_args(parser)
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    default_student(args, "sft", "python trainer/train_sft.py")  # the demo's only model whose answers end
+    validate_common_args(args)
+    validate_sampling_args(args)
+    validate_rl_args(args)
+    validate_server_args(args, samples=True, teacher=False)
+    specs = teacher_specs(args) if args.opd_coef else []
+    validate_teachers_args(args, specs)
+    check_server_wait(args, next((spec.url for spec in specs if spec.url), None))
+    return args
+
+
+def add_rl_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("RL with verifiable rewards (trainer/losses/policy_gradient.py)")
+    g.add_argument("--num_generations", type=int, default=8, help="G: completions sampled per prompt (a group)")
+    g.add_argument("--advantage", default="grpo", choices=ADVANTAGES,
+                   help="grpo: (r - mean) / (std + 1e-4) within the group, the loss per token over the window; "
+                        "drgrpo: r - mean, the loss divided by rows x --max_new_tokens (Dr. GRPO)")
+    g.add_argument("--reward", default="math", choices=REWARDS,
+                   help="math: 1 when math-verify finds the answer equal to the row's ground truth; none: 0 (the "
+                        "OPD term alone)")
+    g.add_argument("--format_reward", type=float, default=0.0,
+                   help="added to the reward of a completion with a final \\boxed{} answer, right or wrong")
+    g.add_argument("--clip_eps", type=float, default=0.2, help="PPO's clip: rho within [1 - eps_low, 1 + eps_high]")
+    g.add_argument("--clip_eps_high", type=float, default=None,
+                   help="the upper clip when it differs (DAPO: 0.28); default --clip_eps")
+    g.add_argument("--kl_coef", type=float, default=0.0,
+                   help="weight of the k3 estimate of KL(student || reference) per token (0: no reference loaded)")
+    g.add_argument("--reference_path", default=None,
+                   help="the KL's frozen model (default: the student's starting model)")
+    g.add_argument("--opd_coef", type=float, default=0.0,
+                   help="lambda: A_t = A_group - lambda (log p_S(y_t) - log p_T(y_t)), a teacher's dense signal "
+                        "(--teacher_path, --teacher_url, or several: --teachers)")
+    g.add_argument("--teacher_path", default=None, help="a local teacher for --opd_coef (same tokenizer)")
+    g.add_argument("--teacher_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the frozen models' weights (reference, teacher); auto as the KD teacher's")
+    g.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
+                   help="with --fsdp 1: 1 keeps whole frozen models on every rank instead of sharding them")
+
+
+def validate_rl_args(args: argparse.Namespace) -> None:
+    a = args
+    a.clip_eps_high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
+    teacher = a.teacher_path or a.teacher_url or a.teachers
+    served = a.teacher_url or a.teachers and any(spec.url for spec in read_teachers_file(a.teachers))
+    refuse_first([
+        (a.num_generations < 1, f"--num_generations must be >= 1, got {a.num_generations}"),
+        (a.num_generations == 1 and not a.opd_coef,
+         "--num_generations 1: a group of one has no relative reward (its advantage is 0): sample 2 or more, or "
+         "train on --opd_coef alone"),
+        (not 0 < a.clip_eps < 1 or a.clip_eps_high <= 0,
+         f"--clip_eps must be in (0, 1) and --clip_eps_high > 0, got {a.clip_eps} and {a.clip_eps_high}"),
+        (a.kl_coef < 0 or a.opd_coef < 0 or a.format_reward < 0,
+         "--kl_coef, --opd_coef and --format_reward must be >= 0"),
+        (a.opd_coef and not teacher, "--opd_coef needs a teacher: --teacher_path DIR, --teacher_url URL or "
+                                     "--teachers FILE"),
+        (a.teacher_path and a.teacher_url, "give one teacher: --teacher_path or --teacher_url"),
+        (teacher and not a.opd_coef, "a teacher is read only by the OPD term: add --opd_coef (e.g. 1)"),
+        (a.reward == "none" and not a.opd_coef, "--reward none with no --opd_coef: nothing to learn from"),
+        (served and a.gen_temperature != 1.0,
+         f"a served teacher: a server's log-probabilities are at temperature 1, the student's at --gen_temperature "
+         f"{a.gen_temperature}: sample at 1 or use a local --teacher_path"),
+        # the ratio rho needs the probability the sampling engine gave each token; the loop has it only when the
+        # weights that sampled are the ones being trained (rho = 1)
+        (a.max_staleness or a.sync_interval > 1,
+         f"--max_staleness {a.max_staleness} / --sync_interval {a.sync_interval}: rollouts from older weights need "
+         f"the sampling engine's log-probabilities for the importance ratio, which this loop does not take; use "
+         f"--max_staleness 0 --sync_interval 1 (strictly on-policy)"),
+    ])
+    for flag in ("teacher_path", "reference_path"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            refuse(f"--{flag} {path}: no model there (config.json)")
