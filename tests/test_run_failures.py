@@ -173,11 +173,11 @@ def test_a_notice_during_start_up_is_held_until_the_first_step_is_saved(config, 
         train_sft(sft_args(config, str(damaged), tmp_path / "refused"))
     assert signal.getsignal(signal.SIGTERM) is before  # a refused run gives the process its handler back
 
-    def build_model_under_a_notice(*args, **kwargs):
+    def build_student_under_a_notice(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
-        return build_model(*args, **kwargs)
-    build_model = sft_script.build_model
-    monkeypatch.setattr(sft_script, "build_model", build_model_under_a_notice)
+        return build_student(*args, **kwargs)
+    build_student = sft_script.build_student
+    monkeypatch.setattr(sft_script, "build_student", build_student_under_a_notice)
     with pytest.raises(Stopped) as stopped:
         train_sft(sft_args(config, data, tmp_path, save_interval=100))
     assert stopped.value.exit_code == EXIT_PREEMPTED and "stopped by SIGTERM after step 1" in str(stopped.value)

@@ -52,6 +52,27 @@ def test_window_metrics_reduce_by_kind():
         window.ratio("tokens", 1, 2)
 
 
+def test_a_components_numbers_merged_into_the_window_reduce_as_if_added_there():
+    """The rollouts keep their numbers in a window of their own, which the loop adds to the run's at the step: the
+    same values as adding each number to the run's window directly, and the component's window starts empty."""
+    direct, run_window, component = WindowMetrics("cpu"), WindowMetrics("cpu"), WindowMetrics("cpu")
+    for window in (direct, run_window):
+        window.token_mean("loss", torch.tensor(6.0))
+        window.total("tokens", 3)
+    for window in (direct, component):
+        window.ratio("staleness", 1, 1)
+        window.ratio("staleness", 0, 1)
+        window.total("sync_logprob_diff", 0.25)
+        window.ratio("teacher/a/loss", 0, 0, when_empty=False)
+    run_window.merge(component)
+    assert run_window.reduce(DistInfo()) == direct.reduce(DistInfo())
+    assert component.sums == {} and component.kinds == {} and not component.undefined_when_empty
+    run_window.total("staleness", 1)
+    component.ratio("staleness", 1, 1)
+    with pytest.raises(ValueError, match="staleness"):  # a name keeps its kind across the merge
+        run_window.merge(component)
+
+
 def test_phase_clock_adds_seconds_and_shares():
     clock = PhaseClock("cpu")
     clock.seconds = {"gen": 3.0, "train": 1.0}

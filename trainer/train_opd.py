@@ -97,7 +97,7 @@ def train(args: argparse.Namespace) -> None:
                         run.autocast, run.precision.compute, run.fail_together, resumed=run.state.rollouts)
     run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args, args.teacher_topk)
-    head, vocab = run.raw_model.lm_head.weight, len(tokenizer)
+    head, vocab, chunk = run.raw_model.lm_head.weight, len(tokenizer), args.loss_chunk_size
 
     run.evaluate_when_due(evaluator, teachers.served)  # step 0: the baseline later evaluations compare against
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
@@ -112,8 +112,8 @@ def train(args: argparse.Namespace) -> None:
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-                    loss_sum, num_tokens = teachers.loss(scores, hidden, head, targets, args.loss_chunk_size, vocab,
-                                                         run.metrics)  # the divergence per token, summed
+                    # the divergence per token to each row's teacher, summed
+                    loss_sum, num_tokens = teachers.loss(scores, hidden, head, targets, chunk, vocab, run.metrics)
                 run.backward(loss_sum, num_tokens)
             teachers.reshard()  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
