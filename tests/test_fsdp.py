@@ -1,8 +1,8 @@
 # python -m pytest tests/test_fsdp.py
 """--fsdp 1 (FSDP2 + sharded DCP checkpoints) on CPU with gloo: 2 sharded ranks train as one process does, a killed
 sharded run resumes bit-identically, a sharded checkpoint resumes at another world size, the HF export is the
-whole model, two "nodes" (two torchrun launches on 127.0.0.1) train as one process, and OPD with a sharded
-student samples on a real vLLM server."""
+whole model, two "nodes" (two torchrun launches on 127.0.0.1) train as one process, and OPD, RL and logit-free OPD
+with a sharded student sample on a real vLLM server."""
 import json
 import os
 import subprocess
@@ -17,8 +17,11 @@ from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread
 from model import Qwen3Config, create_model, load_pretrained, save_pretrained
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 from trainer.skeleton.sharding import load_shards
+from stub_server import Stub, black_box_teacher
 from trainer.train_distillation import main as train_distillation
+from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
+from trainer.train_rl import main as train_rl
 from trainer.train_sft import main as train_sft
 from vllm_servers import free_port
 
@@ -26,6 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SFT = os.path.join(ROOT, "trainer", "train_sft.py")
 KD = os.path.join(ROOT, "trainer", "train_distillation.py")
 OPD = os.path.join(ROOT, "trainer", "train_opd.py")
+RL = os.path.join(ROOT, "trainer", "train_rl.py")
+LOGIT_FREE = os.path.join(ROOT, "trainer", "train_logit_free.py")
 
 
 @pytest.fixture
@@ -138,19 +143,39 @@ def test_opd_with_a_sharded_student_needs_a_rollout_server(tiny_config_path, cha
     assert_one_line_error(code, stderr, 2, "--fsdp 1", "--rollout_url")
 
 
+@pytest.fixture
+def black_box_stub(monkeypatch):
+    """The logit-free loop's black-box teacher: a deterministic OpenAI-compatible endpoint in this process."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = Stub(black_box_teacher)
+    yield server
+    server.close()
+
+
 @pytest.mark.slow
-def test_opd_with_a_sharded_student_samples_on_the_rollout_server(vllm_servers, tmp_path):
+@pytest.mark.parametrize("loop", ["opd", "rl", "logit_free"])
+def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, black_box_stub, tmp_path):
     """A sharded student cannot decode on its own (every rank holds a part of every layer): it samples on the
-    rollout server, rank 0 pushing the weights gathered from the shards; the sharded teacher scores on all ranks."""
+    rollout server, rank 0 pushing the weights gathered from the shards; the sharded frozen models (OPD's teacher,
+    RL's reference and teacher, the logit-free anchor's reference) score on all ranks; the student's head is read
+    where the forward has gathered it. 2 sharded ranks train as one process does."""
     config = tmp_path / "served_config.json"
     config.write_text(json.dumps(SERVED_CONFIG))
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+    script, main, own = {
+        "opd": (OPD, train_opd, dict(teacher_path=vllm_servers.teacher_dir)),
+        "rl": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0,
+                                  teacher_path=vllm_servers.teacher_dir)),
+        "logit_free": (LOGIT_FREE, train_logit_free, dict(teacher_url=black_box_stub.url, chunk_len=3, audit_chunks=2,
+                                                          continuations=3, anchor_beta=0.5)),
+    }[loop]
 
     def args(save_dir, **flags):
-        return loop_args(str(config), data, save_dir, teacher_path=vllm_servers.teacher_dir, max_length=80,
-                         max_new_tokens=16, max_steps=3, rollout_url=vllm_servers.rollout.url, **flags)
-    train_opd(args(tmp_path / "one", batch=2, accumulation=2))
-    run_command(torchrun_command(OPD, args(tmp_path / "two", batch=2, fsdp=1)))
+        return loop_args(str(config), data, save_dir, max_length=80, max_new_tokens=16, max_steps=3,
+                         rollout_url=vllm_servers.rollout.url, **own, **flags)
+    main(args(tmp_path / "one", batch=2, accumulation=2))
+    run_command(torchrun_command(script, args(tmp_path / "two", batch=2, fsdp=1)))
     assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
     assert all(m["sync_logprob_diff"] < 1e-4 for m in metrics(tmp_path / "two"))
 

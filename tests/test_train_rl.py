@@ -38,13 +38,12 @@ def rl_args(config, data, save_dir, **flags) -> list[str]:
 
 
 def test_a_group_is_one_prompt_g_times_with_seeds_apart(chat_jsonl):
-    import argparse
     rows = [RowDataset(chat_jsonl)[i] for i in (4, 9)]
     batch = GroupCollator(PromptCollator(load_tokenizer(None), 32), 3)(rows)
     assert batch["prompt_ids"].shape[0] == 6 and [r["row_index"] for r in batch["rows"]] == [4, 4, 4, 9, 9, 9]
     assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][2])
     assert [r["generation"] for r in batch["rows"]] == [0, 1, 2, 0, 1, 2]
-    seeds = row_seeds(argparse.Namespace(seed=7), batch, 1)
+    seeds = row_seeds(7, batch, 1)
     assert len(set(seeds)) == 6
     assert seeds[0] == derived_seed(7, 1, 4) and seeds[3] == derived_seed(7, 1, 9)  # the lone row's (OPD's) seed
 

@@ -46,7 +46,7 @@ def train(args: argparse.Namespace) -> None:
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, RoutedCollator(collator, teachers.routes), tokenizer_dir, config.RESUMABLE)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, **teachers.for_evaluation())  # each rank its share
-    head, vocab, chunk = run.raw_model.lm_head.weight, len(tokenizer), args.loss_chunk_size
+    vocab, chunk = len(tokenizer), args.loss_chunk_size
 
     run.evaluate_when_due(evaluator)  # step 0: the baseline later evaluations compare against
     for epoch, window in run.windows():
@@ -58,7 +58,7 @@ def train(args: argparse.Namespace) -> None:
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
                     # per token: alpha CE against the data + (1 - alpha) T^2 KL(row's teacher || student)
-                    loss_sum, num_tokens = teachers.loss(scores, hidden, head, targets, chunk, vocab, run.metrics)
+                    loss_sum, num_tokens = teachers.loss(scores, hidden, run.head, targets, chunk, vocab, run.metrics)
                 run.backward(loss_sum, num_tokens)
             teachers.reshard()  # a sharded teacher's head, gathered for its forward, is read until here
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW

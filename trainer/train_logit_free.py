@@ -45,7 +45,7 @@ from trainer.logit_free.agreement import agreement
 from trainer.logit_free.audit import (anchor_labels, anchors_outside_thinking, chunked_audit_loss, completion_lengths,
                                       plan_audits, position_stats, position_weights, posterior_weight)
 from trainer.losses.chunked import completion_hidden
-from trainer.losses.divergences import Divergence, divergence_sums, evaluation_divergence
+from trainer.losses.divergences import Divergence, divergence_sums
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
 from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, load_prompt_data,
@@ -53,8 +53,7 @@ from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_m
 from trainer.skeleton.sharding import reshard_root
 from trainer.teachers.black_box import audit_requests, connect_teachers
 from trainer.teachers.frozen import frozen_hidden, load_reference
-from trainer.teachers.specs import SINGLE, TeacherSpec
-from trainer.teachers.teacher_set import open_teachers
+from trainer.teachers.teacher_set import open_evaluation_teacher
 
 ANCHOR = Divergence("jsd", beta=0.0)  # KL(p_ref || p_S): the generalized JSD's forward-KL end, p_ref as "teacher"
 
@@ -84,10 +83,8 @@ def train(args: argparse.Namespace) -> None:
     tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", need_completion=False)
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
     teachers = connect_teachers(args, info.rank, dataset)  # one, or each of --teachers: every row finds its own
-    # held-out evaluation's white-box teacher (--eval_teacher_path), the reverse KL to which the table reports
-    eval_teachers = open_teachers(args, [TeacherSpec(SINGLE, path=args.eval_teacher_path)] if args.eval_teacher_path
-                                  else [], tokenizer, dataset, info.device, training=lambda t: None,
-                                  evaluation=lambda t: evaluation_divergence(1.0, local_teacher=True))
+    # held-out evaluation's white-box teacher (--eval_teacher_path): the reverse KL to it, which the table reports
+    eval_teachers = open_evaluation_teacher(args, args.eval_teacher_path, tokenizer, dataset, info.device)
     student = build_student(args, info.device, tokenizer)
     reference = load_reference(args, tokenizer, info.device)  # the anchor's p_ref, frozen
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
@@ -95,10 +92,10 @@ def train(args: argparse.Namespace) -> None:
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
                                  **eval_teachers.for_evaluation())
     rollouts = Rollouts(args, tokenizer, server, decoder, lambda epoch, step: True, run.raw_model, run.autocast,
-                        run.precision.compute, run.fail_together, resumed=run.state.rollouts)
+                        run.precision.compute, run.fail_together, run.state.rollouts)
     run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args, teacher_topk=None)
-    head, vocab = run.raw_model.lm_head.weight, len(tokenizer)
+    vocab = len(tokenizer)
     thinking_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
 
     run.evaluate_when_due(evaluator)  # step 0: the baseline later evaluations compare against
@@ -110,7 +107,7 @@ def train(args: argparse.Namespace) -> None:
             input_ids, attention_mask, labels = rollouts.sequences(batch, run.step, epoch, True, clock)
             with clock("entropy"), torch.no_grad(), run.autocast():  # 2. the audit: the student's entropy peaks
                 hidden, targets = completion_hidden(run.raw_model, input_ids, attention_mask, labels)
-                entropy, logprob = position_stats(hidden, head, targets, vocab, args.gen_temperature,
+                entropy, logprob = position_stats(hidden, run.head, targets, vocab, args.gen_temperature,
                                                   args.loss_chunk_size)
             lengths = completion_lengths(labels)
             allowed = anchors_outside_thinking(targets.cpu(), lengths, *thinking_ids)  # no anchor inside <think>
@@ -131,8 +128,8 @@ def train(args: argparse.Namespace) -> None:
             with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-                    audit_sum = chunked_audit_loss(hidden, head, targets, weights, args.loss_chunk_size, vocab)
-                    anchor = divergence_sums(ANCHOR, hidden, head, anchored, reference_hidden,
+                    audit_sum = chunked_audit_loss(hidden, run.head, targets, weights, args.loss_chunk_size, vocab)
+                    anchor = divergence_sums(ANCHOR, hidden, run.head, anchored, reference_hidden,
                                              reference.lm_head.weight, args.loss_chunk_size, vocab)
                 run.backward(audit_sum + args.anchor_beta * anchor.loss, targets.numel())  # / all completion tokens
             reshard_root(reference)  # a sharded reference's head, gathered for its forward, is read until here

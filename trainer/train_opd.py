@@ -56,12 +56,12 @@ from trainer.teachers.specs import teacher_specs
 from trainer.teachers.teacher_set import open_teachers
 
 
-def on_policy_draw(args: argparse.Namespace, epoch: int, step: int) -> bool:
+def on_policy_draw(seed: int, lmbda: float, epoch: int, step: int) -> bool:
     """Step 1's coin: with probability lmbda the optimizer step is on-policy. One draw per step, seeded by (seed,
     epoch, step) alone: every rank and micro-batch of the step agrees, so the global batch's rows are trained the
     same way at any world size x accumulation (a draw per micro-batch would change with the split)."""
-    generator = torch.Generator().manual_seed(derived_seed(args.seed, epoch, step))
-    return torch.rand(1, generator=generator).item() < args.lmbda
+    generator = torch.Generator().manual_seed(derived_seed(seed, epoch, step))
+    return torch.rand(1, generator=generator).item() < lmbda
 
 
 def add_rollout_stats(metrics, input_ids: torch.Tensor, labels: torch.Tensor, eos_token_id: int,
@@ -93,16 +93,16 @@ def train(args: argparse.Namespace) -> None:
     decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step (CUDA graphs on CUDA)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
                                  **teachers.for_evaluation())
-    rollouts = Rollouts(args, tokenizer, server, decoder, lambda e, s: on_policy_draw(args, e, s), run.raw_model,
-                        run.autocast, run.precision.compute, run.fail_together, resumed=run.state.rollouts)
+    rollouts = Rollouts(args, tokenizer, server, decoder, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s),
+                        run.raw_model, run.autocast, run.precision.compute, run.fail_together, run.state.rollouts)
     run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args, args.teacher_topk)
-    head, vocab, chunk = run.raw_model.lm_head.weight, len(tokenizer), args.loss_chunk_size
+    vocab, chunk = len(tokenizer), args.loss_chunk_size
 
     run.evaluate_when_due(evaluator, teachers.served)  # step 0: the baseline later evaluations compare against
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
         clock = PhaseClock(run.device)
-        on_policy = on_policy_draw(args, epoch, run.step)  # step 1's coin, for the whole optimizer step
+        on_policy = on_policy_draw(args.seed, args.lmbda, epoch, run.step)  # step 1's coin, for the whole step
         rollouts.before_step(run.step, epoch, window, coming, clock)  # served: drain, push + verify, sample ahead
         for i, batch in enumerate(window):
             # steps 1-2: the student's samples (or the data's completions), labels on the completion only
@@ -113,7 +113,7 @@ def train(args: argparse.Namespace) -> None:
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
                     # the divergence per token to each row's teacher, summed
-                    loss_sum, num_tokens = teachers.loss(scores, hidden, head, targets, chunk, vocab, run.metrics)
+                    loss_sum, num_tokens = teachers.loss(scores, hidden, run.head, targets, chunk, vocab, run.metrics)
                 run.backward(loss_sum, num_tokens)
             teachers.reshard()  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)

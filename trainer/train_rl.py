@@ -60,14 +60,14 @@ from trainer.teachers.teacher_set import Teachers, open_teachers
 SAMPLED_KL = Divergence("sampled_kl")  # what a teacher gives the OPD term: its log-probability of each sampled token
 
 
-def sampled_rewards(args: argparse.Namespace, tokenizer, batch: dict, input_ids: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_rewards(tokenizer, batch: dict, input_ids: torch.Tensor, labels: torch.Tensor, reward: str,
+                    format_reward: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2's rewards of the micro-batch's completions (decoded without special tokens, as eval_math.py grades
     them) -> (rewards, correct), one per row."""
     completion = labels != IGNORE_INDEX
     texts = [tokenizer.decode(input_ids[i][completion[i]].tolist(), skip_special_tokens=True)
              for i in range(input_ids.shape[0])]
-    return reward_of(texts, [row.get("ground_truth") for row in batch["rows"]], args.reward, args.format_reward)
+    return reward_of(texts, [row.get("ground_truth") for row in batch["rows"]], reward, format_reward)
 
 
 def token_values(args: argparse.Namespace, run: Run, advantages: torch.Tensor, labels: torch.Tensor, reference,
@@ -136,7 +136,7 @@ def train(args: argparse.Namespace) -> None:
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
                                  **teachers.for_evaluation())
     rollouts = Rollouts(args, tokenizer, server, decoder, lambda epoch, step: True, run.raw_model, run.autocast,
-                        run.precision.compute, run.fail_together, resumed=run.state.rollouts)
+                        run.precision.compute, run.fail_together, run.state.rollouts)
     run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args)
     print0(f"groups of {args.num_generations}: each prompt sampled {args.num_generations} times, "
@@ -144,7 +144,7 @@ def train(args: argparse.Namespace) -> None:
            + (f" + {args.format_reward:g} for a final boxed answer" if args.format_reward else "")
            + f", advantage {args.advantage}" + (f", KL {args.kl_coef:g}" if args.kl_coef else "")
            + (f", OPD term {args.opd_coef:g}" if args.opd_coef else ""))
-    head, vocab, g = run.raw_model.lm_head.weight, len(tokenizer), args.num_generations
+    vocab, g = len(tokenizer), args.num_generations
     settings = dict(temperature=args.gen_temperature, clip_low=args.clip_eps, clip_high=args.clip_eps_high,
                     kl_coef=args.kl_coef, opd_coef=args.opd_coef)
 
@@ -156,7 +156,7 @@ def train(args: argparse.Namespace) -> None:
             # 1. G samples per prompt, labels on each completion
             input_ids, attention_mask, labels = rollouts.sequences(batch, run.step, epoch, True, clock)
             with clock("reward"):  # 2. graded against the ground truth, compared within the group
-                rewards, correct = sampled_rewards(args, tokenizer, batch, input_ids, labels)
+                rewards, correct = sampled_rewards(tokenizer, batch, input_ids, labels, args.reward, args.format_reward)
                 advantages = group_advantages(rewards, g, args.advantage)
             with clock("teacher"), run.fail_together(teachers.served):  # 3. the frozen models
                 scores = teachers.score(batch, input_ids, attention_mask, labels, run.teacher_autocast)
@@ -165,7 +165,8 @@ def train(args: argparse.Namespace) -> None:
             with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-                    sums = chunked_policy_loss(hidden, head, targets, values, args.loss_chunk_size, vocab, **settings)
+                    sums = chunked_policy_loss(hidden, run.head, targets, values, args.loss_chunk_size, vocab,
+                                               **settings)
                 divisor = labels.shape[0] * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
                 run.backward(sums.loss, divisor)
             reshard_root(reference)  # a sharded frozen model's head, gathered for its forward, is read until here

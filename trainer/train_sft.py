@@ -45,8 +45,7 @@ def train(args: argparse.Namespace) -> None:
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
                                                         batch["labels"])
-                    loss_sum, num_tokens = chunked_sft_loss(hidden, run.raw_model.lm_head.weight, targets,
-                                                            chunk_size=args.loss_chunk_size,
+                    loss_sum, num_tokens = chunked_sft_loss(hidden, run.head, targets, chunk_size=args.loss_chunk_size,
                                                             vocab_size=len(tokenizer))
                 run.backward(loss_sum, num_tokens)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW

@@ -179,6 +179,15 @@ def add_teacher_args(parser: argparse.ArgumentParser) -> None:
                         "(a real Qwen3 may overflow fp16): bfloat16 where the device has it, else float32")
 
 
+def add_frozen_model_args(group, which: str) -> None:
+    """The frozen models' dtype and placement, in a loop's own `group`: `which` names its frozen models (the RL
+    loop's reference and teacher, the logit-free loop's reference and evaluation teacher)."""
+    group.add_argument("--teacher_dtype", default="auto", choices=DTYPE_CHOICES,
+                       help=f"the frozen models' weights ({which}); auto as the KD teacher's")
+    group.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
+                       help="with --fsdp 1: 1 keeps whole frozen models on every rank instead of sharding them")
+
+
 def default_student(args: argparse.Namespace, run_name: str, command: str) -> None:
     """Without --model_path / --model_config: the student is the demo run `run_name`'s model (SAVE_DIR/RUN_NAME),
     which `command` writes; refused up front when there is none."""

@@ -7,7 +7,8 @@ import argparse
 import os
 
 from common.errors import ArgumentParser, refuse, refuse_first
-from trainer.config.flags import SHARED_RESUMABLE, add_common_args, default_student, validate_common_args
+from trainer.config.flags import (SHARED_RESUMABLE, add_common_args, add_frozen_model_args, default_student,
+                                  validate_common_args)
 from trainer.logit_free.agreement import SIMILARITIES
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
@@ -51,10 +52,7 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                    help="beta: weight of KL(p_ref || p_student) on the unaudited positions (0: no anchor)")
     g.add_argument("--reference_path", default=None,
                    help="the anchor's frozen model (default: the student's starting model)")
-    g.add_argument("--teacher_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the frozen models' weights (the reference, --eval_teacher_path); auto as the KD teacher's")
-    g.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
-                   help="with --fsdp 1: 1 keeps whole frozen models on every rank instead of sharding them")
+    add_frozen_model_args(g, "the reference, --eval_teacher_path")
 
 
 def validate_logit_free_args(args: argparse.Namespace) -> None:

@@ -7,8 +7,8 @@ import argparse
 import os
 
 from common.errors import ArgumentParser, refuse, refuse_first
-from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, default_student,
-                                  validate_common_args)
+from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, add_frozen_model_args,
+                                  default_student, validate_common_args)
 from trainer.losses.policy_gradient import ADVANTAGES
 from trainer.rl.rewards import REWARDS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
@@ -59,10 +59,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
                    help="lambda: A_t = A_group - lambda (log p_S(y_t) - log p_T(y_t)), a teacher's dense signal "
                         "(--teacher_path, --teacher_url, or several: --teachers)")
     g.add_argument("--teacher_path", default=None, help="a local teacher for --opd_coef (same tokenizer)")
-    g.add_argument("--teacher_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the frozen models' weights (reference, teacher); auto as the KD teacher's")
-    g.add_argument("--replicate_teacher", type=int, default=0, choices=[0, 1],
-                   help="with --fsdp 1: 1 keeps whole frozen models on every rank instead of sharding them")
+    add_frozen_model_args(g, "reference, teacher")
 
 
 def validate_rl_args(args: argparse.Namespace) -> None:

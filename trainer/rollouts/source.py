@@ -148,11 +148,11 @@ def rollout_weights_path(args: argparse.Namespace) -> str:
     return os.path.join(folder, "model.safetensors")
 
 
-def row_seeds(args: argparse.Namespace, batch: dict, epoch: int) -> list[int]:
+def row_seeds(seed: int, batch: dict, epoch: int) -> list[int]:
     """One seed per row, (seed, epoch, row): a row's sample depends neither on its batch-mates nor on the world size
     or accumulation, and a resumed run draws exactly what the killed one would have. A group's rows (the RL loop's
     GroupCollator: `generation` g) draw with (seed, epoch, row, g), the first of them as a lone row does."""
-    return [derived_seed(args.seed, epoch, row["row_index"], *((row["generation"],) if row.get("generation") else ()))
+    return [derived_seed(seed, epoch, row["row_index"], *((row["generation"],) if row.get("generation") else ()))
             for row in batch["rows"]]
 
 
@@ -169,9 +169,9 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
     prompt_mask = batch["prompt_attention_mask"].to(device)
     was_training = student.training
     student.eval()
+    generators = [torch.Generator(device).manual_seed(seed) for seed in row_seeds(args.seed, batch, epoch)]
     with autocast():
-        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens,
-                       generator=[torch.Generator(device).manual_seed(seed) for seed in row_seeds(args, batch, epoch)],
+        out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens, generator=generators,
                        pad_token_id=tokenizer.pad_token_id, decoder=decoder, **sampling_settings(args, tokenizer))
     student.train(was_training)
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
@@ -182,7 +182,7 @@ def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer
     from the weights the server holds (requests only: it runs in the queue's background thread)."""
     def sample(batch: dict, epoch: int) -> list[list[int]]:
         return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
-                                    seeds=row_seeds(args, batch, epoch), model_vocab_size=model_vocab_size,
+                                    seeds=row_seeds(args.seed, batch, epoch), model_vocab_size=model_vocab_size,
                                     **sampling_settings(args, tokenizer))
     return sample
 

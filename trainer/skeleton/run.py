@@ -136,6 +136,12 @@ class Run:
         return self.state.step
 
     @property
+    def head(self) -> torch.Tensor:
+        """The student's lm_head weight as the forward just run left it: read it after the forward (with --fsdp 1
+        the root's gathered weight then; before, and after the backward, only this rank's shard)."""
+        return self.raw_model.lm_head.weight
+
+    @property
     def done(self) -> bool:
         """All epochs, or --max_steps, done."""
         return self.state.step >= self.total_steps

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.engine import CompletionServer
-from trainer.losses.divergences import Divergence, DivergenceSums, divergence_sums
+from trainer.losses.divergences import Divergence, DivergenceSums, divergence_sums, evaluation_divergence
 from trainer.losses.policy_gradient import token_logprobs
 from trainer.rollouts.servers import open_server
 from trainer.skeleton.distributed import print0
@@ -183,6 +183,13 @@ def open_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer,
     teachers = Teachers(members, routes)
     say_teachers(teachers)
     return teachers
+
+
+def open_evaluation_teacher(args: argparse.Namespace, path: str | None, tokenizer, dataset, device: str) -> Teachers:
+    """A local teacher that only held-out evaluation reads, opened as `open_teachers` opens one (the logit-free
+    loop's --eval_teacher_path: the reverse KL its table reports); none without `path`."""
+    return open_teachers(args, [TeacherSpec(SINGLE, path=path)] if path else [], tokenizer, dataset, device,
+                         training=lambda t: None, evaluation=lambda t: evaluation_divergence(1.0, local_teacher=True))
 
 
 def role_of(spec: TeacherSpec) -> str:
