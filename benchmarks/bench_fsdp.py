@@ -439,7 +439,7 @@ def read_json(path: str) -> dict:
 def precision_case(config_path: str, mode: str) -> tuple[float, torch.Tensor]:
     """One forward + backward of a fixed batch (the same on every rank, so the ranks' average is that batch's
     gradient) under CPU bf16 autocast: -> (loss, the whole flattened gradient). Modes: "fp32" (no autocast, the
-    reference), "DDP" (fp32 weights, autocast lowers the matmuls), "FSDP" (trainer/sharding.shard's policies),
+    reference), "DDP" (fp32 weights, autocast lowers the matmuls), "FSDP" (trainer/skeleton/sharding.shard's policies),
     "FSDP all-bf16" (every unit gathered in bf16: the policy Run used before)."""
     torch.manual_seed(0)
     config = Qwen3Config.from_json(config_path)

@@ -3,9 +3,9 @@
 The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen
 teacher's forward without gradients (distillation), the student's forward to its final hidden states, the chunked
 loss through `lm_head.weight` (trainer/losses/closed_forms.py), the backward, the teacher's gathered root freed
-(trainer/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients scaled by one foreach multiply,
-clipped by the global norm, AdamW, zero_grad). The models are built on the meta device and sharded by
-trainer/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the layers
+(trainer/skeleton/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients scaled by one foreach
+multiply, clipped by the global norm, AdamW, zero_grad). The models are built on the meta device and sharded by
+trainer/skeleton/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the layers
 gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage -- under a fake process group
 of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts every tensor a rank would
 hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations, gradients, AdamW's moments
@@ -17,7 +17,7 @@ What stands in for CUDA, and what is left out:
   explicitly in model/qwen3.py and trainer/losses/closed_forms.py, so the dtypes, hence the bytes, are CUDA's.
 - attention: the CPU flash kernel, which saves what CUDA's flash kernel saves (the output and the fp32
   log-sum-exp) and takes grouped-query heads without expanding k and v.
-- AdamW: foreach=True stands in for the loops' fused kernel (trainer/optimizer_step.make_optimizer), which
+- AdamW: foreach=True stands in for the loops' fused kernel (trainer/skeleton/optimizer_step.make_optimizer), which
   allocates no temporaries: the optimizer phase here is high by one temporary per gradient shard, an upper bound.
   The fused step itself is miscounted on fake DTensors (1.46x what two real gloo ranks allocate, measured with
   --estimate_check) and breaks the estimate's linearity in depth.

@@ -105,6 +105,18 @@ def long_chat_jsonl(tmp_path):
     return write_chat_jsonl(tmp_path / "long.jsonl", 24, seed=1)
 
 
+@pytest.fixture
+def black_box_stub(monkeypatch):
+    """The logit-free loop's black-box teacher: a deterministic OpenAI-compatible endpoint in this process
+    (tests/stub_server.py), reached without a proxy."""
+    from stub_server import Stub, black_box_teacher
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = Stub(black_box_teacher)
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory):
     """Two real vLLM CPU servers (tests/vllm_servers.py), started once per session when a test first asks."""

@@ -17,7 +17,6 @@ from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread
 from model import Qwen3Config, create_model, load_pretrained, save_pretrained
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 from trainer.skeleton.sharding import load_shards
-from stub_server import Stub, black_box_teacher
 from trainer.train_distillation import main as train_distillation
 from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
@@ -141,16 +140,6 @@ def test_opd_with_a_sharded_student_needs_a_rollout_server(tiny_config_path, cha
     code, stderr = script_exit(train_opd, loop_args(tiny_config_path, chat_jsonl, tmp_path, fsdp=1,
                                                     teacher_path=teacher_dir), capsys)
     assert_one_line_error(code, stderr, 2, "--fsdp 1", "--rollout_url")
-
-
-@pytest.fixture
-def black_box_stub(monkeypatch):
-    """The logit-free loop's black-box teacher: a deterministic OpenAI-compatible endpoint in this process."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    server = Stub(black_box_teacher)
-    yield server
-    server.close()
 
 
 @pytest.mark.slow

@@ -77,8 +77,9 @@ def code_lines(loop: str) -> list[str]:
     tree = ast.parse(source)
     skip = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)) or (
-                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(
+            node.value.value, str)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or docstring:
             skip.update(range(node.lineno, node.end_lineno + 1))
     lines = []
     for number, line in enumerate(source.splitlines(), start=1):

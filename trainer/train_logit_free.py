@@ -140,8 +140,9 @@ def train(args: argparse.Namespace) -> None:
         rollouts.add_to(run.metrics)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         shown = teachers.shown() + ("teacher_share", "pi_hat", "phi", "anchor_kl", "completion_len")
-        if run.end_step(metrics, shown, evaluator, rollouts.before_save):  # log; save (the rollouts sampled ahead
-            break                                                           # too), evaluate when due; done or stopped
+        # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end
+        if run.end_step(metrics, shown, evaluator, rollouts.before_save):
+            break
     run.finish(rollouts.close, teachers.close)
 
 

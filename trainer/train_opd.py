@@ -122,9 +122,10 @@ def train(args: argparse.Namespace) -> None:
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         shown = teachers.shown() + ("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
                                     "sync_logprob_diff")  # several teachers: theirs first
-        if run.end_step(metrics, shown, evaluator, rollouts.before_save, teachers.served):  # log; save (the rollouts
-            break                                               # sampled ahead too), evaluate when due; done or stopped
-    run.finish(rollouts.close)
+        # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end
+        if run.end_step(metrics, shown, evaluator, rollouts.before_save, teachers.served):
+            break
+    run.finish(rollouts.close, teachers.close)
 
 
 if __name__ == "__main__":

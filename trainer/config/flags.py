@@ -20,7 +20,6 @@ from trainer.skeleton.loading import DEFAULT_MODEL_CONFIG, ROOT
 from trainer.skeleton.resume_checks import check_run_name, resume_change_names
 
 
-
 # Flags that may differ on resume: they change how the run is executed or logged, not what it computes. Any other
 # change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
 # Each loop's config (trainer/config/LOOP.py) adds its own groups' to these: its RESUMABLE.

@@ -16,8 +16,7 @@ from trainer.teachers.black_box import (add_black_box_teacher_args, black_box_sp
                                         validate_black_box_teacher_args)
 from trainer.teachers.specs import add_teachers_args, validate_teachers_args
 
-# the black-box teachers have no --replicate_teacher or template check to change; the reference and the evaluation
-# teacher do
+# the black-box teachers have no --replicate_teacher to change; the reference and the evaluation teacher do
 RESUMABLE = SHARED_RESUMABLE | SERVER_RESUMABLE | {"replicate_teacher"}
 
 

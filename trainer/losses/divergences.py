@@ -97,8 +97,9 @@ def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, studen
                     labels: torch.Tensor, scores, teacher_weight: torch.Tensor | None, chunk_size: int,
                     vocab_size: int) -> DivergenceSums:
     """The student's final hidden states at the completion positions and their labels (trainer/losses/chunked.py's
-    completion_hidden) against the teacher's `scores` (`teacher_scores`; `teacher_weight` its lm_head for a local
-    teacher, None for a served one) -> the sums, chunk by chunk through the lm_heads (no (N, V) logits)."""
+    completion_hidden) against the teacher's `scores` (trainer/teachers/parts.py's `teacher_scores`; `teacher_weight`
+    its lm_head for a local teacher, None for a served one) -> the sums, chunk by chunk through the lm_heads (no (N, V)
+    logits)."""
     common = dict(student_weight=student_weight, labels=labels, chunk_size=chunk_size, vocab_size=vocab_size)
     local = teacher_weight is not None
     teacher = dict(teacher_hidden=scores, teacher_weight=teacher_weight) if local else {}
@@ -112,16 +113,16 @@ def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, studen
                                                     temperature=divergence.temperature, **common, **teacher)
 
         return DivergenceSums(loss, tokens, loss)
-
-    def sampled_kl(student_logits, teacher_logits_or_logprobs, chunk_labels):
-        loss = sampled_token_kl_loss if local else sampled_token_kl_from_logprobs
-        surrogate_sum, kl_sum = loss(student_logits, teacher_logits_or_logprobs, chunk_labels, divergence.temperature)
-        return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
     if divergence.kind == "kd":  # classic KD on the data: alpha CE + (1 - alpha) T^2 KL(teacher || student)
         ce, kd, tokens = chunked_loss(functools.partial(ce_and_kd, temperature=divergence.temperature),
                                       student_hidden, **common, **teacher)
         loss = divergence.alpha * ce + (1.0 - divergence.alpha) * kd
         return DivergenceSums(loss, tokens, loss, {"ce": ce, "kd": kd})
+
+    def sampled_kl(student_logits, teacher_logits_or_logprobs, chunk_labels):
+        loss = sampled_token_kl_loss if local else sampled_token_kl_from_logprobs
+        surrogate_sum, kl_sum = loss(student_logits, teacher_logits_or_logprobs, chunk_labels, divergence.temperature)
+        return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
     values = {} if local else dict(teacher_values=scores)
     surrogate, kl, tokens = chunked_loss(sampled_kl, student_hidden, **common, **teacher, **values)
     return DivergenceSums(surrogate, tokens, kl, {"reverse_kl_estimate": kl})

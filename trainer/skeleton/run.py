@@ -58,7 +58,6 @@ class Run:
         self.optimizer, self.scaler = make_optimizer(model, args), self.precision.scaler()
         self.checkpoints = Checkpoints(args, info, tokenizer_dir, resumable, resume_change_names(args))
         self.resume_path, self.out_prefix = self.checkpoints.resume_path, self.checkpoints.prefix
-        self.state = RunState()
         self.stream = DataStream(dataset, collate_fn, args, info)
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
         self.lock = self.take_run_name()

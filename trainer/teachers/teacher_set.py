@@ -159,19 +159,22 @@ class Teachers:
 
 
 def open_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer, dataset, device: str,
-                  training: Callable[[Teacher], Divergence], evaluation: Callable[[Teacher], Divergence]) -> Teachers:
+                  training: Callable[[Teacher], Divergence], evaluation: Callable[[Teacher], Divergence],
+                  check_templates: bool = True) -> Teachers:
     """The run's teachers, before the student is built: every row of `dataset` routed to one of them (the first that
     is not is refused), the served ones connected (one that is down is refused now), each local one's vocabulary
     compared with the student's tokenizer and every teacher's chat template checked against the student's on the
     first rows' prompts (`check_template`); then each local one loaded (trainer/teachers/frozen.py: frozen dtype,
     sharded with --fsdp 1), and several said on the console. `training(teacher)` and `evaluation(teacher)`: the
-    divergence the loop's loss computes against it and the one held-out evaluation reports."""
+    divergence the loop's loss computes against it and the one held-out evaluation reports. `check_templates`:
+    False for a teacher that scores only the student's own held-out completions (no prompt of ours is rendered
+    for it)."""
     routes = routing(args, specs)
     routes.check(dataset)
     servers = {spec.name: connect_served_teacher(args, spec, tokenizer) for spec in specs if spec.url}
     for spec in specs:
         own = None if spec.url else same_vocabulary(spec.path, tokenizer, role_of(spec))
-        if spec.name not in accepted_differences(args):
+        if check_templates and spec.name not in accepted_differences(args):
             check_template(args, spec.name, role_of(spec), spec.path or spec.url, servers.get(spec.name), own,
                            tokenizer, dataset)
     members = []
@@ -186,10 +189,12 @@ def open_teachers(args: argparse.Namespace, specs: list[TeacherSpec], tokenizer,
 
 
 def open_evaluation_teacher(args: argparse.Namespace, path: str | None, tokenizer, dataset, device: str) -> Teachers:
-    """A local teacher that only held-out evaluation reads, opened as `open_teachers` opens one (the logit-free
-    loop's --eval_teacher_path: the reverse KL its table reports); none without `path`."""
+    """A local teacher that only held-out evaluation reads, opened as `open_teachers` opens one but without the
+    chat-template check, as before there was one object (the logit-free loop's --eval_teacher_path: the reverse KL
+    its table reports; that loop has no --accept_template_difference); none without `path`."""
     return open_teachers(args, [TeacherSpec(SINGLE, path=path)] if path else [], tokenizer, dataset, device,
-                         training=lambda t: None, evaluation=lambda t: evaluation_divergence(1.0, local_teacher=True))
+                         training=lambda t: None, evaluation=lambda t: evaluation_divergence(1.0, local_teacher=True),
+                         check_templates=False)
 
 
 def role_of(spec: TeacherSpec) -> str:
