@@ -1,54 +1,43 @@
-"""The README's demo, run literally: its commands one after the other, then its table ("What the demo reaches").
+"""The comparison this project exists for: from one student, every method at an equal budget, on a task the demo's
+models can learn, each row held out with its interval and a paired test against the starting student.
 
-    python benchmarks/demo.py              # runs COMMANDS below in the repository root, then prints the table
-    python benchmarks/demo.py --dry_run    # prints the commands only, one per line (`... --dry_run | sh` runs them,
-                                           # the logit-free row's teacher server in the background)
-    python benchmarks/demo.py --fresh      # first moves an earlier demo's runs into checkpoints/demo/previous-TIME/
+    python benchmarks/demo.py                  # the teacher and the student (reused once trained), then the table
+    python benchmarks/demo.py --dry_run        # prints the commands only, one per line
+    python benchmarks/demo.py --fresh          # first moves an earlier table's runs into checkpoints/demo/previous-*/
+    python benchmarks/demo.py --retrain        # ... and the teacher's and the student's too
+    python benchmarks/demo.py --sweep 5e-4,1e-3,2e-3   # each method at each learning rate, seed 1, graded on val
+    python benchmarks/demo.py --ablation       # logit-free OPD with each --chunk_weight beside white-box OPD
+    python benchmarks/demo.py --scale tiny     # the code path in a few minutes (tests/test_demo.py)
 
-Each command of COMMANDS runs as a subprocess in the repository root, exactly as written (its leading `python` is the
-interpreter running this script, so a venv need not be activated), with its output passing through, and is timed.
-They are the README's quick-start commands with their runs in a folder of their own, checkpoints/demo/ (--save_dir,
-and the model folders below it), so the demo never touches a run of the quick start itself (checkpoints/sft/...).
-When all have finished, the table is printed in Markdown, every number read back from what the commands wrote:
-  accuracy   eval/eval_math.py's summary beside each model, checkpoints/demo/NAME_eval_eval.summary.json: held-out
-             accuracy on the 200 demo eval problems, its 95% Wilson interval and the count
-  notes      the training run's checkpoints/demo/NAME_metrics.jsonl: optimizer steps, the first and the last logged loss
-             (KD: also its CE and KD parts), and the in-training evaluations (--eval_interval; greedy completions of
-             the first --eval_rows held-out prompts): the reverse KL to the teacher (KD, OPD, logit-free) at step 0
-             and at the end with its change, the share of completions that end with EOS; the logit-free run's teacher
-             requests and tokens; then eval_math's EOS share
-  wall time  of each command, measured here (training + evaluation; the logit-free row: the teacher server's
-             start-up first)
-with the date, `nproc`, the CPU and the commit above it. The README's table is this script's output, pasted.
+The task (dataset/make_demo_data.py): two-digit addition written as column addition, "7+8=15, 4+3+1=8. \\boxed{85}",
+held-out problems sharing no operand pair with any training row. Every command runs as a subprocess in the repository
+root, exactly as printed (its leading `python` is this interpreter), writing into checkpoints/demo/:
 
-The fifth row, beside OPD's, is the KD student distilled logit-free (trainer/train_logit_free.py) from the SFT model
-served as a black box: the demo starts SERVE_TEACHER (serving/vllm_launch.py: vLLM's CPU server of
-checkpoints/demo/sft, text only, on 127.0.0.1:8001) as its own background process, waits for it, runs the training
-command (OPD's number of steps and --eval_interval; --eval_teacher_path the SFT model, so its held-out reverse KL to
-the teacher is logged at step 0 and after), stops the server, and evaluates. The demo's 5M-parameter SFT model
-cannot count: asked to continue "1, 2, 3, 4," it writes spaces, so the command passes `--teacher_probe request`
-(the probe's requests must be accepted and answered in full; whether the teacher continues rather than restarts is
-not checked, and the run says so). Without the vLLM environment (serving/setup_vllm_cpu.sh makes it), or with port
-8001 taken, that row is skipped and says so in one line; so it is when the server does not start (its log:
-checkpoints/demo/logit_free_teacher_server.log).
+  teacher   SFT of SCALE.model_config on the 3,000 worked solutions (SCALE.teacher_steps), reused by later tables
+  student   the same SFT stopped early (SCALE.student_steps): the starting point of every method, reused too
+  then for each method and seed, SCALE.budget_steps optimizer steps of 16 student sequences each (16 rows of SFT or
+  KD data, 16 sampled answers, or 4 prompts x 4 answers for RL), at the method's learning rate (METHODS):
+  sft_data  SFT on the teacher's own sampled answers to the 512 OPD prompts (dataset/teacher_generate.py from the
+            teacher served by vLLM: the baseline the OPD papers compare against)
+  kd        classic KD (CE + T^2 KL) on the worked solutions, the teacher's logits
+  opd       white-box on-policy distillation (reverse KL over the full vocabulary)
+  lf_vllm   logit-free OPD, the teacher served by vLLM as a black box (text only)
+  lf_rule   logit-free OPD from benchmarks/rule_teacher.py: a rule-based solver behind an OpenAI-compatible endpoint,
+            a stand-in for an API better than any local model
+  rl        GRPO with the math-verify reward, groups of 4
+Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the table adds the
+95% Wilson interval, McNemar's exact test against the starting student on the same problems
+(benchmarks/demo_stats.py), the held-out reverse KL to the teacher on the model's own answers, the EOS share, the
+teacher's requests and tokens, the student tokens trained on, the wall time, and for RL the share of groups with
+signal. It prints the table in Markdown with the machine line and writes it as JSON (checkpoints/demo/demo.json).
 
-The last row is RL with verifiable rewards (trainer/train_rl.py, docs/rl.md) from the SFT model: the KD student
-never ends an answer, so all its groups would be wrong together and give no signal. Groups of 4, 8 prompts a step,
-OPD's 32 steps; its notes add the reward and pass@4 of the first and last step and the share of groups without
-signal over the run.
+The rows that need vLLM (sft_data, lf_vllm) are skipped, each with one line saying how to enable them, where no vLLM
+environment exists (serving/setup_vllm_cpu.sh) or port 8001 is taken. The learning rates in METHODS were chosen by
+`--sweep` at this budget: each method at each rate, seed 1, graded on the 200 `val` problems (never the eval ones).
 
-On this project's 2-core CPU machine the whole demo took 10.3 minutes with nothing else running (2026-12-02: SFT
-2.2 min, KD 4.7 min, OPD 2.7 min, each evaluation of 200 problems x 64 new tokens 8-11 s), and 40 minutes with
-other jobs on the same cores. The printed table carries the times actually measured.
-
-The training scripts refuse to start over a run of the same name (`--from_resume 1` / `--start_over 1`), and a new
-table must not mix an old run's files with new ones: if checkpoints/demo/ already holds a run named random, sft, kd,
-opd, logit_free or rl (its folder, resume file, metrics, lock, evaluation, teacher cache: an earlier demo's), the
-script refuses with one line, unless `--fresh` is given, which first moves all of those files into
-checkpoints/demo/previous-TIME/. Runs of these
-names elsewhere (the quick start's checkpoints/sft/) are neither refused nor moved. A run that is still in progress
-(its NAME.lock names a live process) is refused either way. A command that fails stops the demo with its exit
-code; Ctrl-C reaches the running command too (a training run saves a checkpoint first) and stops the demo (130).
+A run of these names already in checkpoints/demo/ is refused (one line) unless --fresh moves it aside; a run in
+progress (its lock names a live process) is refused either way. A command that fails stops the demo with its exit
+code; Ctrl-C reaches the running command too (a training run saves first) and stops the demo (130).
 """
 from __future__ import annotations
 
@@ -56,15 +45,15 @@ import argparse
 import contextlib
 import glob
 import json
+import math
 import os
 import shlex
 import socket
-import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -72,99 +61,195 @@ if ROOT not in sys.path:
 
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
-from trainer.config.flags import add_common_args  # noqa: E402
 
-# The logit-free row's teacher: the SFT model served by vLLM on this port, as the demo's own background process
-TEACHER_PORT = 8001
-TEACHER_URL = f"http://127.0.0.1:{TEACHER_PORT}/v1"
-# Where the commands write: a folder of the demo's own, so that the quick start's checkpoints/sft/ (the README's
-# first command) and the demo never meet. The training scripts' --save_dir; the model folders lie below it.
 SAVE_DIR = "checkpoints/demo"
-# The demo, in the order the table shows it: the README's quick-start commands, their runs in SAVE_DIR.
-COMMANDS = [
-    "python -c \"from model import Qwen3Config, create_model, save_pretrained; save_pretrained(create_model("
-    f"Qwen3Config.from_json('model/configs/qwen3-tiny.json'), seed=42), '{SAVE_DIR}/random')\"",
-    f"python eval/eval_math.py --model_path {SAVE_DIR}/random --max_new_tokens 64",
-    f"python trainer/train_sft.py --eval_interval 50 --save_dir {SAVE_DIR}",
-    f"python eval/eval_math.py --model_path {SAVE_DIR}/sft --max_new_tokens 64",
-    f"python trainer/train_distillation.py --eval_interval 50 --save_dir {SAVE_DIR}",
-    f"python eval/eval_math.py --model_path {SAVE_DIR}/kd --max_new_tokens 64",
-    f"python trainer/train_opd.py --eval_interval 8 --save_dir {SAVE_DIR}",
-    f"python eval/eval_math.py --model_path {SAVE_DIR}/opd --max_new_tokens 64",
-    # the KD student distilled logit-free from the SFT model served as a black box (SERVE_TEACHER, started by the
-    # demo around this command): OPD's steps and --eval_interval, the method's values for 25-64-token completions
-    f"python trainer/train_logit_free.py --teacher_url {TEACHER_URL} --teacher_form chat --teacher_probe request "
-    f"--chunk_len 8 --audit_chunks 4 --continuations 4 --eval_interval 8 --eval_teacher_path {SAVE_DIR}/sft "
-    f"--save_dir {SAVE_DIR}",
-    f"python eval/eval_math.py --model_path {SAVE_DIR}/logit_free --max_new_tokens 64",
-    # RL with verifiable rewards, from the SFT model (the KD student never ends an answer: every group would be
-    # all wrong, no signal): groups of 4, 8 prompts a step, OPD's number of steps, a learning rate 20x below SFT's
-    # (at SFT's 2e-3 the first updates wiped out the model's EOS within 16 steps: measured)
-    f"python trainer/train_rl.py --num_generations 4 --batch_size 8 --max_steps 32 --learning_rate 1e-4 "
-    f"--eval_interval 8 --save_dir {SAVE_DIR}",
-    f"python eval/eval_math.py --model_path {SAVE_DIR}/rl --max_new_tokens 64",
-]
+TEACHER_PORT = 8001  # the teacher served by vLLM, a background process of the demo
+TEACHER_URL = f"http://127.0.0.1:{TEACHER_PORT}/v1"
+EVAL_NEW_TOKENS = 64  # every demo answer is 20-25 tokens
+TEACHER_DATA = f"{SAVE_DIR}/teacher_answers.parquet"  # the sft_data rows' training data, from the served teacher
 
 
-# The logit-free row's teacher server, run in the background (in its own process group) from before that row's
-# training command until it ends. serving/vllm_launch.py runs it in the vLLM environment's Python. Without chunked
-# prefill: vLLM 0.32's CPU engine dies on a seeded request whose prefill is split over steps ("CPU Generator does not
-# use offset"), and every teacher request of the loop carries a seed (32 in flight split the prefill; measured).
-SERVE_TEACHER = (f"python serving/vllm_launch.py --model {SAVE_DIR}/sft --name teacher --port {TEACHER_PORT} "
-                 f"-- --no-enable-chunked-prefill")
-ENABLE_VLLM = "serving/setup_vllm_cpu.sh makes one; then `python benchmarks/demo.py --fresh`"
+@dataclass(frozen=True)
+class Scale:
+    """How big the demo is: the models, the teacher's and the student's training, every method's budget."""
+    model_config: str
+    teacher_steps: int    # optimizer steps of 16 rows
+    student_steps: int    # the teacher's step whose export is the student
+    budget_steps: int     # optimizer steps of every method, 16 student sequences each
+    seeds: tuple[int, ...]
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    eval_rows: int = 0    # eval_math --max_rows (0: all 200)
+    teacher_eval_interval: int = 0  # the teacher's learning curve on the val problems: --eval_interval (0: none)
+    snapshots: tuple[int, ...] = ()  # the teacher's exports (--export_steps): the student's step among them
+
+    def __post_init__(self):
+        assert self.student_steps in self.snapshots, "the student is one of the teacher's exports"
+
+
+SCALES = {
+    # 2 CPU cores: the teacher TEACHER_MINUTES, the table TABLE_MINUTES (the README's numbers)
+    "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=800, student_steps=425, budget_steps=32,
+                 seeds=(1, 2), teacher_eval_interval=50, snapshots=(400, 425, 450, 475)),
+    # the code path: a few steps of the smallest model, 8 problems
+    "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, student_steps=2, budget_steps=2,
+                  seeds=(1,), dtype="float32", eval_rows=8, snapshots=(2,)),
+    # one CUDA GPU: the same table, a wider model trained longer
+    "cuda": Scale("model/configs/qwen3-demo.json", teacher_steps=2000, student_steps=600, budget_steps=64,
+                  seeds=(1, 2), device="cuda", teacher_eval_interval=250, snapshots=(600,)),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str            # run names NAME_sSEED
+    label: str
+    script: str
+    flags: str           # the method's own flags ({teacher}: the teacher's folder, {url}: its endpoint)
+    learning_rate: float
+    needs: str | None = None   # "vllm": the teacher served by vLLM; "rule": the rule-based teacher
+
+
+METHODS = (
+    Method("sft_data", "SFT on the teacher's sampled answers", "trainer/train_sft.py",
+           f"--data_path {TEACHER_DATA}", 1e-3, needs="vllm"),
+    Method("kd", "KD (CE + KL to the teacher's logits)", "trainer/train_distillation.py",
+           "--teacher_path {teacher}", 1e-3),
+    Method("opd", "white-box OPD (reverse KL)", "trainer/train_opd.py", "--teacher_path {teacher}", 1e-3),
+    Method("lf_vllm", "logit-free OPD, the teacher served as a black box", "trainer/train_logit_free.py",
+           "--teacher_url {url} --teacher_form chat --teacher_probe request --chunk_len 4 --audit_chunks 4 "
+           "--continuations 4", 1e-3, needs="vllm"),
+    Method("lf_rule", "logit-free OPD, the rule-based black-box teacher", "trainer/train_logit_free.py",
+           "--teacher_url {url} --teacher_form chat --chunk_len 4 --audit_chunks 4 "
+           "--continuations 4", 1e-3, needs="rule"),
+    Method("rl", "RL (GRPO, groups of 4, math-verify reward)", "trainer/train_rl.py",
+           "--num_generations 4 --batch_size 4", 1e-3),
+)
 
 
 @dataclass(frozen=True)
 class Row:
-    name: str                 # run name: SAVE_DIR/NAME/, NAME_metrics.jsonl, NAME_eval_eval.summary.json
-    label: str                # the table's model column (the parameter count is added from the saved weights)
-    commands: tuple[str, ...]
-    trained: bool = True      # a training run: it writes NAME_metrics.jsonl
-    server: str | None = None  # a teacher server the demo runs in the background around the training command
+    name: str                    # SAVE_DIR/NAME/, NAME_metrics.jsonl, NAME_eval_eval.jsonl
+    label: str
+    commands: tuple[str, ...]    # training (absent for an evaluated-only row), then its evaluation
+    method: Method | None = None
+    seed: int | None = None
+    learning_rate: float | None = None
+    student: bool = False        # the starting student: every method's row is tested against it
 
 
-ROWS = (
-    Row("random", "random init (qwen3-tiny)", tuple(COMMANDS[0:2]), trained=False),
-    Row("sft", "SFT quick start (the teacher, qwen3-tiny)", tuple(COMMANDS[2:4])),
-    Row("kd", "KD student (qwen3-tiny-student)", tuple(COMMANDS[4:6])),
-    Row("opd", "OPD of the KD student", tuple(COMMANDS[6:8])),
-    Row("logit_free", "logit-free OPD of the KD student (the SFT teacher served as a black box)",
-        tuple(COMMANDS[8:10]), server=SERVE_TEACHER),
-    Row("rl", "RL with verifiable rewards of the SFT model (GRPO, groups of 4)", tuple(COMMANDS[10:12])),
-)
-assert [c for row in ROWS for c in row.commands] == COMMANDS, "every command belongs to one row, in order"
+def common_flags(scale: Scale) -> str:
+    return f"--device {scale.device} --dtype {scale.dtype} --save_dir {SAVE_DIR}"
 
-EVAL_STEM = "eval"         # eval_math's default data is dataset/demo/eval.parquet: NAME_eval_eval.summary.json
+
+def evaluation(name: str, scale: Scale, data: str = "eval") -> str:
+    rows = f" --max_rows {scale.eval_rows}" if scale.eval_rows else ""
+    where = "" if data == "eval" else f" --data_path dataset/demo/{data}.parquet"
+    return (f"python eval/eval_math.py --model_path {SAVE_DIR}/{name} --max_new_tokens {EVAL_NEW_TOKENS} "
+            f"--device {scale.device}{where}{rows}")
+
+
+def prepared_rows(scale: Scale) -> list[Row]:
+    """The teacher, and the starting student: the teacher's own SFT exported at step SCALE.student_steps (the same run,
+    stopped early: --export_steps), its learning curve on the val problems (--eval_interval)."""
+    steps = scale.teacher_steps
+    epochs = math.ceil(steps * 16 / 3000)  # enough passes over the 3,000 rows for the steps
+    curve = (f" --eval_interval {scale.teacher_eval_interval} --eval_data_path dataset/demo/val.parquet"
+             if scale.teacher_eval_interval else "")
+    train = (f"python trainer/train_sft.py --model_config {scale.model_config} {common_flags(scale)} --epochs {epochs} "
+             f"--max_steps {steps} --export_steps {','.join(map(str, scale.snapshots))}{curve} --save_weight teacher")
+    return [Row("teacher", "teacher (SFT)", (train, evaluation("teacher", scale))),
+            Row(student_name(scale), f"starting student (the teacher's SFT at step {scale.student_steps})",
+                (evaluation(student_name(scale), scale),), student=True)]
+
+
+def student_name(scale: Scale) -> str:
+    """The student's folder in SAVE_DIR: the teacher's export at step SCALE.student_steps."""
+    return f"teacher_step{scale.student_steps}"
+
+
+def method_row(method: Method, seed: int, scale: Scale, learning_rate: float | None = None,
+               name: str | None = None, data: str = "eval") -> Row:
+    rate = method.learning_rate if learning_rate is None else learning_rate
+    name = name or f"{method.name}_s{seed}"
+    flags = method.flags.format(teacher=f"{SAVE_DIR}/teacher", url=RULE_URL if method.needs == "rule" else TEACHER_URL)
+    train = (f"python {method.script} --model_path {SAVE_DIR}/{student_name(scale)} {flags} "
+             f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
+             f"--save_weight {name}")
+    return Row(name, method.label, (train, evaluation(name, scale, data)), method, seed, rate)
+
+
+def table_rows(scale: Scale, methods: Sequence[Method] = METHODS) -> list[Row]:
+    return [method_row(method, seed, scale) for method in methods for seed in scale.seeds]
+
+
+def ablation_rows(scale: Scale) -> list[Row]:
+    """Logit-free OPD from the vLLM-served teacher with each chunk weight, and white-box OPD beside them, each seed:
+    docs/logit_free.md's ablation."""
+    from trainer.logit_free.audit import CHUNK_WEIGHTS
+    served = next(m for m in METHODS if m.name == "lf_vllm")
+    rows = []
+    for weight in CHUNK_WEIGHTS:
+        method = Method(served.name, f"{served.label}, --chunk_weight {weight}", served.script,
+                        f"{served.flags} --chunk_weight {weight}", served.learning_rate, served.needs)
+        rows += [method_row(method, seed, scale, name=f"ablation_{weight}_s{seed}") for seed in scale.seeds]
+    opd = next(m for m in METHODS if m.name == "opd")
+    return rows + [method_row(opd, seed, scale, name=f"ablation_opd_s{seed}") for seed in scale.seeds]
+
+
+def sweep_rows(scale: Scale, rates: Sequence[float], methods: Sequence[Method] = METHODS) -> list[Row]:
+    """Each method at each learning rate, the first seed, graded on the val problems."""
+    return [method_row(method, scale.seeds[0], scale, rate, f"sweep_{method.name}_lr{rate:g}", data="val")
+            for method in methods for rate in rates]
+
+
+TEACHER_GENERATE = (f"python dataset/teacher_generate.py --data_path dataset/demo/opd_prompts.parquet "
+                    f"--out {TEACHER_DATA} --base_url {TEACHER_URL} --model teacher --temperature 1.0 "
+                    f"--max_tokens {EVAL_NEW_TOKENS} --seed 0 "
+                    "--extra '{\"chat_template_kwargs\": {\"enable_thinking\": false}}'")
+# vLLM's CPU engine dies on a seeded request whose prefill is split over steps ("CPU Generator does not use offset"):
+# every teacher request carries a seed, hence no chunked prefill (measured)
+SERVE_TEACHER = (f"python serving/vllm_launch.py --model {SAVE_DIR}/teacher --name teacher --port {TEACHER_PORT} "
+                 f"-- --no-enable-chunked-prefill")
+RULE_PORT = 8002
+RULE_URL = f"http://127.0.0.1:{RULE_PORT}/v1"
+ENABLE_VLLM = "serving/setup_vllm_cpu.sh makes one"
 
 
 # ---------------------------------------------------------------------------------------------- the guard
 
 def run_files(save_dir: str, name: str) -> list[str]:
     """What a run or evaluation named `name` leaves in save_dir: its folder, resume file, metrics, lock, folders set
-    aside by --start_over, eval_math's outputs and half-written temporaries; a logit-free run's teacher cache (a new
-    run would take the old answers from it) and the log of the demo's teacher server. Other names (opd2, sft_big)
-    are not touched."""
+    aside by --start_over, eval_math's outputs, half-written temporaries, a logit-free run's teacher cache, the
+    exports of --export_steps."""
     patterns = [name, f"{name}_resume.pt", f"{name}_metrics.jsonl", f"{name}.lock", f"{name}.replaced-*",
                 f"{name}_eval_*", f".{name}.tmp-*", f".{name}_resume.pt.tmp-*", f".{name}_eval_*.tmp-*",
-                f"{name}_teacher_cache.rank*.jsonl", f"{name}_teacher_server.log"]  # the logit-free row's
+                f"{name}_teacher_cache.rank*.jsonl", f"{name}_step[0-9]*"]
     found = set()
     for pattern in patterns:
         found.update(glob.glob(os.path.join(glob.escape(save_dir), pattern)))
     return sorted(found)
 
 
-def existing_runs(save_dir: str) -> dict[str, list[str]]:
-    """{run name: its files} for the demo's run names that have any."""
-    found = {row.name: run_files(save_dir, row.name) for row in ROWS}
+def table_files(save_dir: str) -> list[str]:
+    """The files a table writes besides its runs: the teacher's answers (and their cache), the server's log, the
+    JSON."""
+    names = [TEACHER_DATA, f"{TEACHER_DATA}.cache.jsonl", f"{SAVE_DIR}/teacher_server.log", f"{SAVE_DIR}/demo.json"]
+    return [p for p in (os.path.join(os.path.dirname(save_dir), os.path.relpath(n, "checkpoints")) for n in names)
+            if os.path.exists(p)]
+
+
+def existing_runs(save_dir: str, names: Sequence[str]) -> dict[str, list[str]]:
+    """{run name: its files} for the names that have any."""
+    found = {name: run_files(save_dir, name) for name in names}
     return {name: files for name, files in found.items() if files}
 
 
-def check_no_live_run(save_dir: str) -> None:
-    """Refuse, with or without --fresh, while a demo run is in progress: its lock names a live process here, or a
-    process on another host (whose state cannot be known from here)."""
-    for row in ROWS:
-        lock = os.path.join(save_dir, f"{row.name}.lock")
+def check_no_live_run(save_dir: str, names: Sequence[str]) -> None:
+    """Refuse while one of these runs is in progress: its lock names a live process here, or a process on another
+    host (whose state cannot be known from here)."""
+    for name in names:
+        lock = os.path.join(save_dir, f"{name}.lock")
         try:
             with open(lock, encoding="utf-8") as f:
                 holder = json.load(f)
@@ -172,10 +257,10 @@ def check_no_live_run(save_dir: str) -> None:
             continue  # no lock, or a half-written one: nobody holds it
         pid, host = holder.get("pid"), holder.get("host")
         if host != socket.gethostname():
-            raise UserError(f"{lock}: a run named {row.name} is held by PID {pid} on host {host}; wait for it, or "
+            raise UserError(f"{lock}: a run named {name} is held by PID {pid} on host {host}; wait for it, or "
                             f"delete the lock if that run is gone")
         if isinstance(pid, int) and pid_alive(pid):
-            raise UserError(f"{lock}: a run named {row.name} is in progress (PID {pid}); wait for it or stop it "
+            raise UserError(f"{lock}: a run named {name} is in progress (PID {pid}); wait for it or stop it "
                             f"(kill {pid}) before running the demo")
 
 
@@ -189,24 +274,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def move_aside(save_dir: str, existing: dict[str, list[str]]) -> str:
-    """Move every file of `existing` into save_dir/previous-TIME/ (a new folder); -> that folder."""
+def move_aside(save_dir: str, paths: Sequence[str]) -> str:
+    """Move every path into save_dir/previous-TIME/ (a new folder); -> that folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder, n = os.path.join(save_dir, f"previous-{stamp}"), 1
     while os.path.exists(folder):
         n += 1
         folder = os.path.join(save_dir, f"previous-{stamp}-{n}")
     os.makedirs(folder)
-    for files in existing.values():
-        for path in files:
-            os.replace(path, os.path.join(folder, os.path.basename(path)))
+    for path in paths:
+        os.replace(path, os.path.join(folder, os.path.basename(path)))
     return folder
 
 
-def describe(existing: dict[str, list[str]], save_dir: str) -> str:
-    names = [os.path.relpath(p, save_dir) for files in existing.values() for p in files]
+def describe(paths: Sequence[str], save_dir: str) -> str:
+    names = [os.path.relpath(p, save_dir) for p in paths]
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return f"{len(names)} file(s) of an earlier demo's runs named {'/'.join(existing)} ({shown})"
+    return f"{len(names)} file(s) of an earlier demo ({shown})"
 
 
 # -------------------------------------------------------------------------------------------- running commands
@@ -232,7 +316,7 @@ def run_command(command: str, cwd: str) -> float:
     CommandFailed. Ctrl-C reaches the command as well (same process group): wait for it to stop (a training run
     saves first; its second Ctrl-C stops at once, a third here kills it), then stop the demo."""
     start = time.perf_counter()
-    process = subprocess.Popen(command_argv(command), cwd=cwd)
+    process = subprocess.Popen(command_argv(command), cwd=cwd, env={**os.environ, "OPENAI_API_KEY": "EMPTY"})
     interrupts = 0
     while True:
         try:
@@ -251,30 +335,33 @@ def run_command(command: str, cwd: str) -> float:
     return seconds
 
 
-# ---------------------------------------------------------------------------------------- the served teacher
+# ---------------------------------------------------------------------------------------------- the teachers
+
+class ServerFailed(RuntimeFailure):
+    """A teacher server exited or was not ready in time: its rows are not run (the note says where its log is)."""
+
 
 class ServedTeacher:
-    """The logit-free row's black-box teacher: the demo's SFT model served by vLLM (SERVE_TEACHER, the vLLM
-    environment's server behind serving/vllm_launch.py) on 127.0.0.1:TEACHER_PORT, a subprocess of the demo in its
-    own process group, stopped when the row's training ends (or fails, or Ctrl-C)."""
+    """The teacher served by vLLM (SERVE_TEACHER: the vLLM environment's server behind serving/vllm_launch.py) on
+    127.0.0.1:TEACHER_PORT, a subprocess of the demo in its own process group, stopped when its rows end."""
 
     def unavailable(self) -> str | None:
-        """Why the row cannot run here (one line, with how to enable it), or None."""
+        """Why it cannot be served here (one line, with how to enable it), or None."""
         from serving.vllm_launch import DEFAULT_VENV, vllm_python
         if vllm_python() is None:
             return f"no vLLM environment at {DEFAULT_VENV}: {ENABLE_VLLM}"
         if port_in_use(TEACHER_PORT):
-            return (f"port {TEACHER_PORT} (the demo's teacher server) is in use: stop what listens there, then "
-                    f"`python benchmarks/demo.py --fresh`")
+            return f"port {TEACHER_PORT} (the demo's teacher server) is in use: stop what listens there"
         return None
 
     @contextlib.contextmanager
-    def serving(self, command: str, cwd: str, log_path: str):
-        """The server started (its output into log_path) and ready; stopped however the block ends. ServerFailed
-        when it exits or is not ready in 15 minutes."""
+    def serving(self, cwd: str) -> Iterator[None]:
+        """The server started (its output into SAVE_DIR/teacher_server.log) and ready; stopped however the block
+        ends. ServerFailed when it exits or is not ready in 15 minutes."""
         from serving.vllm_launch import stop_vllm, wait_ready
+        log_path = os.path.join(cwd, SAVE_DIR, "teacher_server.log")
         with open(log_path, "w", encoding="utf-8") as log:
-            process = subprocess.Popen(command_argv(command), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(command_argv(SERVE_TEACHER), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)
         try:
             try:
@@ -286,8 +373,19 @@ class ServedTeacher:
             stop_vllm(process)
 
 
-class ServerFailed(RuntimeFailure):
-    """The teacher server exited or was not ready in time: its row is not run (the note says where its log is)."""
+class RuleTeacher:
+    """benchmarks/rule_teacher.py's server in this process, on 127.0.0.1:RULE_PORT, while its rows run."""
+
+    def unavailable(self) -> str | None:
+        if port_in_use(RULE_PORT):
+            return f"port {RULE_PORT} (the demo's rule-based teacher) is in use: stop what listens there"
+        return None
+
+    @contextlib.contextmanager
+    def serving(self, cwd: str) -> Iterator[None]:
+        from benchmarks.rule_teacher import RuleTeacher as RuleServer
+        with RuleServer(RULE_PORT):
+            yield
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -296,40 +394,100 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
-def server_log(row: Row) -> str:
-    return f"{SAVE_DIR}/{row.name}_teacher_server.log"
+# ------------------------------------------------------------------------------------------------ running rows
+
+@dataclass
+class RowRun:
+    """What running a row gave: the seconds of each command that ran; why it did not run (one line), or that it
+    was reused from an earlier table."""
+    seconds: list[float] = field(default_factory=list)
+    skipped: str | None = None
+    reused: bool = False
 
 
-def wait_for_teacher(timeout: float = 900.0) -> None:
-    """For the --dry_run script: wait until the teacher server answers GET /health; exit 1 after `timeout`."""
-    import httpx
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{TEACHER_PORT}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    sys.exit(f"error: no teacher server on port {TEACHER_PORT} after {timeout:.0f} s")
+def say(text: str) -> None:
+    print(f"\n[demo] {text}", flush=True)
 
 
-def script_lines() -> list[str]:
-    """What --dry_run prints: COMMANDS, one per line, and around a served row's training command its server
-    started in the background, waited for and stopped (POSIX sh)."""
-    lines = []
-    for row in ROWS:
-        if row.server is None:
-            lines += row.commands
-            continue
-        train, *rest = row.commands
-        lines += [f"{row.server} > {server_log(row)} 2>&1 & TEACHER_PID=$!",
-                  "python -c \"from benchmarks.demo import wait_for_teacher; wait_for_teacher()\"",
-                  train, "kill $TEACHER_PID", *rest]
-    return lines
+def run_row(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
+    seconds = []
+    for command in row.commands:
+        say(command)
+        seconds.append(runner(command, root))
+        say(f"done in {format_seconds(seconds[-1])}")
+    return RowRun(seconds)
+
+
+def prepared(row: Row, root: str) -> bool:
+    """The teacher or the student of an earlier table: its model (the student: the teacher's export) and its
+    evaluation are there."""
+    return (os.path.isfile(os.path.join(root, SAVE_DIR, row.name, "config.json"))
+            and os.path.isfile(summary_path(root, row)))
+
+
+def run_needing(teacher, rows: Sequence[Row], root: str, runner: Callable[[str, str], float],
+                before: Sequence[str] = ()) -> tuple[dict[str, RowRun], float | None]:
+    """Rows that need `teacher` served: each skipped with one line where it cannot be; else the teacher started,
+    `before` run (the teacher's answers), the rows run, the teacher stopped. -> ({name: run}, seconds to serve)."""
+    if not rows:
+        return {}, None
+    note = teacher.unavailable()
+    if note is not None:
+        say(f"skipped, the rows {', '.join(r.name for r in rows)}: {note}")
+        return {row.name: RowRun(skipped=f"skipped: {note}") for row in rows}, None
+    start = time.perf_counter()
+    runs = {}
+    try:
+        with teacher.serving(root):
+            serve_seconds = time.perf_counter() - start
+            for command in before:
+                say(command)
+                runs["before"] = RowRun([runner(command, root)])
+            for row in rows:
+                runs[row.name] = run_row(row, root, runner)
+    except ServerFailed as error:
+        say(f"skipped: the teacher server did not start: {error}")
+        return {row.name: RowRun(skipped=f"skipped: the teacher server did not start: {error}") for row in rows}, None
+    return runs, serve_seconds
+
+
+def run_all(rows: Sequence[Row], prepared_rows_: Sequence[Row], root: str, runner: Callable[[str, str], float],
+            teachers: dict[str, object]) -> tuple[dict[str, RowRun], dict[str, float]]:
+    """The teacher and the student unless an earlier table left them, then the rows needing the vLLM teacher
+    (after its answers for sft_data), those needing the rule-based teacher, and the rest. -> ({name: run},
+    {what: seconds} of the servers' start-ups and the teacher's answers)."""
+    runs, extra = {}, {}
+    for row in prepared_rows_:
+        runs[row.name] = RowRun(reused=True) if prepared(row, root) else run_row(row, root, runner)
+    need = {kind: [r for r in rows if r.method.needs == kind] for kind in ("vllm", "rule")}
+    before = [TEACHER_GENERATE] if any(r.method.name == "sft_data" for r in need["vllm"]) else []
+    for kind in ("vllm", "rule"):
+        done, serve_seconds = run_needing(teachers[kind], need[kind], root, runner, before if kind == "vllm" else ())
+        if "before" in done:
+            extra["teacher answers"] = done.pop("before").seconds[0]
+        if serve_seconds is not None and kind == "vllm":
+            extra["vLLM teacher start-up"] = serve_seconds
+        runs.update(done)
+    for row in rows:
+        if row.method.needs is None:
+            runs[row.name] = run_row(row, root, runner)
+    return runs, extra
 
 
 # ------------------------------------------------------------------------------------------ reading the results
+
+def summary_path(root: str, row: Row) -> str:
+    return os.path.join(root, SAVE_DIR, f"{row.name}_eval_{data_stem(row)}.summary.json")
+
+
+def gradings_path(root: str, row: Row) -> str:
+    return os.path.join(root, SAVE_DIR, f"{row.name}_eval_{data_stem(row)}.jsonl")
+
+
+def data_stem(row: Row) -> str:
+    argv = shlex.split(row.commands[-1])
+    return os.path.basename(argv[argv.index("--data_path") + 1]).split(".")[0] if "--data_path" in argv else "eval"
+
 
 def read_json(path: str, written_by: str) -> dict:
     try:
@@ -341,14 +499,14 @@ def read_json(path: str, written_by: str) -> dict:
         raise UserError(f"{path} is not valid JSON ({error}): rerun `{written_by}`") from None
 
 
-def read_metrics(path: str, written_by: str) -> tuple[list[dict], list[dict]]:
-    """metrics.jsonl -> (per-step records, in-training evaluation records), in file order."""
-    steps, evals = [], []
+def read_steps(path: str, written_by: str) -> list[dict]:
+    """metrics.jsonl -> the per-step records (not the evaluations), in file order."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except FileNotFoundError:
         raise UserError(f"{path} does not exist: `{written_by}` writes it") from None
+    steps = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -356,68 +514,50 @@ def read_metrics(path: str, written_by: str) -> tuple[list[dict], list[dict]]:
             record = json.loads(line)
         except ValueError as error:
             raise UserError(f"{path} line {number} is not valid JSON ({error}): rerun `{written_by}`") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise UserError(f"{path} line {number} has no step: not a metrics record of this project")
-        (steps if "loss" in record else evals).append(record)
+        if "loss" in record:
+            steps.append(record)
     if not steps:
         raise UserError(f"{path} holds no logged step: did `{written_by}` finish?")
-    return steps, evals
-
-
-def count_parameters(folder: str) -> int | None:
-    """Parameters stored in folder/model.safetensors (tied embeddings once), from the file's JSON header alone;
-    None when the file cannot be read."""
-    try:
-        with open(os.path.join(folder, "model.safetensors"), "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        total = 0
-        for key, tensor in header.items():
-            if key != "__metadata__":
-                count = 1
-                for dim in tensor["shape"]:
-                    count *= dim
-                total += count
-        return total
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
+    return steps
 
 
 @dataclass
-class RowRun:
-    """What running a row gave: the seconds of each command that ran, in order; a served row's teacher start-up
-    seconds; and, when its commands did not run, why (one line)."""
-    seconds: list[float]
-    serve_seconds: float | None = None
-    skipped: str | None = None
-
-
-@dataclass
-class RowResult:
+class Result:
     row: Row
-    summary: dict | None      # None: the row was skipped
-    seconds: list[float]
-    steps: list[dict]
-    evals: list[dict]
-    parameters: int | None
-    serve_seconds: float | None = None
-    skipped: str | None = None
+    run: RowRun
+    summary: dict | None = None
+    steps: list[dict] = field(default_factory=list)
+    reverse_kl: float | None = None
+    versus_student: tuple[int, int, float] | None = None  # (only this row right, only the student right, p)
 
 
-def collect(save_dir: str, rows: Sequence[Row], runs: Sequence[RowRun]) -> list[RowResult]:
-    """Each row's evaluation summary, training metrics and parameter count (none for a skipped row); `runs`: one
-    per row, in order."""
+def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
+            statistics: Callable[[str, Row, Row | None], tuple[float | None, tuple | None]]) -> list[Result]:
+    """Each row's evaluation summary, training steps, reverse KL to the teacher and paired test against the
+    student (`statistics`: benchmarks/demo_stats.py's, or the tests' stand-in); skipped rows stay empty."""
+    student = next((r for r in rows if r.student), None)
     results = []
-    for row, run in zip(rows, runs, strict=True):
+    for row in rows:
+        run = runs[row.name]
         if run.skipped is not None:
-            results.append(RowResult(row, None, run.seconds, [], [], None, run.serve_seconds, run.skipped))
+            results.append(Result(row, run))
             continue
-        summary = read_json(os.path.join(save_dir, f"{row.name}_eval_{EVAL_STEM}.summary.json"), row.commands[-1])
-        steps, evals = (read_metrics(os.path.join(save_dir, f"{row.name}_metrics.jsonl"), row.commands[0])
-                        if row.trained else ([], []))
-        results.append(RowResult(row, summary, run.seconds, steps, evals,
-                                 count_parameters(os.path.join(save_dir, row.name)), run.serve_seconds))
+        summary = read_json(summary_path(root, row), row.commands[-1])
+        steps = read_steps(os.path.join(root, SAVE_DIR, f"{row.name}_metrics.jsonl"), row.commands[0]) \
+            if row.method else []
+        reverse_kl, paired = statistics(root, row, student if row.method else None)
+        results.append(Result(row, run, summary, steps, reverse_kl, paired))
     return results
+
+
+def demo_statistics(root: str, row: Row, student: Row | None) -> tuple[float | None, tuple | None]:
+    """(the row's held-out reverse KL to the teacher, its paired test against the student or None)."""
+    from benchmarks.demo_stats import paired_test, reverse_kl_to_teacher
+    folder = os.path.join(root, SAVE_DIR)
+    reverse_kl = None if row.name == "teacher" else reverse_kl_to_teacher(
+        os.path.join(folder, row.name), os.path.join(folder, "teacher"), gradings_path(root, row))
+    paired = paired_test(gradings_path(root, row), gradings_path(root, student)) if student else None
+    return reverse_kl, paired
 
 
 # ---------------------------------------------------------------------------------------------------- the table
@@ -432,200 +572,160 @@ def format_accuracy(summary: dict) -> str:
             f"({summary['correct']}/{summary['samples']})")
 
 
-def number(x: float) -> str:
-    """Two decimals (11.85, 0.88); three significant digits below 0.1, where two decimals would say nothing."""
-    return f"{x:.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:.3g}"
+def total(steps: Sequence[dict], key: str) -> float:
+    return sum(m.get(key, 0) for m in steps)
 
 
-def change(first: float, last: float) -> str:
-    return f", {100 * (last - first) / first:+.0f}%" if first else ""
+def versus(paired: tuple[int, int, float] | None) -> str:
+    if paired is None:
+        return "-"
+    gained, lost, p = paired
+    return f"+{gained} / -{lost}, p = {p:.2g}"
 
 
-def notes(result: RowResult) -> str:
-    parts = []
-    if result.steps:
-        first, last = result.steps[0], result.steps[-1]
-        text = f"{last['step']} steps, loss {number(first['loss'])} -> {number(last['loss'])}"
-        for key in ("ce", "kd"):
-            if key in first and key in last:
-                text += f", {key.upper()} {number(first[key])} -> {number(last[key])}"
-        parts.append(text)
-    if result.steps and "teacher_requests" in result.steps[0]:  # a black-box teacher: what it was asked
-        requests = sum(m.get("teacher_requests", 0) for m in result.steps)
-        tokens = sum(m.get("teacher_tokens", 0) for m in result.steps)
-        parts.append(f"{requests:,.0f} teacher requests ({tokens:,.0f} tokens)")
-    if result.steps and "reward" in result.steps[0]:  # RL: the rewards of its groups
-        group = next(k for k in result.steps[0] if k.startswith("pass@") and k != "pass@1")
-        first, last = result.steps[0], result.steps[-1]
-        silent = sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
-        parts.append(f"reward {first['reward']:.3f} -> {last['reward']:.3f}, {group} {first[group]:.0%} -> "
-                     f"{last[group]:.0%}, groups without signal {silent:.0%} of all")
-    kl = [e for e in result.evals if "eval/reverse_kl" in e]
-    if len(kl) >= 2:
-        first, last = kl[0]["eval/reverse_kl"], kl[-1]["eval/reverse_kl"]
-        parts.append(f"held-out reverse KL {first:.3f} (step {kl[0]['step']}) -> {last:.3f} "
-                     f"(step {kl[-1]['step']}){change(first, last)}")
-    elif kl:
-        parts.append(f"held-out reverse KL {kl[0]['eval/reverse_kl']:.3f} (step {kl[0]['step']})")
-    eos = [e for e in result.evals if "eval/eos_share" in e]
-    if len(eos) >= 2:
-        parts.append(f"held-out greedy EOS share {eos[0]['eval/eos_share']:.0%} -> {eos[-1]['eval/eos_share']:.0%}")
-    summary = result.summary
-    parts.append(f"eval_math: {summary['eos_share']:.0%} of completions end with EOS, mean "
-                 f"{summary['mean_completion_tokens']:.0f} tokens")
+def teacher_cell(steps: Sequence[dict]) -> str:
+    if not steps or "teacher_requests" not in steps[0]:
+        return "-"
+    return f"{total(steps, 'teacher_requests'):,.0f} ({total(steps, 'teacher_tokens'):,.0f} tokens)"
+
+
+def notes(result: Result) -> str:
+    steps = result.steps
+    if not steps:
+        return "reused from an earlier table" if result.run.reused else ""
+    parts = [f"{steps[-1]['step']} steps, loss {steps[0]['loss']:.3g} -> {steps[-1]['loss']:.3g}"]
+    if "zero_variance_share" in steps[0]:
+        signal = 1 - sum(m["zero_variance_share"] for m in steps) / len(steps)
+        parts.append(f"groups with signal {signal:.0%} (step 1 {1 - steps[0]['zero_variance_share']:.0%}, last "
+                     f"{1 - steps[-1]['zero_variance_share']:.0%}), reward {steps[0]['reward']:.2f} -> "
+                     f"{steps[-1]['reward']:.2f}")
+    if "pi_hat" in steps[0]:
+        parts.append(f"pi_hat {steps[0]['pi_hat']:.2f} -> {steps[-1]['pi_hat']:.2f}")
     return "; ".join(parts)
 
 
-def cell(text: str) -> str:
-    return text.replace("|", "\\|")
+def record(result: Result) -> dict:
+    """One row of demo.json."""
+    row, summary = result.row, result.summary or {}
+    return {"name": row.name, "label": row.label, "method": row.method.name if row.method else None,
+            "seed": row.seed, "learning_rate": row.learning_rate, "commands": list(row.commands),
+            "skipped": result.run.skipped, "reused": result.run.reused, "seconds": result.run.seconds,
+            "accuracy": summary.get("accuracy"), "accuracy_ci95": summary.get("accuracy_ci95"),
+            "correct": summary.get("correct"), "problems": summary.get("samples"),
+            "eos_share": summary.get("eos_share"), "reverse_kl_to_teacher": result.reverse_kl,
+            "versus_student": list(result.versus_student) if result.versus_student else None,
+            "steps": len(result.steps), "student_tokens": total(result.steps, "tokens"),
+            "teacher_requests": total(result.steps, "teacher_requests"),
+            "teacher_tokens": total(result.steps, "teacher_tokens"),
+            "groups_with_signal": (1 - sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
+                                   if result.steps and "zero_variance_share" in result.steps[0] else None)}
 
 
-def model_label(result: RowResult) -> str:
-    if result.parameters is None:
-        return result.row.label
-    label = result.row.label
-    count = f"{result.parameters / 1e6:.1f}M parameters"
-    return f"{label[:-1]}, {count})" if label.endswith(")") else f"{label} ({count})"
-
-
-def commands_cell(row: Row) -> str:
-    commands = " then ".join(f"`{command}`" for command in row.commands)
-    if row.server is None:
-        return commands
-    return f"`{row.server}` in the background, then " + commands.replace(" then ", " (server stopped) then ", 1)
-
-
-def wall_time(result: RowResult) -> str:
-    parts = [f"{format_seconds(result.serve_seconds)} to serve the teacher"] if result.serve_seconds is not None \
-        else []
-    parts += [format_seconds(s) for s in result.seconds]
-    return " + ".join(parts) or "-"
-
-
-def table(results: Sequence[RowResult]) -> str:
-    lines = ["| model | commands | accuracy | notes | wall time |", "|---|---|---|---|---|"]
+def table(results: Sequence[Result]) -> str:
+    header = ("model", "seed", "lr", "held-out accuracy [95%]", "vs the student (McNemar)",
+              "reverse KL to the teacher", "EOS", "teacher requests", "student tokens", "wall time", "notes")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
-        accuracy = "-" if result.summary is None else format_accuracy(result.summary)
-        note = result.skipped if result.skipped is not None else notes(result)
-        lines.append("| " + " | ".join(cell(text) for text in (model_label(result), commands_cell(result.row),
-                                                                   accuracy, note, wall_time(result))) + " |")
+        row, summary = result.row, result.summary
+        if summary is None:
+            cells = (row.label, str(row.seed or "-"), "-", "-", "-", "-", "-", "-", "-", "-", result.run.skipped)
+        else:
+            cells = (row.label, str(row.seed or "-"), f"{row.learning_rate:g}" if row.learning_rate else "-",
+                     format_accuracy(summary), versus(result.versus_student),
+                     "-" if result.reverse_kl is None else f"{result.reverse_kl:.3f}",
+                     f"{summary['eos_share']:.0%}", teacher_cell(result.steps),
+                     f"{total(result.steps, 'tokens'):,.0f}" if result.steps else "-",
+                     " + ".join(format_seconds(s) for s in result.run.seconds) or "-", notes(result))
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 
-def heldout_settings(commands: Sequence[str]) -> set[tuple[int, int]]:
-    """(--eval_rows, --eval_max_new_tokens) of the training commands, their flags parsed by the loops' own parser."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_common_args(parser, save_weight="demo")
-    settings = set()
-    for command in commands:
-        args, _ = parser.parse_known_args(shlex.split(command)[2:])
-        settings.add((args.eval_rows, args.eval_max_new_tokens))
-    return settings
+def report(command: str, scale: Scale, results: Sequence[Result], extra: dict[str, float], seconds: float) -> str:
+    extras = "".join(f", {what} {format_seconds(s)}" for what, s in extra.items())
+    return (f"### `{command}`: {machine()}; "
+            f"{format_seconds(seconds)} in all{extras})\n\n"
+            f"Every method from the same student, {scale.budget_steps} optimizer steps of 16 student sequences; "
+            f"accuracy on the held-out problems (greedy, {EVAL_NEW_TOKENS} new tokens, math-verify; Wilson 95% "
+            f"interval); vs the student: problems only this model solves / only the student solves and McNemar's "
+            f"exact p; reverse KL: per answer token, on the model's own greedy answers.\n\n{table(results)}")
 
 
-def intro(results: Sequence[RowResult]) -> str:
-    """The sentence above the table: what the accuracy and the notes measure, from the summaries and the flags."""
-    results = [r for r in results if r.summary is not None]  # a skipped row evaluated nothing
-    evals = {(s["rows"], s["args"].get("max_new_tokens"), s["args"].get("temperature"))
-             for s in (r.summary for r in results)}
-    if len(evals) == 1:
-        rows, new_tokens, temperature = evals.pop()
-        how = "greedy" if not temperature else f"temperature {temperature}"
-        accuracy = f"Held-out accuracy on the {rows} demo eval problems ({how}, {new_tokens} new tokens"
-    else:
-        accuracy = "Held-out accuracy on the demo eval problems (settings differ: see each command"
-    text = (f"{accuracy}, graded with math-verify; 95% Wilson interval), from each model's "
-            f"`{SAVE_DIR}/NAME_eval_{EVAL_STEM}.summary.json`.")
-    settings = heldout_settings([c for r in results if r.row.trained for c in r.row.commands[:1]])
-    if len(settings) == 1:
-        eval_rows, new_tokens = settings.pop()
-        text += (f" The held-out reverse KL (to the SFT teacher) and EOS share in the notes are the in-training "
-                 f"evaluation's, from `{SAVE_DIR}/NAME_metrics.jsonl`: the student's greedy completions "
-                 f"({new_tokens} new tokens) of the first {eval_rows} eval prompts.")
-    return text
-
-
-def report(results: Sequence[RowResult], total_seconds: float) -> str:
-    return (f"### What the demo reaches (measured by `python benchmarks/demo.py`: {machine()}; "
-            f"{format_seconds(total_seconds)} in all)\n\n{intro(results)}\n\n{table(results)}")
+def sweep_report(results: Sequence[Result]) -> str:
+    lines = ["| method | learning rate | val accuracy [95%] |", "|---|---|---|"]
+    for result in results:
+        accuracy = result.run.skipped if result.summary is None else format_accuracy(result.summary)
+        lines.append(f"| {result.row.method.name} | {result.row.learning_rate:g} | {accuracy} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", default="cpu", choices=sorted(SCALES), help="how big (SCALES)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
-                        help=f"move an earlier demo's runs ({'/'.join(row.name for row in ROWS)} in {SAVE_DIR}/) "
-                             f"into {SAVE_DIR}/previous-TIME/ first")
-    return parser.parse_args(argv)
-
-
-def run_commands(commands: Sequence[str], first: int, root: str, runner: Callable[[str, str], float]) -> list[float]:
-    """Run `commands` (COMMANDS[first - 1:], numbered from `first`) one after the other; -> their seconds."""
-    seconds = []
-    for i, command in enumerate(commands, first):
-        print(f"\n[demo {i}/{len(COMMANDS)}] {command}", flush=True)
-        seconds.append(runner(command, root))
-        print(f"[demo {i}/{len(COMMANDS)}] done in {format_seconds(seconds[-1])}", flush=True)
-    return seconds
-
-
-def run_served_row(row: Row, first: int, root: str, runner: Callable[[str, str], float],
-                   teacher: ServedTeacher) -> RowRun:
-    """A row whose training command needs row.server: skipped (one line, how to enable it) where the teacher
-    cannot be served; else the server started, the training command run, the server stopped, then the
-    evaluation."""
-    where = f"[demo {first}-{first + len(row.commands) - 1}/{len(COMMANDS)}]"
-    note = teacher.unavailable()
-    if note is not None:
-        print(f"\n{where} skipped, the {row.name} row: {note}", flush=True)
-        return RowRun([], skipped=f"skipped: {note}")
-    log = os.path.join(root, server_log(row))
-    print(f"\n{where} {row.server} (in the background, its output in {server_log(row)}; 2-5 minutes to start on 2 "
-          f"CPU cores)", flush=True)
-    start = time.perf_counter()
-    try:
-        with teacher.serving(row.server, root, log):
-            serve_seconds = time.perf_counter() - start
-            print(f"{where} the teacher is served after {format_seconds(serve_seconds)}", flush=True)
-            seconds = run_commands(row.commands[:1], first, root, runner)
-    except ServerFailed as error:
-        note = f"skipped: the teacher server did not start: {error}"
-        print(f"{where} {note}", flush=True)
-        return RowRun([], skipped=note)
-    print(f"{where} the teacher server is stopped", flush=True)
-    return RowRun(seconds + run_commands(row.commands[1:], first + 1, root, runner), serve_seconds)
+                        help=f"move an earlier table's runs in {SAVE_DIR}/ into {SAVE_DIR}/previous-TIME/ first")
+    parser.add_argument("--retrain", action="store_true", help="--fresh, and the teacher and student too")
+    parser.add_argument("--sweep", default=None, help="comma-separated learning rates: each method at each, seed 1, "
+                                                      "graded on the val problems, instead of the table")
+    parser.add_argument("--ablation", action="store_true",
+                        help="instead of the table: logit-free OPD from the served teacher with each --chunk_weight, "
+                             "and white-box OPD, each seed (docs/logit_free.md)")
+    parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
+                        help="comma-separated methods of the table or the sweep (default: all)")
+    args = parser.parse_args(argv)
+    names = {m.name: m for m in METHODS}
+    unknown = [name for name in args.methods.split(",") if name not in names]
+    if unknown:
+        parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(names)}")
+    args.methods = [names[name] for name in args.methods.split(",")]
+    if args.sweep is not None:
+        try:
+            args.sweep = [float(x) for x in args.sweep.split(",")]
+        except ValueError:
+            parser.error(f"--sweep takes comma-separated learning rates, got {args.sweep!r}")
+    return args
 
 
 def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str, str], float] = run_command,
-         teacher: ServedTeacher | None = None) -> int:
-    """`root` (the folder the commands run in), `runner` (command, cwd -> seconds) and `teacher` (the served
-    teacher's start and stop) are for the tests."""
+         teachers: dict[str, object] | None = None,
+         statistics: Callable[[str, Row, Row | None], tuple] = demo_statistics) -> int:
+    """`root` (where the commands run), `runner` (command, cwd -> seconds), `teachers` ({"vllm", "rule"}: their
+    start and stop) and `statistics` are for the tests."""
     args = parse_args(argv)
-    save_dir = os.path.join(root, SAVE_DIR)
-    existing = existing_runs(save_dir)
+    scale = SCALES[args.scale]
+    first = prepared_rows(scale)
+    rows = sweep_rows(scale, args.sweep, args.methods) if args.sweep else ablation_rows(scale) if args.ablation \
+        else table_rows(scale, args.methods)
     if args.dry_run:
-        print("\n".join(script_lines()), flush=True)
-        if existing:
-            what = "--fresh would move them aside first" if args.fresh else "the demo needs --fresh"
-            print(f"note: {SAVE_DIR}/ holds {describe(existing, save_dir)}: {what}", file=sys.stderr, flush=True)
+        for row in first + rows:
+            print("\n".join(row.commands), flush=True)
         return 0
-    check_no_live_run(save_dir)
-    if existing and not args.fresh:
+    save_dir = os.path.join(root, SAVE_DIR)
+    check_no_live_run(save_dir, [r.name for r in first + rows])
+    moving = [r.name for r in rows] + ([r.name for r in first] if args.retrain else [])
+    existing = [p for files in existing_runs(save_dir, moving).values() for p in files] + \
+        (table_files(save_dir) if not (args.sweep or args.ablation) else [])
+    if existing and not (args.fresh or args.retrain):
         raise UserError(f"{SAVE_DIR}/ holds {describe(existing, save_dir)}: pass --fresh to move them into "
                         f"{SAVE_DIR}/previous-TIME/ first, or move them yourself")
     if existing:
         folder = move_aside(save_dir, existing)
-        print(f"--fresh: moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)
-    teacher = teacher or ServedTeacher()
-    start, runs, first = time.perf_counter(), [], 1
-    for row in ROWS:
-        runs.append(run_served_row(row, first, root, runner, teacher) if row.server is not None
-                    else RowRun(run_commands(row.commands, first, root, runner)))
-        first += len(row.commands)
-    results = collect(save_dir, ROWS, runs)
-    print("\n" + report(results, time.perf_counter() - start), flush=True)
+        print(f"moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)
+    os.makedirs(save_dir, exist_ok=True)
+    start = time.perf_counter()
+    runs, extra = run_all(rows, first, root, runner, teachers or {"vllm": ServedTeacher(), "rule": RuleTeacher()})
+    if args.sweep:
+        print("\n" + sweep_report(collect(root, rows, runs, lambda *_: (None, None))), flush=True)
+        return 0
+    results = collect(root, first + rows, runs, statistics)
+    command = shlex.join(["python", "benchmarks/demo.py", *(sys.argv[1:] if argv is None else argv)])
+    text = report(command, scale, results, extra, time.perf_counter() - start)
+    with open(os.path.join(save_dir, "ablation.json" if args.ablation else "demo.json"), "w", encoding="utf-8") as f:
+        json.dump({"header": text.splitlines()[0], "scale": asdict(scale), "extra_seconds": extra,
+                   "rows": [record(r) for r in results]}, f, indent=1)
+    print("\n" + text, flush=True)
     return 0
 
 

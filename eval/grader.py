@@ -311,3 +311,17 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     center = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, center - half), min(1.0, center + half)
+
+
+def mcnemar_exact(first: Sequence[bool], second: Sequence[bool]) -> tuple[int, int, float]:
+    """McNemar's exact test of two models graded on the same problems, in the same order: -> (problems only the first
+    solved, problems only the second solved, two-sided p-value). Only the discordant problems count; under the null
+    hypothesis (equal accuracy) each is the first's with probability 1/2, so the p-value is the two-sided binomial
+    tail: min(1, 2 * P(X <= min(b, c))) for X ~ Binomial(b + c, 1/2); 1.0 when no problem is discordant."""
+    if len(first) != len(second):
+        raise ValueError(f"the two gradings cover {len(first)} and {len(second)} problems: they must be the same ones")
+    only_first = sum(1 for a, b in zip(first, second) if a and not b)
+    only_second = sum(1 for a, b in zip(first, second) if b and not a)
+    n = only_first + only_second
+    tail = sum(math.comb(n, i) for i in range(min(only_first, only_second) + 1)) / 2 ** n
+    return only_first, only_second, min(1.0, 2 * tail)

@@ -13,8 +13,9 @@ import torch
 from dataset.collators import IGNORE_INDEX
 from trainer.logit_free.agreement import TEXT_CAP, agreement, similarity
 from trainer.logit_free.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking,
-                                      audit_loss_sum, choose_chunks, chunked_audit_loss, completion_lengths,
-                                      plan_audits, position_stats, position_weights, posterior_weight)
+                                      audit_loss_sum, choose_chunks, chunk_weights, chunked_audit_loss,
+                                      completion_lengths, plan_audits, position_stats, position_weights,
+                                      posterior_weight)
 from trainer.losses.chunked import completion_hidden
 from trainer.losses.closed_forms import sampled_token_kl_loss
 
@@ -233,8 +234,10 @@ def test_position_weights_refuse_chunks_that_do_not_fit():
         position_weights([5, 3], [Chunk(1, 1, 3, 0.5)], [0.5])
     with pytest.raises(ValueError, match="overlaps"):
         position_weights([9], [Chunk(0, 0, 3, 0.5), Chunk(0, 2, 3, 0.5)], [0.5, 0.5])
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
         position_weights([9], [Chunk(0, 0, 3, 0.5)], [1.5])
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        position_weights([9], [Chunk(0, 0, 3, 0.5)], [-1.5])
     with pytest.raises(ValueError, match="rows"):
         position_weights([9], [Chunk(1, 0, 3, 0.5)], [0.5])
     weights, audited = position_weights([4, 0, 2], [], [])
@@ -454,3 +457,30 @@ def test_white_box_log_ratio_is_unbounded_where_the_bounded_weight_is_not():
     assert all(b > a for a, b in zip(surrogate_norms, surrogate_norms[1:]))
     assert surrogate_norms[-1] > 5 * surrogate_norms[0] and surrogate_norms[-1] > math.sqrt(2)
     assert max(audit_norms) <= math.sqrt(2)
+
+
+def test_chunk_weights_posterior_advantage_and_centred():
+    chunks = [Chunk(0, 0, 3, 0.25), Chunk(0, 4, 3, 0.5), Chunk(1, 0, 3, 0.9)]
+    pi_hats = [0.75, 0.5, 0.15]
+    assert chunk_weights(pi_hats, chunks, "posterior") == pi_hats
+    assert chunk_weights(pi_hats, chunks, "advantage") == pytest.approx([0.5, 0.0, -0.75])
+    assert chunk_weights(pi_hats, chunks, "centred") == pytest.approx([0.75 - 1.4 / 3, 0.5 - 1.4 / 3, 0.15 - 1.4 / 3])
+    assert chunk_weights([], [], "centred") == []
+    with pytest.raises(ValueError, match="not one of"):
+        chunk_weights(pi_hats, chunks, "median")
+
+
+def test_a_negative_chunk_weight_pushes_its_tokens_down():
+    """The loss's gradient with the advantage weight: a chunk of weight w < 0 lowers its tokens' log-probability by
+    a gradient step, one of weight w > 0 raises them; -sum w log p in closed form."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, 4, 5, 6])
+    weights, _ = position_weights([6], [Chunk(0, 0, 3, 0.4), Chunk(0, 3, 3, 0.4)], [0.5, -0.5])
+    log_p = torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]
+    loss = audit_loss_sum(log_p, weights)
+    assert float(loss) == pytest.approx(float(-(weights * log_p).sum()))
+    loss.backward()
+    with torch.no_grad():
+        after = torch.log_softmax(logits - 0.1 * logits.grad, -1).gather(1, labels[:, None])[:, 0]
+    assert bool((after[:3] > log_p[:3]).all()) and bool((after[3:] < log_p[3:]).all())

@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, split_conversation
-from dataset.make_demo_data import build_splits, ensure_demo_data
+from dataset.make_demo_data import VERSION, build_splits, ensure_demo_data, solve
 from dataset.sources import DataError, RowDataset
 from model.tokenizer import default_tokenizer_dir, load_tokenizer
 
@@ -286,24 +287,30 @@ def test_invalid_jsonl_line(tmp_path):
 # ---------------------------------------------------------------- demo data
 
 
+def operand_pairs(rows) -> set[frozenset]:
+    return {frozenset(map(int, re.findall(r"\d+", row["prompt"][0]["content"]))) for row in rows}
+
+
 def test_demo_data_disjoint_deterministic_and_loadable(tmp_path, tok, capsys):
     splits = build_splits()
     assert splits == build_splits(), "demo data must not depend on anything but the fixed seed"
-    questions = {name: {row["prompt"][0]["content"].split("?")[0].split(".")[0].split(" ", 1)[1]
-                        for row in rows} for name, rows in splits.items()}
-    assert {name: len(q) for name, q in questions.items()} == {name: len(r) for name, r in splits.items()}
-    assert not questions["sft_train"] & questions["opd_prompts"]
-    assert not (questions["sft_train"] | questions["opd_prompts"]) & questions["eval"]
+    pairs = {name: operand_pairs(rows) for name, rows in splits.items()}
+    assert {name: len(p) for name, p in pairs.items()} == {name: len(r) for name, r in splits.items()}
+    names = list(pairs)
+    for i, first in enumerate(names):  # no operand pair in two files, in either order
+        for second in names[i + 1:]:
+            assert not pairs[first] & pairs[second], (first, second)
 
     paths = ensure_demo_data(str(tmp_path))
-    assert set(paths) == {"sft_train", "opd_prompts", "eval"}
+    assert set(paths) == {"sft_train", "opd_prompts", "eval", "val"}
     assert capsys.readouterr().out == f"writing the demo data to {tmp_path} (first use)\n", "first use is not silent"
-    assert sorted(os.listdir(tmp_path)) == ["eval.parquet", "opd_prompts.parquet", "sft_train.parquet"]
+    assert sorted(os.listdir(tmp_path)) == ["eval.parquet", "opd_prompts.parquet", "sft_train.parquet",
+                                            "val.parquet"]
     mtime = os.path.getmtime(paths["eval"])
     assert ensure_demo_data(str(tmp_path)) == paths and os.path.getmtime(paths["eval"]) == mtime
     assert capsys.readouterr().out == ""
     sft, opd, held_out = (RowDataset(paths[k]) for k in ("sft_train", "opd_prompts", "eval"))
-    assert len(sft) == 1600 and len(opd) == 512 and len(held_out) == 200
+    assert len(sft) == 3000 and len(opd) == 512 and len(held_out) == 200
     row = sft[0]
     assert row["messages"][0]["content"].endswith("Put the final answer in \\boxed{}.")
     assert row["messages"][1]["content"].endswith(f"\\boxed{{{row['ground_truth']}}}")
@@ -311,4 +318,31 @@ def test_demo_data_disjoint_deterministic_and_loadable(tmp_path, tok, capsys):
     assert all(len(r["messages"]) == 1 for r in (opd[0], held_out[0]))
     batch = SFTCollator(tok, max_length=128, max_prompt_length=64)([sft[i] for i in range(64)])
     completion_lengths = (batch["labels"] != IGNORE_INDEX).sum(1)
-    assert 20 <= int(completion_lengths.min()) and int(completion_lengths.max()) <= 45
+    assert 20 <= int(completion_lengths.min()) and int(completion_lengths.max()) <= 32
+
+
+def test_demo_data_from_an_earlier_version_is_rewritten(tmp_path, capsys):
+    paths = ensure_demo_data(str(tmp_path))
+    table = pq.read_table(paths["eval"])
+    pq.write_table(table.replace_schema_metadata({"demo_version": "1"}), paths["eval"])
+    capsys.readouterr()
+    ensure_demo_data(str(tmp_path))
+    assert capsys.readouterr().out == f"writing the demo data to {tmp_path} (written by an earlier version)\n"
+    assert pq.read_schema(paths["eval"]).metadata[b"demo_version"] == VERSION.encode()
+
+
+def test_demo_solutions_add_by_columns_and_a_shortcut_scores_nothing():
+    """Every solution's steps are right and its box holds the sum; copying an operand, or writing one answer for
+    every problem (the format alone), solves under 10% of the held-out problems."""
+    assert solve(47, 38) == (85, "7+8=15, 4+3+1=8. \\boxed{85}")
+    assert solve(23, 45) == (68, "3+5=8, 2+4=6. \\boxed{68}")
+    assert solve(99, 99) == (198, "9+9=18, 9+9+1=19. \\boxed{198}")
+    held_out = build_splits()["eval"]
+    truths = [row["reward_model"]["ground_truth"] for row in held_out]
+    operands = [re.findall(r"\d+", row["prompt"][0]["content"]) for row in held_out]
+    for which in (0, 1):
+        assert sum(o[which] == t for o, t in zip(operands, truths)) / len(truths) < 0.1
+    assert max(truths.count(t) for t in set(truths)) / len(truths) < 0.1
+    for row in build_splits()["sft_train"][:200]:
+        a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
+        assert row["prompt"][1]["content"] == solve(a, b)[1]

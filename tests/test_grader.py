@@ -11,7 +11,7 @@ import time
 import pytest
 
 from eval import grader
-from eval.grader import GradeResult, extract_answer, grade, grade_batch, wilson_interval
+from eval.grader import GradeResult, extract_answer, grade, grade_batch, mcnemar_exact, wilson_interval
 
 # (completion, ground truth, expected correct)
 MATCH = [
@@ -262,3 +262,19 @@ def test_wilson_interval_known_values():
 def test_wilson_interval_rejects_impossible_counts(k, n):
     with pytest.raises(ValueError):
         wilson_interval(k, n)
+
+
+def test_mcnemar_exact_counts_discordant_problems_and_gives_the_binomial_tail():
+    first = [True] * 6 + [False] * 2 + [True] * 5 + [False] * 7   # 5 both right, 7 both wrong: not counted
+    second = [False] * 6 + [True] * 2 + [True] * 5 + [False] * 7
+    # 6 vs 2 discordant: 2 * P(X <= 2), X ~ Binomial(8, 1/2) = 2 * (1 + 8 + 28) / 256
+    assert mcnemar_exact(first, second) == (6, 2, 74 / 256)
+    assert mcnemar_exact(second, first) == (2, 6, 74 / 256)
+    assert mcnemar_exact([True, False], [True, False]) == (0, 0, 1.0)  # nothing discordant
+    assert mcnemar_exact([True] * 4, [False] * 4)[2] == 2 / 16  # 4 vs 0: 2 * P(X = 0)
+    assert mcnemar_exact([True] * 20, [False] * 20)[2] < 1e-5
+
+
+def test_mcnemar_exact_refuses_gradings_of_different_problems():
+    with pytest.raises(ValueError, match="same ones"):
+        mcnemar_exact([True], [True, False])

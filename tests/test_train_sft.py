@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from support import write_chat_jsonl
-from loop_helpers import loop_args, metrics
+from loop_helpers import loop_args, max_weight_diff, metrics, script_exit, weights
 from common.errors import UserError
 from dataset.collators import SFTCollator
 from dataset.sources import RowDataset
@@ -48,6 +48,31 @@ def test_logged_loss_is_the_token_weighted_mean_of_the_step(tiny_config_path, ch
     # the reference implementation's bug: the mean of the two micro-batches' means is a different number here
     micro_means = [token_losses[i:i + 2].sum() / (targets[i:i + 2] != -100).sum() for i in (0, 2)]
     assert abs(float(sum(micro_means) / 2) - logged["loss"]) > 0.05
+
+
+def test_export_steps_keep_snapshots_that_later_saves_and_start_over_leave_whole(tiny_config_path, chat_jsonl,
+                                                                                 tmp_path):
+    """--export_steps 1,3: SAVE_DIR/sft_step1/ and sft_step3/ beside the run's folder; the last equals the run's final
+    export, the first holds other (earlier) weights, and a resume that passes step 1 again rewrites it unchanged;
+    --start_over moves the snapshots aside with the run's other files."""
+    train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=3, export_steps="1,3", save_interval=1))
+    final, first, last = weights(tmp_path, "sft"), weights(tmp_path, "sft_step1"), weights(tmp_path, "sft_step3")
+    assert max_weight_diff(final, last) == 0 and max_weight_diff(final, first) > 0
+    mtime = os.path.getmtime(tmp_path / "sft_step1" / "model.safetensors")
+    train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=4, export_steps="1,3", save_interval=1,
+                       from_resume=1, resume_changes="max_steps"))
+    assert os.path.getmtime(tmp_path / "sft_step1" / "model.safetensors") == mtime  # resumed at step 3: not passed
+    train_sft(sft_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=1, start_over=1))
+    aside = [p for p in os.listdir(tmp_path) if p.startswith("sft.replaced-")]
+    assert len(aside) == 1 and {"sft_step1", "sft_step3"} <= set(os.listdir(tmp_path / aside[0]))
+    assert not os.path.exists(tmp_path / "sft_step1")
+
+
+@pytest.mark.parametrize("value", ["4x", "0", "2,-1"])
+def test_export_steps_must_be_steps(tiny_config_path, chat_jsonl, tmp_path, value, capsys):
+    code, err = script_exit(train_sft, sft_args(tiny_config_path, chat_jsonl, tmp_path, export_steps=value), capsys)
+    assert code == 2 and err.startswith("error: argument --export_steps: ") and len(err.splitlines()) == 1
+    assert not os.path.exists(tmp_path / "sft")
 
 
 @pytest.mark.slow

@@ -21,8 +21,9 @@ Per micro-batch (docs/logit_free.md: the method, its equations and which parts a
   3. the teacher continues prompt + y[:anchor] N times per chunk (temperature 1, at most ceil(1.5 C) tokens), all
      of the micro-batch's chunks in flight at once; k = sum of the similarities of the student's chunk text and each
      continuation cut to its length; pi_hat = (k + alpha * pi_bar) / (N + alpha), pi_bar = exp(mean log p_S(y_t))
-  4. loss = - sum over chunks of pi_hat * sum_{t in chunk} log p_S(y_t) + beta * sum over the other positions of
-     KL(p_ref || p_S), p_ref the frozen starting model; summed over tokens, the skeleton divides by the window's
+  4. loss = - sum over chunks of w * sum_{t in chunk} log p_S(y_t) + beta * sum over the other positions of
+     KL(p_ref || p_S), p_ref the frozen starting model, w = pi_hat (--chunk_weight posterior), pi_hat - pi_bar
+     (advantage) or pi_hat - the micro-batch's mean (centred); summed over tokens, the skeleton divides by the window's
      completion tokens over all ranks (so accumulation and world size are exact), clips and steps.
 Every teacher request carries a seed from (seed, epoch, step, row, chunk) and every answer goes into a crash-proof
 cache (SAVE_DIR/NAME_teacher_cache.rank*.jsonl): a resumed run asks only what the killed one had not received.
@@ -42,8 +43,9 @@ from model import Decoder
 from trainer.config import logit_free as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.logit_free.agreement import agreement
-from trainer.logit_free.audit import (anchor_labels, anchors_outside_thinking, chunked_audit_loss, completion_lengths,
-                                      plan_audits, position_stats, position_weights, posterior_weight)
+from trainer.logit_free.audit import (anchor_labels, anchors_outside_thinking, chunk_weights, chunked_audit_loss,
+                                      completion_lengths, plan_audits, position_stats, position_weights,
+                                      posterior_weight)
 from trainer.losses.chunked import completion_hidden
 from trainer.losses.divergences import Divergence, divergence_sums
 from trainer.rollouts.servers import connect_server, say_servers
@@ -121,7 +123,8 @@ def train(args: argparse.Namespace) -> None:
             pi_hats = [posterior_weight(k, args.continuations, chunk.pi_bar, args.alpha)
                        for k, chunk in zip(ks, chunks)]
             teachers.add_to(run.metrics, asking, pi_hats, usages)  # several teachers: each one's numbers
-            weights, audited = position_weights(lengths, chunks, pi_hats, device=run.device)
+            weights, audited = position_weights(lengths, chunks, chunk_weights(pi_hats, chunks, args.chunk_weight),
+                                                device=run.device)
             anchored = anchor_labels(targets, audited)  # the anchor's positions: the unaudited ones
             with clock("reference"):
                 reference_hidden = frozen_hidden(reference, run.teacher_autocast, input_ids, attention_mask, labels)

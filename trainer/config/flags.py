@@ -24,11 +24,23 @@ from trainer.skeleton.resume_checks import check_run_name, resume_change_names
 # change (its length -- --max_steps, --epochs --, the schedule, the data) is refused unless --resume_changes names it.
 # Each loop's config (trainer/config/LOOP.py) adds its own groups' to these: its RESUMABLE.
 SHARED_RESUMABLE = frozenset({
-    "from_resume", "device", "num_workers", "log_interval", "save_interval", "use_swanlab", "swanlab_mode",
-    "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "gradient_checkpointing", "eval_interval",
-    "eval_rows", "eval_data_path", "eval_max_new_tokens", "save_dir", "start_over", "dist_timeout", "resume_changes"})
+    "from_resume", "device", "num_workers", "log_interval", "save_interval", "export_steps", "use_swanlab",
+    "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "gradient_checkpointing",
+    "eval_interval", "eval_rows", "eval_data_path", "eval_max_new_tokens", "save_dir", "start_over", "dist_timeout",
+    "resume_changes"})
 # where the frozen models live, and a start-up check: not what the run computes
 TEACHER_RESUMABLE = frozenset({"replicate_teacher", "accept_template_difference"})
+
+
+def step_list(text: str) -> tuple[int, ...]:
+    """--export_steps: "400,450" -> (400, 450); each a step >= 1."""
+    try:
+        steps = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated optimizer steps, got {text!r}") from None
+    if any(step < 1 for step in steps):
+        raise argparse.ArgumentTypeError(f"steps must be >= 1, got {text!r}")
+    return steps
 
 
 def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
@@ -105,6 +117,10 @@ def add_checkpoint_and_logging_args(parser: argparse.ArgumentParser, save_weight
     g.add_argument("--save_dir", default=os.path.join(ROOT, "checkpoints"))
     g.add_argument("--save_weight", default=save_weight, help="run name: SAVE_DIR/NAME/, NAME_resume.pt, ...")
     g.add_argument("--save_interval", type=int, default=100, help="optimizer steps between saves")
+    g.add_argument("--export_steps", type=step_list, default=(),
+                   help="comma-separated optimizer steps after which the model is also exported as "
+                        "SAVE_DIR/NAME_stepSTEP/, a folder later saves leave alone (e.g. an early snapshot to start "
+                        "another run from)")
     g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
                    help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
     g.add_argument("--resume_changes", default="",

@@ -10,6 +10,7 @@ from common.errors import ArgumentParser, refuse, refuse_first
 from trainer.config.flags import (SHARED_RESUMABLE, add_common_args, add_frozen_model_args, default_student,
                                   validate_common_args)
 from trainer.logit_free.agreement import SIMILARITIES
+from trainer.logit_free.audit import CHUNK_WEIGHTS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
 from trainer.teachers.black_box import (add_black_box_teacher_args, black_box_specs, check_teacher_wait,
@@ -47,6 +48,10 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
                    help="phi: 1 - character Levenshtein distance / the longer length, or ROUGE-1 F")
     g.add_argument("--alpha", type=float, default=1.0,
                    help="the prior's weight in pi_hat = (k + alpha pi_bar) / (N + alpha)")
+    g.add_argument("--chunk_weight", default="posterior", choices=CHUNK_WEIGHTS,
+                   help="an audited chunk's weight: pi_hat (posterior), pi_hat - pi_bar (advantage: pushed down where "
+                        "the teacher agrees less than the student expected) or pi_hat - the micro-batch's mean "
+                        "(centred); docs/logit_free.md's ablation")
     g.add_argument("--anchor_beta", type=float, default=0.1,
                    help="beta: weight of KL(p_ref || p_student) on the unaudited positions (0: no anchor)")
     g.add_argument("--reference_path", default=None,

@@ -212,12 +212,35 @@ def posterior_weight(k: float, n: int, pi_bar: float, alpha: float = ALPHA) -> f
     return min(1.0, (k + alpha * pi_bar) / (n + alpha))  # min: rounding only
 
 
+CHUNK_WEIGHTS = ("posterior", "advantage", "centred")
+
+
+def chunk_weights(pi_hats: Sequence[float], chunks: Sequence[Chunk], kind: str) -> list[float]:
+    """The weight of each audited chunk's log-probability in the loss, from its pi_hat:
+    posterior  pi_hat itself, in [0, 1] (the reading of the paper's abstract): every audited chunk is pushed up, the
+               ones the teacher agrees with most the hardest;
+    advantage  pi_hat - pi_bar, in [-1, 1]: the chunk's own prior mean (the student's geometric-mean token probability
+               on it) as the baseline, so a chunk is pushed up where the teacher agrees with it more than the student
+               expected and down where less; per chunk, so accumulation and world size leave it unchanged;
+    centred    pi_hat - the mean pi_hat of the micro-batch's audited chunks on this rank, in [-1, 1] (a baseline over
+               the audited chunks of one micro-batch: with accumulation or several ranks not the unaccumulated
+               batch's baseline, as a group's in GRPO never spans micro-batches)."""
+    if kind == "posterior":
+        return list(pi_hats)
+    if kind == "advantage":
+        return [pi_hat - chunk.pi_bar for pi_hat, chunk in zip(pi_hats, chunks, strict=True)]
+    if kind == "centred":
+        mean = sum(pi_hats) / len(pi_hats) if pi_hats else 0.0
+        return [pi_hat - mean for pi_hat in pi_hats]
+    raise ValueError(f"chunk weight {kind!r} is not one of {CHUNK_WEIGHTS}")
+
+
 def position_weights(lengths: Sequence[int], chunks: Sequence[Chunk], pi_hats: Sequence[float],
                      device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (weights (N,) float32, audited (N,) bool) in `completion_hidden`'s flattened order (row-major over rows,
-    each row's completion positions in order; lengths from `completion_lengths`): pi_hat at every position of its
-    chunk, 0 elsewhere; audited True exactly on the chunks' positions. Chunks of a row must lie within it and not
-    overlap."""
+    each row's completion positions in order; lengths from `completion_lengths`): the chunk's weight (`chunk_weights`,
+    in [-1, 1]) at every position of its chunk, 0 elsewhere; audited True exactly on the chunks' positions. Chunks of a
+    row must lie within it and not overlap."""
     if len(chunks) != len(pi_hats):
         raise ValueError(f"{len(chunks)} chunks but {len(pi_hats)} weights")
     offsets = [0]
@@ -230,8 +253,8 @@ def position_weights(lengths: Sequence[int], chunks: Sequence[Chunk], pi_hats: S
             raise ValueError(f"chunk row {chunk.row} is not one of the {len(lengths)} rows")
         if chunk.anchor < 0 or chunk.length < 1 or chunk.anchor + chunk.length > lengths[chunk.row]:
             raise ValueError(f"chunk {chunk} runs outside its row's {lengths[chunk.row]} completion positions")
-        if not 0.0 <= pi_hat <= 1.0:
-            raise ValueError(f"pi_hat must be in [0, 1], got {pi_hat}")
+        if not -1.0 <= pi_hat <= 1.0:
+            raise ValueError(f"a chunk's weight must be in [-1, 1], got {pi_hat}")
         start = offsets[chunk.row] + chunk.anchor
         end = start + chunk.length
         if bool(audited[start:end].any()):

@@ -83,7 +83,7 @@ class Checkpoints:
             raise
         if os.path.exists(self.resume_path) and not self.args.from_resume:
             self.set_aside()
-        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
+        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders(), *self.snapshots()):
             for stale in remove_stale_temporaries(path):
                 print0(f"removed {stale}, left half-written by a run that was killed")
         self.remove_uncommitted_shards()
@@ -92,7 +92,7 @@ class Checkpoints:
         """--start_over 1: the previous run's files into SAVE_DIR/NAME.replaced-TIME/."""
         aside = f"{self.prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
         os.makedirs(aside)
-        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders()):
+        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders(), *self.snapshots()):
             if os.path.exists(path):
                 os.replace(path, os.path.join(aside, os.path.basename(path)))
         print0(f"--start_over 1: the previous run's files are in {aside}/")
@@ -112,6 +112,12 @@ class Checkpoints:
     def shard_folders(self) -> list[str]:
         """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
         return glob.glob(f"{glob.escape(self.prefix)}_resume.shards-*")
+
+    def snapshots(self) -> list[str]:
+        """The exports of --export_steps: NAME_stepSTEP for each step asked now (where a killed run's temporaries may
+        lie) and each one an earlier run of this name wrote."""
+        asked = [f"{self.prefix}_step{step}" for step in self.args.export_steps]
+        return sorted(set(asked) | set(glob.glob(f"{glob.escape(self.prefix)}_step[0-9]*")))
 
     def committed_shards(self) -> str | None:
         """The shard folder the resume file names; None when there is none (no resume file, or an unsharded one).
@@ -143,6 +149,23 @@ class Checkpoints:
             self.write(model, checkpoint, shards, state.step)
         elif is_sharded(model):  # the export comes tensor by tensor, each rank's rows in turn: every rank sends
             save_pretrained(model, self.prefix, write=False)
+        if self.dist.enabled:
+            dist.barrier()
+
+    def export_snapshot(self, model: torch.nn.Module, step: int) -> None:
+        """Every rank (an FSDP export gathers each tensor): the HF folder of this step as SAVE_DIR/NAME_stepSTEP/
+        (--export_steps), beside the run's own folder, which later saves replace. A run resumed from before this
+        step writes it again, the same weights."""
+        path = f"{self.prefix}_step{step}"
+        check_free_space(self.args.save_dir, expected_save_bytes(model), f"the export of step {step}")
+        if self.dist.is_main:
+            try:
+                save_pretrained(model, path, tokenizer_dir=self.tokenizer_dir)
+            except OSError as error:
+                raise_disk_error(error, f"the export of step {step} to {path}")
+            print0(f"exported step {step} to {path}/ (--export_steps)")
+        elif is_sharded(model):
+            save_pretrained(model, path, write=False)
         if self.dist.enabled:
             dist.barrier()
 

@@ -241,13 +241,16 @@ class Run:
     def end_step(self, metrics: dict, show: tuple[str, ...] = (), evaluator=None,
                  before_save: Callable[[], None] | None = None, can_fail: bool = False) -> bool:
         """What follows every optimizer step, in this order: log the step's `metrics` (`show`: the loop's numbers on
-        the console line); save when due, `before_save` first (the rollouts sampled ahead finish, to be kept);
-        evaluate when due (`evaluate_when_due`). -> whether the run stops here: done, or a stop signal."""
+        the console line); save when due, `before_save` first (the rollouts sampled ahead finish, to be kept); export
+        a snapshot when --export_steps names the step; evaluate when due (`evaluate_when_due`). -> whether the run
+        stops here: done, or a stop signal."""
         self.log(metrics, show)
         if self.save_due():
             if before_save is not None:
                 before_save()
             self.save()
+        if self.state.step in self.args.export_steps:
+            self.checkpoints.export_snapshot(self.raw_model, self.state.step)
         self.evaluate_when_due(evaluator, can_fail)
         return self.done or bool(self.stop_signal)
 
