@@ -270,6 +270,9 @@ def test_similarity_closed_forms():
     assert similarity("the cat sat", "the  cat\nsat", "rouge1") == 1.0   # whitespace tokens
     assert similarity("the cat", "dog", "rouge1") == 0.0
     assert similarity("", "   ", "rouge1") == 1.0 and similarity("a", "", "rouge1") == 0.0
+    # exact: no partial credit for one wrong digit, which Levenshtein gives 3/4
+    assert similarity("8=15", "8=14", "exact") == 0.0 and similarity("8=15", "8=14") == pytest.approx(0.75)
+    assert similarity("8=15", "8=15", "exact") == 1.0 and similarity("", "", "exact") == 1.0
     with pytest.raises(ValueError, match="levenshtein"):
         similarity("a", "b", "bleu")
     rng = random.Random(4)

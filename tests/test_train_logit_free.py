@@ -173,17 +173,31 @@ def test_a_partial_no_template_can_hand_over_is_not_asked():
 
 
 @pytest.mark.slow
-def test_accumulation_and_two_ranks_equal_one_batch(tiny_config_path, chat_jsonl, tmp_path, teacher, one_thread):
-    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "big", teacher, batch=4, max_steps=2))
+@pytest.mark.parametrize("chunk_weight", ["posterior", "advantage"])
+def test_accumulation_and_two_ranks_equal_one_batch(tiny_config_path, chat_jsonl, tmp_path, teacher, one_thread,
+                                                    chunk_weight):
+    """Both per-chunk weights: the same steps. The advantage weight, pi_hat - pi_bar, is near 0 on chunks the stub
+    teacher agrees with as much as the student expected, so some embedding rows' gradients are rounding-sized and
+    Adam's first steps magnify their rounding (lr x g / (|g| + eps)): its weights are compared after step 1 by the
+    step's loss and pre-clip gradient norm (the gradient itself) and its pi_hat (step 2 samples from those weights:
+    other tokens)."""
+    flags = {"max_steps": 2, "chunk_weight": chunk_weight}
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "big", teacher, batch=4, **flags))
     logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "acc", teacher, batch=2, accumulation=2,
-                             max_steps=2))
+                             **flags))
     run_command(torchrun_command(SCRIPT, args_for(tiny_config_path, chat_jsonl, tmp_path / "ddp", teacher, batch=1,
-                                                  accumulation=2, max_steps=2)))
+                                                  accumulation=2, **flags)))
+    big = metrics(tmp_path / "big")
     for other in ("acc", "ddp"):
-        assert max_weight_diff(weights(tmp_path / "big"), weights(tmp_path / other)) <= 1e-5
-        assert [m["tokens"] for m in metrics(tmp_path / other)] == [m["tokens"] for m in metrics(tmp_path / "big")]
-        assert [m["pi_hat"] for m in metrics(tmp_path / other)] == pytest.approx(
-            [m["pi_hat"] for m in metrics(tmp_path / "big")], abs=1e-6)
+        if chunk_weight == "posterior":
+            assert max_weight_diff(weights(tmp_path / "big"), weights(tmp_path / other)) <= 1e-5
+        first = metrics(tmp_path / other)[0]
+        assert first["loss"] == pytest.approx(big[0]["loss"], rel=1e-5)
+        assert first["grad_norm"] == pytest.approx(big[0]["grad_norm"], rel=1e-4)
+        steps = len(big) if chunk_weight == "posterior" else 1  # step 2 samples from step 1's weights
+        assert [m["tokens"] for m in metrics(tmp_path / other)][:steps] == [m["tokens"] for m in big][:steps]
+        assert [m["pi_hat"] for m in metrics(tmp_path / other)][:steps] == pytest.approx(
+            [m["pi_hat"] for m in big][:steps], abs=1e-6)
 
 
 @pytest.mark.slow
@@ -241,3 +255,34 @@ def test_two_black_box_teachers_each_continue_their_own_rows(tiny_config_path, t
         assert [m["teacher_cached"] for m in metrics(tmp_path / "run")] == [m["teacher_requests"] for m in steps]
     finally:
         second.close()
+
+
+def test_the_agreement_is_reported_apart_for_right_and_wrong_answers():
+    """add_separation: pi_hat over the chunks of answers math-verify grades right and of those it grades wrong, the
+    share right; a row without a ground truth is left out; a window with no right answer logs no pi_hat_right."""
+    from dataset.collators import IGNORE_INDEX
+    from model import load_tokenizer
+    from trainer.logit_free.audit import Chunk
+    from trainer.skeleton.distributed import DistInfo
+    from trainer.skeleton.window_metrics import WindowMetrics
+    tokenizer = load_tokenizer(None)
+    answers = ["2+3=5. \\boxed{5}", "2+3=6. \\boxed{6}", "1+1=2. \\boxed{2}"]
+    ids = [tokenizer.encode("Q") + tokenizer.encode(a) for a in answers]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([row + [0] * (width - len(row)) for row in ids])
+    labels = input_ids.clone()
+    labels[:, :1] = IGNORE_INDEX
+    for i, row in enumerate(ids):
+        labels[i, len(row):] = IGNORE_INDEX
+    rows = [{"ground_truth": "5"}, {"ground_truth": "5"}, {}]
+    chunks = [Chunk(0, 0, 2, 0.5), Chunk(0, 2, 2, 0.5), Chunk(1, 0, 2, 0.5), Chunk(2, 0, 2, 0.5)]
+    metrics = WindowMetrics("cpu")
+    logit_free.add_separation(metrics, tokenizer, input_ids, labels, rows, chunks, [0.9, 0.7, 0.2, 0.4])
+    values = metrics.reduce(DistInfo())[0]
+    assert values["answer_right"] == pytest.approx(0.5)
+    assert values["pi_hat_right"] == pytest.approx(0.8) and values["pi_hat_wrong"] == pytest.approx(0.2)
+    metrics = WindowMetrics("cpu")
+    logit_free.add_separation(metrics, tokenizer, input_ids[1:2], labels[1:2], rows[1:2], [Chunk(0, 0, 2, 0.5)],
+                              [0.3])
+    values = metrics.reduce(DistInfo())[0]
+    assert "pi_hat_right" not in values and values["pi_hat_wrong"] == pytest.approx(0.3)

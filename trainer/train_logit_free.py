@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from common.errors import run_script
+from dataset.collators import IGNORE_INDEX
+from eval.grader import grade_batch
 from model import Decoder
 from trainer.config import logit_free as config
 from trainer.evaluation.heldout import HeldoutEvaluator
@@ -74,6 +76,24 @@ def add_audit_stats(metrics, entropy: torch.Tensor, audited: torch.Tensor, pi_ha
     metrics.total("teacher_tokens", usage.prompt_tokens + usage.completion_tokens)
     if args.teacher_price_in or args.teacher_price_out:
         metrics.total("teacher_cost", usage.cost(args.teacher_price_in, args.teacher_price_out))
+
+
+def add_separation(metrics, tokenizer, input_ids: torch.Tensor, labels: torch.Tensor, rows: list[dict],
+                   chunks, pi_hats: list[float]) -> None:
+    """Whether the teacher's agreement separates right answers from wrong ones: pi_hat over the chunks of completions
+    graded right (math-verify against the row's ground truth) and over those graded wrong, and the share graded
+    right; rows without a ground truth are left out (a distillation set need not have one)."""
+    graded = [i for i, row in enumerate(rows) if row.get("ground_truth") is not None]
+    if not graded:
+        return
+    completion = labels != IGNORE_INDEX
+    texts = [tokenizer.decode(input_ids[i][completion[i]].tolist(), skip_special_tokens=True) for i in graded]
+    right = {i for i, result in zip(graded, grade_batch(texts, [str(rows[i]["ground_truth"]) for i in graded]))
+             if result.correct}
+    metrics.ratio("answer_right", len(right), len(graded))
+    for name, keep in (("pi_hat_right", lambda row: row in right), ("pi_hat_wrong", lambda row: row not in right)):
+        kept = [p for chunk, p in zip(chunks, pi_hats) if chunk.row in graded and keep(chunk.row)]
+        metrics.ratio(name, sum(kept), len(kept), when_empty=False)  # no right answer in the window: no value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +158,7 @@ def train(args: argparse.Namespace) -> None:
             reshard_root(reference)  # a sharded reference's head, gathered for its forward, is read until here
             run.metrics.ratio("anchor_kl", anchor.value.detach(), anchor.tokens)
             add_audit_stats(run.metrics, entropy, audited, pi_hats, ks, args, answers.usage)
+            add_separation(run.metrics, tokenizer, input_ids, labels, batch["rows"], chunks, pi_hats)
             run.metrics.ratio("completion_len", sum(lengths), len(lengths))
         clock.add_to(run.metrics)  # entropy / teacher / reference / train seconds and their shares
         rollouts.add_to(run.metrics)

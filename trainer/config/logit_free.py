@@ -45,7 +45,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk_len", type=int, default=50, help="C: tokens per chunk")
     g.add_argument("--continuations", type=int, default=10, help="N: teacher continuations per chunk")
     g.add_argument("--similarity", default="levenshtein", choices=SIMILARITIES,
-                   help="phi: 1 - character Levenshtein distance / the longer length, or ROUGE-1 F")
+                   help="phi: 1 - character Levenshtein distance / the longer length, ROUGE-1 F, or exact equality "
+                        "(no partial credit: one wrong digit is a wrong answer)")
     g.add_argument("--alpha", type=float, default=1.0,
                    help="the prior's weight in pi_hat = (k + alpha pi_bar) / (N + alpha)")
     g.add_argument("--chunk_weight", default="posterior", choices=CHUNK_WEIGHTS,

@@ -3,7 +3,7 @@
 
 Each continuation is cut to the student chunk's character length (the two tokenizers count tokens differently, the
 characters are the same), then compared: by default 1 - Levenshtein(a, b) / max(len a, len b) on characters
-(rapidfuzz's distance, each string capped at TEXT_CAP characters), or ROUGE-1 F on whitespace tokens.
+(rapidfuzz's distance, each string capped at TEXT_CAP characters), ROUGE-1 F on whitespace tokens, or exact equality.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from rapidfuzz.distance import Levenshtein
 
 TEXT_CAP = 4000     # characters of each string that `similarity` compares
-SIMILARITIES = ("levenshtein", "rouge1")
+SIMILARITIES = ("levenshtein", "rouge1", "exact")
 
 
 def similarity(a: str, b: str, kind: str = "levenshtein") -> float:
@@ -25,6 +25,8 @@ def similarity(a: str, b: str, kind: str = "levenshtein") -> float:
     rouge1: ROUGE-1 F on whitespace tokens (str.split): overlap = sum over tokens of min(count in a, count in b),
         F = 2 * overlap / (tokens in a + tokens in b) (the harmonic mean of precision and recall); both without
         tokens (empty or whitespace only) 1.0, exactly one without tokens 0.0.
+    exact: 1.0 for equal strings, else 0.0: no partial credit, for answers where one wrong character is a wrong
+        answer (a digit of a sum: "8=15" against "8=14" is 0.75 by Levenshtein).
     """
     a, b = a[:TEXT_CAP], b[:TEXT_CAP]
     if kind == "levenshtein":
@@ -36,6 +38,8 @@ def similarity(a: str, b: str, kind: str = "levenshtein") -> float:
             return 1.0
         overlap = sum((Counter(ta) & Counter(tb)).values())
         return 2.0 * overlap / (len(ta) + len(tb))
+    if kind == "exact":
+        return float(a == b)
     raise ValueError(f"similarity kind must be one of {SIMILARITIES}, got {kind!r}")
 
 
