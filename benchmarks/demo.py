@@ -13,8 +13,9 @@ The task (dataset/make_demo_data.py): two-digit addition written as column addit
 held-out problems sharing no operand pair with any training row. Every command runs as a subprocess in the repository
 root, exactly as printed (its leading `python` is this interpreter), writing into checkpoints/demo/:
 
-  teacher   SFT of SCALE.model_config on the 3,000 worked solutions (SCALE.teacher_steps), reused by later tables
-  student   the same SFT stopped early (SCALE.student_steps): the starting point of every method, reused too
+  teacher   SFT of SCALE.model_config on the 3,000 worked solutions (SCALE.teacher_steps, its learning curve on the
+            val problems), resumed with --from_resume 1: a later table finds it finished and goes on at once
+  student   the same run's export at step SCALE.student_steps (--export_steps): every method's starting point
   then for each method and seed, SCALE.budget_steps optimizer steps of 16 student sequences each (16 rows of SFT or
   KD data, 16 sampled answers, or 4 prompts x 4 answers for RL), at the method's learning rate (METHODS):
   sft_data  SFT on the teacher's own sampled answers to the 512 OPD prompts (dataset/teacher_generate.py from the
@@ -32,8 +33,9 @@ teacher's requests and tokens, the student tokens trained on, the wall time, and
 signal. It prints the table in Markdown with the machine line and writes it as JSON (checkpoints/demo/demo.json).
 
 The rows that need vLLM (sft_data, lf_vllm) are skipped, each with one line saying how to enable them, where no vLLM
-environment exists (serving/setup_vllm_cpu.sh) or port 8001 is taken. The learning rates in METHODS were chosen by
-`--sweep` at this budget: each method at each rate, seed 1, graded on the 200 `val` problems (never the eval ones).
+environment exists (serving/setup_vllm_cpu.sh) or port 8001 is taken (lf_rule's teacher runs in this process, on port
+8002). The learning rates in METHODS were chosen by `--sweep` at this budget: each method at each rate, seed 1, graded
+on the 200 `val` problems (never the eval ones).
 
 A run of these names already in checkpoints/demo/ is refused (one line) unless --fresh moves it aside; a run in
 progress (its lock names a live process) is refused either way. A command that fails stops the demo with its exit
