@@ -659,10 +659,13 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def report(command: str, scale: Scale, results: Sequence[Result], extra: dict[str, float], seconds: float) -> str:
+def report(command: str, where: str, scale: Scale, results: Sequence[Result], extra: dict[str, float],
+           seconds: float) -> str:
+    """The Markdown table under its header line; `where`: the machine line taken when the table started (its commit
+    is the one the commands ran)."""
     extras = "".join(f", {what} {format_seconds(s)}" for what, s in extra.items())
-    return (f"### `{command}`: {machine()}; "
-            f"{format_seconds(seconds)} in all{extras})\n\n"
+    return (f"### `{command}`: {where}; "
+            f"{format_seconds(seconds)} in all{extras}\n\n"
             f"Every method from the same student, {scale.budget_steps} optimizer steps of 16 student sequences; "
             f"accuracy on the held-out problems (greedy, {EVAL_NEW_TOKENS} new tokens, math-verify; Wilson 95% "
             f"interval); vs the student: problems only this model solves / only the student solves and McNemar's "
@@ -733,14 +736,14 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
         folder = move_aside(save_dir, existing)
         print(f"moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)
     os.makedirs(save_dir, exist_ok=True)
-    start = time.perf_counter()
+    start, where = time.perf_counter(), machine()
     runs, extra = run_all(rows, first, root, runner, teachers or {"vllm": ServedTeacher(), "rule": RuleTeacher()})
     if args.sweep:
         print("\n" + sweep_report(collect(root, rows, runs, lambda *_: (None, None))), flush=True)
         return 0
     results = collect(root, first + rows, runs, statistics)
     command = shlex.join(["python", "benchmarks/demo.py", *(sys.argv[1:] if argv is None else argv)])
-    text = report(command, scale, results, extra, time.perf_counter() - start)
+    text = report(command, where, scale, results, extra, time.perf_counter() - start)
     with open(os.path.join(save_dir, "ablation.json" if args.ablation else "demo.json"), "w", encoding="utf-8") as f:
         json.dump({"header": text.splitlines()[0], "scale": asdict(scale), "extra_seconds": extra,
                    "rows": [record(r) for r in results]}, f, indent=1)
