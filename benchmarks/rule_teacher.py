@@ -48,6 +48,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from common.errors import ArgumentParser, UserError, run_script  # noqa: E402
+from common.http import send_json  # noqa: E402
 from dataset.make_demo_data import solve  # noqa: E402
 from model.tokenizer import QwenTokenizer, load_tokenizer  # noqa: E402
 
@@ -277,12 +278,7 @@ class RuleTeacher:
                 self._send(*teacher.answer(self.path, body))
 
             def _send(self, status: int, obj: dict[str, Any]) -> None:
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, obj)
 
         return Handler
 

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import random
@@ -316,3 +317,14 @@ class ApiClient:
                 yield index, outcome
         finally:
             stop.set()                       # workers finish the request in hand and take no more
+
+
+def send_json(handler, status: int, obj: dict) -> None:
+    """The answer of a small OpenAI-compatible server written with http.server (the demo's rule-based teacher, the
+    tests' stub): `obj` as a JSON body with its status, on a kept-alive connection (Content-Length set)."""
+    data = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

@@ -7,6 +7,8 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from common.http import send_json
+
 
 class _QuietServer(ThreadingHTTPServer):
     """A client closing its kept-alive connection is no error here; anything else is still reported."""
@@ -40,12 +42,7 @@ class Stub:
                 self._send(*stub.respond(self.path, body))
 
             def _send(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, obj)
 
         self.server = _QuietServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
