@@ -49,10 +49,13 @@ def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jso
     extra = {"teacher_path": teacher_dir, "alpha": 0.3, "temperature": 2.0} if loop == "kd" else {}
     # with the held-out evaluation: every sharded rank evaluates in step, rank 0 logs the numbers of one process
     extra.update(eval_interval=3, eval_rows=4, eval_max_new_tokens=8)
+    extra.update(export_steps="1,3")  # a snapshot's export gathers the shards as the run's own save does
     main(loop_args(tiny_config_path, chat_jsonl, tmp_path / "one", batch=2, accumulation=2, max_steps=3, **extra))
     run_command(torchrun_command(script, sharded_args(tiny_config_path, chat_jsonl, tmp_path / "two", batch=2,
                                                       max_steps=3, **extra)))
     assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
+    for snapshot in ("run_step1", "run_step3"):
+        assert max_weight_diff(weights(tmp_path / "one", snapshot), weights(tmp_path / "two", snapshot)) <= 1e-5
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     evals = [[m for m in run if "eval/accuracy" in m] for run in (one, two)]
     assert [m["step"] for m in evals[1]] == [0, 3]
@@ -65,6 +68,7 @@ def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jso
     assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
     # the resume file names the shard folder; nothing else is left beside it
     assert sorted(os.listdir(tmp_path / "two"))[:3] == ["run", "run_metrics.jsonl", "run_resume.pt"]
+    assert sorted(os.listdir(tmp_path / "two"))[-2:] == ["run_step1", "run_step3"]
     assert len([f for f in os.listdir(tmp_path / "two") if ".shards-" in f]) == 1
 
 
