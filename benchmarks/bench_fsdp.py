@@ -64,6 +64,7 @@ if ROOT not in sys.path:
 from benchmarks import fsdp_estimate as fe  # noqa: E402
 from benchmarks.harness import FIXED_MMAP_THRESHOLD, process_kib, reset_peak_rss  # noqa: E402
 from model import Qwen3Config, create_model, save_pretrained  # noqa: E402
+from model.checkpoint_io import fuse, hf_layout  # noqa: E402
 from trainer.skeleton.distributed import init_distributed_mode  # noqa: E402
 from trainer.teachers.frozen import read_frozen  # noqa: E402
 from trainer.skeleton.loading import build_model  # noqa: E402
@@ -201,13 +202,16 @@ def measure_load(args) -> None:
     load = {"student": lambda: build_model(flags, "cpu", path=args.model_dir),
             "teacher": lambda: read_frozen(flags, args.model_dir, "cpu")}[args.load_case]
     model, growth = load_growth(load)
+    state, expected = model.state_dict(), {}
+    if int(os.environ.get("RANK", 0)) == 0:
+        file = load_file_tensors(args.model_dir)
+        # the file's tensors in our layout (q/k/v and gate/up fused); a tied head is not in the file: the embedding
+        expected = fuse({"lm_head.weight": file["model.embed_tokens.weight"], **file}, hf_layout(state, model.config))
     equal = True
-    expected = load_file_tensors(args.model_dir) if int(os.environ.get("RANK", 0)) == 0 else {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # every rank gathers
         if expected:
-            reference = expected.get(name, expected["model.embed_tokens.weight"])  # a tied head is not in the file
-            equal &= torch.equal(whole, reference.to(whole.dtype))
+            equal &= torch.equal(whole, expected[name].to(whole.dtype))
     with open(os.path.join(args.out, f"{args.load_case}-{case_name()}.json"), "w") as f:
         json.dump({"growth": growth, "equal": equal}, f)
     if dist.is_initialized():

@@ -3,7 +3,7 @@ that plans its work, keeps each phase to a time limit and the whole to a wall-cl
 measured when it is cut short.
 
     python benchmarks/bench_gpu.py --plan                 # the plan for one H200 (no GPU needed), then exit 0
-    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 7 minutes (--budget_s 420)
+    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 8 minutes (--budget_s 480)
     python benchmarks/bench_gpu.py --device cpu --tiny    # the same code paths on tiny shapes (a test runs it)
     python benchmarks/bench_gpu.py --out gpu.json         # the JSON (default bench_gpu.json); gpu.md, gpu.log beside
     python benchmarks/bench_gpu.py --phase_limit_s "smoke compile=300"   # one phase's limit (SECONDS: every phase's)
@@ -16,10 +16,11 @@ it is (SIGALRM raises PhaseOverrun in it), its row says "timeout", and the next 
 --budget_s by at most the last phase's limit. After every phase the JSON (--out) and the table (--out as .md) are
 rewritten and a progress line goes to stderr, so a kill leaves what was measured. On CUDA every phase runs with
 SDPA restricted to the fused kernels (flash, memory-efficient, cuDNN): an attention only the math kernel can take
-is an error in that phase's row, not a low MFU. Its working folder (--workdir, a new folder, or a temporary one) is
+is an error in that phase's row, not a low MFU (bf16 vs fp32 alone allows the math kernel where no fused kernel
+takes a dtype, and says so). Its working folder (--workdir, a new folder, or a temporary one) is
 removed at the end, also after a SIGTERM. It exits 1 when a phase failed, raised or overran its limit. The phases,
 in order: the bf16 smoke runs first (cheap, and what a broken bf16 autocast path would crash), then the full-shape
-measurements users care about most, then the other smoke runs and the rest:
+measurements users care about most, then the other smoke runs and the weight sync:
   smoke models   HF folders of random weights with the real width and the real 151,936-row vocabulary of
                  Qwen3-0.6B (the student: hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072, tied) and Qwen3-1.7B
                  (the teacher: hidden 2048, MLP 6144), 2 layers each (--tiny: hidden 64 / 128)
@@ -38,10 +39,28 @@ measurements users care about most, then the other smoke runs and the rest:
                  known for H100/H200 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
   OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
                  forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
+  generation     sampled rollouts, every row its full length, bf16 autocast, with the decode step the loops take by
+                 default here (--decode auto: compiled on CUDA, eager on a CPU), at 32 x 512 and 256 x 256 new
+                 tokens: tokens/s and the multiple of generation's roofline (benchmarks/roofline.py: the bound of
+                 the same work at the GPU's peak bf16 rate and its measured exp and copy rates)
+  decode compiled  greedy generation (batch 32 x 256 new tokens, bf16 autocast) with the eager decode step and
+                 with the compiled one (--decode compiled: torch.compile "reduce-overhead", one CUDA graph per
+                 decoding width): tokens/s of each, the compiled one's first call (compilation and capture), the
+                 share of identical tokens, whether inductor skipped the CUDA graphs (it says why in the log); one
+                 more rollout of each under torch.cuda.set_sync_debug_mode("warn"), counting the syncs inside the
+                 decode steps (the target is none: the host reads the device only every STOP_CHECK steps, outside
+                 them) and in the whole rollout; and each rollout's tokens teacher-forced through the eager forward:
+                 the share of picks that are its argmax and how far a pick's log-prob falls below the argmax's
   bf16 vs fp32   the first SFT loss of the same row and weights in bf16 autocast and in fp32 agree within 2% (bf16
-                 keeps 8 bits of mantissa; a cross entropy of ~12 nats moves by ~0.1 between the two)
+                 keeps 8 bits of mantissa; a cross entropy of ~12 nats moves by ~0.1 between the two); a dtype
+                 whose attention no fused kernel takes (flash and cuDNN refuse fp32) runs with the math kernel
+                 allowed, and the row says so
+  generate vs transformers   when transformers is installed: its generate and ours on the same bf16 weights and
+                 prompts, greedy, same length: a 16-token call of each measures a step, and the timed calls get
+                 as many tokens (at most 512) as fit in GENERATE_TIMED_S
   smoke ...      the same runs as smoke bf16 (without the resume) in fp16 (a GradScaler), with
-                 --gradient_checkpointing 1, with --use_compile 1 (the first compiled run pays a cold compile)
+                 --gradient_checkpointing 1, with --use_compile 1 (OPD with --decode compiled too; the first
+                 compiled run pays a cold compile)
   weight sync    serving/weight_sync.py's bf16 criterion (mean |d log p| over the probe <= 4e-3, max <= 5e-2) was
                  calibrated on the CPU (benchmarks/bench_sync.py); measured here against a bf16 vLLM server on this
                  device, started when one can be (on CUDA: this interpreter imports vllm, or --vllm_python; on the
@@ -51,12 +70,6 @@ measurements users care about most, then the other smoke runs and the rest:
                  own push (WeightSync), and records the figures next to the tolerance: the correct sync's (must
                  pass: the row's status) and those of a sync that missed one AdamW step at lr 1e-5 (shown, caught
                  or not). Without a server: skipped, the note saying how to enable it
-  decode compiled  greedy generation (batch 32 x 256 new tokens, bf16 autocast) with the eager decode step and
-                 with the compiled one (--use_compile 1's: torch.compile "reduce-overhead", one CUDA graph per
-                 decoding width): tokens/s of each, the compiled one's first call (compilation and capture), the
-                 share of identical tokens, and whether inductor skipped the CUDA graphs (it says why in the log)
-  generate vs transformers   when transformers is installed: its generate and ours on the same bf16 weights and
-                 prompts, greedy, same length
 The "full" estimates are guesses until a GPU has run the kit: the JSON's seconds per phase are what to put in COST_S.
 A phase is stopped between two Python bytecodes: one blocked inside a single C call (a hung CUDA synchronize) is
 stopped when that call returns.
@@ -77,6 +90,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
@@ -88,7 +102,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import bench_sync, harness  # noqa: E402
+from benchmarks import bench_sync, harness, roofline  # noqa: E402
 from benchmarks.bench_opd import measured_roofline, opd_step  # noqa: E402
 from benchmarks.roofline import peak_bf16_tflops  # noqa: E402
 from common.errors import Stopped  # noqa: E402
@@ -121,22 +135,45 @@ SMOKE_VARIANTS = {  # phase -> (variant, the loops' flags); build_phases places 
     "smoke checkpointing": ("gradient checkpointing", ["--dtype", "bfloat16", "--gradient_checkpointing", "1"]),
     "smoke compile": ("compile", ["--dtype", "bfloat16", "--use_compile", "1"]),
 }
-WORKLOAD = {  # sft/kd: (batch, sequence, completion); opd: (batch, new tokens); steps timed after warm-up
-    "full": {"sft": (8, 2048, 1024), "opd": (32, 512), "decode": (32, 256), "steps": 3, "warmup": 1},
-    "tiny": {"sft": (2, 128, 64), "opd": (4, 16), "decode": (4, 16), "steps": 2, "warmup": 1},
+# OPD's own flags in a smoke phase: --use_compile compiles the training layers only, the decode step has its own flag.
+# smoke bf16 takes its default (auto: the compiled step on CUDA, the eager one on a CPU), what users run; fp16 and
+# checkpointing do not change the decode step and run the eager one (on CUDA the only loops that do), compile the
+# compiled one (on a CPU too)
+SMOKE_OPD_FLAGS = {"smoke fp16": ["--decode", "eager"], "smoke checkpointing": ["--decode", "eager"],
+                   "smoke compile": ["--decode", "compiled"]}
+WORKLOAD = {  # sft/kd: (batch, sequence, completion); opd, decode, transformers: (batch, new tokens at most);
+    # generation: its sizes (batch, new tokens); steps timed after warm-up
+    "full": {"sft": (8, 2048, 1024), "opd": (32, 512), "generation": [(32, 512), (256, 256)], "decode": (32, 256),
+             "transformers": (32, 512), "steps": 3, "warmup": 1},
+    "tiny": {"sft": (2, 128, 64), "opd": (4, 16), "generation": [(4, 16), (16, 16)], "decode": (4, 16),
+             "transformers": (4, 16), "steps": 2, "warmup": 1},
 }
-# Expected seconds. "full": guesses for one H200 (no GPU has run this kit yet); "tiny": this project's 2-core CPU
-# machine, one thread. A smoke run costs "smoke run" (+ "compile" with --use_compile 1) + its save at
+# generate vs transformers: a call of each with this many new tokens measures a step of both (and warms them up);
+# the timed calls then get the most tokens, a multiple of it up to the workload's, that fit in GENERATE_TIMED_S
+# together. At 32 x 512, one warm-up and one timed call of each, the phase ran past its limit of 83 s.
+GENERATE_PROBE_TOKENS = 16
+GENERATE_TIMED_S = {"full": 20.0, "tiny": 5.0}
+# the targets the full shapes are measured against (the table says met or missed): generation at 32 x 512 new tokens
+# (tokens/s at least, multiple of its roofline at most), and one OPD step's seconds at most
+TARGETS = {"generation": {(32, 512): (10_000.0, 5.0)}, "OPD step s": 2.5}
+# Expected seconds. "full": one H200, guesses but for what the first GPU run measured of the decode step (its
+# per-phase seconds were not kept): the eager step 706 tokens/s at 32 x 256 greedy (11.6 s a rollout, which the OPD
+# split's eager rollouts of 32 x 512 pay twice, and decode compiled three times), the compiled one 8,939 and its first
+# call 44 s (the generation phase pays such a compile per width); "tiny": this project's 2-core CPU machine, one
+# thread. A smoke run costs "smoke run" (+ "compile" with --use_compile 1, + "decode compile" for an OPD
+# run whose decode step is compiled: --decode compiled, or auto on CUDA) + its save at
 # DISK_BYTES_PER_S; the first compiled run pays "cold compile" once more (inductor's caches serve the later ones:
 # on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others). "weight sync": when it
 # starts a vLLM server (a guess on CUDA, its compilation and CUDA graphs included; 2-5 minutes on 2 CPU cores).
 COST_S = {
-    "full": {"smoke models": 5.0, "smoke run": 8.0, "compile": 15.0, "cold compile": 60.0, "full models": 30.0,
-             "SFT step": 10.0, "KD step": 15.0, "bf16 vs fp32": 5.0, "OPD split": 35.0, "decode compiled": 60.0,
-             "generate vs transformers": 40.0, "weight sync": 120.0},
-    "tiny": {"smoke models": 4.0, "smoke run": 10.0, "compile": 5.0, "cold compile": 110.0, "full models": 2.0,
-             "SFT step": 4.0, "KD step": 8.0, "bf16 vs fp32": 1.0, "OPD split": 7.0, "decode compiled": 30.0,
-             "generate vs transformers": 10.0, "weight sync": 300.0},
+    "full": {"smoke models": 5.0, "smoke run": 8.0, "compile": 15.0, "cold compile": 60.0, "decode compile": 30.0,
+             "full models": 30.0,
+             "SFT step": 10.0, "KD step": 15.0, "bf16 vs fp32": 5.0, "OPD split": 60.0, "generation": 90.0,
+             "decode compiled": 90.0, "generate vs transformers": 50.0, "weight sync": 120.0},
+    "tiny": {"smoke models": 4.0, "smoke run": 10.0, "compile": 5.0, "cold compile": 110.0, "decode compile": 10.0,
+             "full models": 2.0,
+             "SFT step": 4.0, "KD step": 8.0, "bf16 vs fp32": 1.0, "OPD split": 7.0, "generation": 5.0,
+             "decode compiled": 35.0, "generate vs transformers": 12.0, "weight sync": 300.0},
 }
 DISK_BYTES_PER_S = {"full": 1e9, "tiny": 3e8}  # written and fsynced; the smoke models phase measures it
 RESUME_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two moments
@@ -149,6 +186,10 @@ LIMIT_FACTOR, LIMIT_FLOOR_S = 2.0, 60.0
 SYNC_LR = 1e-5  # the missed step of the weight-sync phase: AdamW at Qwen3-0.6B's learning rate (as bench_sync's)
 SYNC_SERVER_FLAGS = {"cuda": ["--gpu-memory-utilization", "0.3"], "cpu": []}  # on CUDA it shares the GPU with us
 FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+EVERY_ATTENTION = [*FUSED_ATTENTION, SDPBackend.MATH]
+# what SDPA raises when no enabled kernel takes an attention: on CUDA, on a CPU
+NO_KERNEL = ("No available kernel", "No viable backend")
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,7 +197,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (what the test runs)")
     p.add_argument("--plan", action="store_true", help="print the plan and exit (no device needed)")
-    p.add_argument("--budget_s", type=float, default=420.0, help="wall-clock seconds; phases that do not fit skip")
+    p.add_argument("--budget_s", type=float, default=480.0, help="wall-clock seconds; phases that do not fit skip")
     p.add_argument("--phase_limit_s", type=phase_limit, action="append", default=[], metavar="[PHASE=]SECONDS",
                    help="stop a phase that runs longer, its row saying so: SECONDS for every phase, PHASE=SECONDS "
                         "for one (repeatable); default: each phase's, max(2 x its estimate, 60 s)")
@@ -224,7 +265,8 @@ def smoke_groups(phase: str) -> list[list[SmokeRun]]:
     groups = []
     for loop in ("sft", "kd", "opd"):
         name = f"{loop}_{variant.split()[0]}"
-        group = [SmokeRun(name, loop, variant, flags, SMOKE_STEPS)]
+        loop_flags = flags + (SMOKE_OPD_FLAGS.get(phase, []) if loop == "opd" else [])
+        group = [SmokeRun(name, loop, variant, loop_flags, SMOKE_STEPS)]
         if loop == "sft" and phase == "smoke bf16":  # the resume: 2 more steps from the save of step 2
             group.append(SmokeRun(name, loop, "bf16, resumed for 2 more steps", flags, 2 * SMOKE_STEPS, True))
         groups.append(group)
@@ -251,12 +293,22 @@ def group_bytes(group: list[SmokeRun], save: int) -> int:
 def run_estimate(run: SmokeRun, shape: str, save: int) -> float:
     costs = COST_S[shape]
     return costs["smoke run"] + (costs["compile"] if "--use_compile" in run.flags else 0.0) \
-        + save / DISK_BYTES_PER_S[shape]
+        + (costs["decode compile"] if compiles_decode(run, shape) else 0.0) + save / DISK_BYTES_PER_S[shape]
+
+
+def compiles_decode(run: SmokeRun, shape: str) -> bool:
+    """Whether the run's rollouts compile the decode step: OPD with --decode compiled, or auto (its default) on CUDA,
+    where the full shapes run."""
+    if run.loop != "opd":
+        return False
+    decode = run.flags[run.flags.index("--decode") + 1] if "--decode" in run.flags else "auto"
+    return decode == "compiled" or (decode == "auto" and shape == "full")
 
 
 def build_phases(shape: str, sync_server: bool = False) -> list[Phase]:
     """Every phase in priority order with its estimated seconds: the bf16 smoke runs (cheap, and what a broken bf16
-    path crashes), the full-shape step measurements and the OPD split, the other smoke runs, then the rest.
+    path crashes), the full-shape measurements (steps, the OPD split, generation, the decode step, bf16 against
+    fp32, generate against transformers), the other smoke runs, then the weight sync.
     `sync_server`: whether the weight-sync phase can start a vLLM server (otherwise it only says how to)."""
     costs, sizes, rate = COST_S[shape], disk_sizes(shape), DISK_BYTES_PER_S[shape]
     smoke_phases = {name: smoke_phase(name, shape, sizes["run save"]) for name in SMOKE_VARIANTS}
@@ -267,12 +319,13 @@ def build_phases(shape: str, sync_server: bool = False) -> list[Phase]:
             Phase("SFT step", costs["SFT step"], lambda kit: step_throughput(kit, "sft"), "full models"),
             Phase("KD step", costs["KD step"], lambda kit: step_throughput(kit, "kd"), "full models"),
             Phase("OPD split", costs["OPD split"], opd_split, "full models"),
-            Phase("bf16 vs fp32", costs["bf16 vs fp32"], bf16_agrees_with_fp32, "full models"),
-            smoke_phases["smoke fp16"], smoke_phases["smoke checkpointing"], smoke_phases["smoke compile"],
-            Phase("weight sync", sync_estimate, weight_sync, "full models"),
+            Phase("generation", costs["generation"], generation, "full models"),
             Phase("decode compiled", costs["decode compiled"], decode_compiled, "full models"),
+            Phase("bf16 vs fp32", costs["bf16 vs fp32"], bf16_agrees_with_fp32, "full models"),
             Phase("generate vs transformers", costs["generate vs transformers"] + sizes["generate folder"] / rate,
-                  generate_against_transformers, "full models")]
+                  generate_against_transformers, "full models"),
+            smoke_phases["smoke fp16"], smoke_phases["smoke checkpointing"], smoke_phases["smoke compile"],
+            Phase("weight sync", sync_estimate, weight_sync, "full models")]
 
 
 def smoke_phase(name: str, shape: str, save: int) -> Phase:
@@ -633,19 +686,43 @@ def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
 
 
 def bf16_agrees_with_fp32(kit: Kit) -> tuple[str, str]:
-    """The first SFT loss of one row in bf16 autocast and in fp32, same weights."""
+    """The first SFT loss of one row in bf16 autocast and in fp32, same weights. The phase runs on the fused kernels
+    (run_phases); a dtype whose attention none of them takes (on CUDA flash and cuDNN refuse fp32, and the
+    memory-efficient kernel refuses a grouped-query form) runs again with the math kernel allowed, and the row
+    names it: the comparison is of the numerics, which a missing kernel must not hide."""
     student = kit.full_models[0]
-    ids, labels = sft_batch(kit.args.shape, kit.args.device, 1)
-    losses = {}
-    for dtype in ("bfloat16", "float32"):
-        with torch.no_grad(), resolve_precision(kit.args.device, dtype).autocast():
+    device = kit.args.device
+    ids, labels = sft_batch(kit.args.shape, device, 1)
+
+    def first_loss(dtype: str) -> float:
+        with torch.no_grad(), resolve_precision(device, dtype).autocast():
             hidden, targets = completion_hidden(student, ids, torch.ones_like(ids), labels)
             loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
-        losses[dtype] = float(loss_sum) / int(tokens)
+        return float(loss_sum) / int(tokens)
+
+    losses, math_kernel = {}, []
+    for dtype in ("bfloat16", "float32"):
+        losses[dtype], needed_math = on_fused_kernels_or_math(lambda: first_loss(dtype))
+        math_kernel += [dtype] if needed_math else []
     relative = abs(losses["bfloat16"] - losses["float32"]) / abs(losses["float32"])
     ok = relative <= BF16_TOLERANCE
-    kit.report["bf16_vs_fp32"] = {**losses, "relative_difference": relative, "tolerance": BF16_TOLERANCE, "ok": ok}
-    return ("ok" if ok else "failed"), f"relative difference {relative:.2e}"
+    kit.report["bf16_vs_fp32"] = {**losses, "relative_difference": relative, "tolerance": BF16_TOLERANCE, "ok": ok,
+                                  "math_kernel": math_kernel}
+    unfused = f"; {' and '.join(math_kernel)} on the math kernel (no fused kernel took its attention)" \
+        if math_kernel else ""
+    return ("ok" if ok else "failed"), f"relative difference {relative:.2e}{unfused}"
+
+
+def on_fused_kernels_or_math(compute: Callable[[], float]) -> tuple[float, bool]:
+    """compute() with the attention kernels the phase allows; when SDPA finds none for an attention, compute() again
+    with the math kernel allowed too -> (its result, whether it needed the math kernel)."""
+    try:
+        return compute(), False
+    except RuntimeError as error:
+        if not any(message in str(error) for message in NO_KERNEL):
+            raise
+    with sdpa_kernel(EVERY_ATTENTION):
+        return compute(), True
 
 
 def opd_prompts(tokenizer, batch_size: int, device: str) -> dict:
@@ -656,8 +733,9 @@ def opd_split(kit: Kit) -> tuple[str, str]:
     """One OPD step by phase (bench_opd.opd_step), after one of warm-up."""
     device = kit.args.device
     batch_size, new_tokens = WORKLOAD[kit.args.shape]["opd"]
-    opts = SimpleNamespace(device=device, dtype="bfloat16", seed=0, max_new_tokens=new_tokens, gen_temperature=1.0,
-                           top_k=0, top_p=1.0, beta=1.0, temperature=1.0, loss_chunk_size=512, batch_size=batch_size)
+    opts = SimpleNamespace(device=device, dtype="bfloat16", decode="auto", seed=0, max_new_tokens=new_tokens,
+                           gen_temperature=1.0, top_k=0, top_p=1.0, beta=1.0, temperature=1.0, loss_chunk_size=512,
+                           batch_size=batch_size)
     student, teacher = kit.full_models
     optimizer = make_optimizer(student, SimpleNamespace(learning_rate=1e-6, weight_decay=0.0))
     tokenizer = load_tokenizer(None)
@@ -674,31 +752,101 @@ def opd_split(kit: Kit) -> tuple[str, str]:
     return "ok", f"generation {rate:,.0f} tokens/s; x roofline: {multiples}"
 
 
+def generation(kit: Kit) -> tuple[str, str]:
+    """Sampled rollouts of the student's current weights in bf16 autocast, every row its full length (no EOS), with
+    the decode step the loops take by default on this device (--decode auto: compiled on CUDA, eager on a CPU), at
+    each of the workload's sizes after one rollout of warm-up (the compiled step's capture): tokens/s and the
+    multiple of generation's roofline for the same work."""
+    device, shape = kit.args.device, kit.args.shape
+    student = kit.full_models[0].eval()
+    tokenizer = load_tokenizer(None)
+    fresh_compile_state()
+    decoder = Decoder(compiled=device.startswith("cuda"))
+    rates = device_rates(kit)
+    weight_bytes = resolve_precision(device, "bfloat16").compute.itemsize
+    sizes = {}
+    try:
+        for batch_size, new_tokens in WORKLOAD[shape]["generation"]:
+            batch = opd_prompts(tokenizer, batch_size, device)
+            ids, mask = batch["prompt_ids"], batch["prompt_attention_mask"]
+
+            def rollout():
+                with resolve_precision(device, "bfloat16").autocast():
+                    generate(student, ids, mask, new_tokens, generator=torch.Generator(device).manual_seed(0),
+                             vocab_size=VOCAB, decoder=decoder)
+            seconds = timed_steps(shape, device, rollout, 1)
+            roof = generation_roofline(student.config, batch_size, int(mask.sum()), new_tokens, seconds, rates,
+                                       weight_bytes)
+            sizes[f"{batch_size} x {new_tokens}"] = {"rows": batch_size, "new_tokens": new_tokens, "seconds": seconds,
+                                                     "tokens_per_s": batch_size * new_tokens / seconds, **roof}
+            kit.report["generation"] = {"decode": "compiled" if decoder.compiled else "eager", "rates": vars(rates),
+                                        "sizes": sizes}  # each size as it is measured: a stop keeps the first
+    finally:  # however the phase ends (stopped at its limit too), the student is left in training mode
+        student.train()
+    return "ok", "; ".join(f"{name}: {g['tokens_per_s']:,.0f} tokens/s, {g['multiple']:.1f}x roofline"
+                           for name, g in sizes.items())
+
+
+def fresh_compile_state() -> None:
+    """Dynamo forgets the graphs it compiled before: it keeps them per function for the whole process and compiles
+    no 9th (its recompile limit, past which the step runs eagerly), and every compiled decode step of the kit counts
+    against decode_step's (the smoke OPD runs' on CUDA too). Inductor's cache on disk still spares recompilation."""
+    torch._dynamo.reset()
+
+
+def device_rates(kit: Kit) -> roofline.Rates:
+    """The rates of the roofline: those the OPD split measured, or measured now (a few seconds)."""
+    measured = kit.report.get("opd", {}).get("roofline", {}).get("rates")
+    if measured:
+        return roofline.Rates(**measured)
+    return roofline.measure_rates(kit.args.device, resolve_precision(kit.args.device, "bfloat16").compute, VOCAB)
+
+
+def generation_roofline(config: Qwen3Config, rows: int, prompt_tokens: int, new_tokens: int, seconds: float,
+                        rates: roofline.Rates, weight_bytes: int) -> dict:
+    """A rollout of `rows` rows and `new_tokens` steps (`prompt_tokens` real prompt tokens in all) that took
+    `seconds`, against its roofline (roofline.opd_work's generation: the prefill, then per step the layers and the
+    head for every row, the sampling softmax, the weights and the KV cache read) -> the bound and the multiple."""
+    work = roofline.opd_work(config, config, VOCAB, rows, prompt_tokens, rows * new_tokens, new_tokens,
+                             roofline.exps_per_logit(1.0), weight_bytes=weight_bytes)["generation"]
+    bound = work.seconds(rates)
+    return {"bound_s": bound, "multiple": seconds / bound}
+
+
 def decode_compiled(kit: Kit) -> tuple[str, str]:
     """Greedy, every row `new_tokens` long (no EOS), the student's current weights in bf16 autocast: tokens/s of
     the eager decode step and of the compiled one after one call of warm-up each (the compiled one's first call,
     compilation and CUDA-graph capture, timed on its own), the share of identical tokens (bf16 near-ties may
-    differ), and inductor's count of skipped CUDA graphs (0: every step replayed one)."""
+    differ), and inductor's count of skipped CUDA graphs (0: every step replayed one). Then one more rollout of each
+    under torch.cuda.set_sync_debug_mode("warn"): the syncs inside its decode steps (the target is none; the row
+    fails otherwise) and in the whole rollout (the prefill's, the STOP_CHECK reads, the end's). And each rollout's
+    tokens teacher-forced through the eager forward (`picks_against_forward`): a compiled step that computed
+    something else than the model would pick tokens far below the forward's argmax."""
     from torch._dynamo.utils import counters
     device, shape = kit.args.device, kit.args.shape
     batch_size, new_tokens = WORKLOAD[shape]["decode"]
     student = kit.full_models[0].eval()
     batch = opd_prompts(load_tokenizer(None), batch_size, device)
-    decoder = Decoder(compiled=True)
+    fresh_compile_state()
+    decoders = {"eager": SyncCountingDecoder(), "compiled": SyncCountingDecoder(compiled=True)}
     skips_before = counters["inductor"]["cudagraph_skips"]
     outputs = {}
 
-    def run(name: str, step_decoder: Decoder | None):
+    def run(name: str):
         with resolve_precision(device, "bfloat16").autocast():
             outputs[name] = generate(student, batch["prompt_ids"], batch["prompt_attention_mask"], new_tokens,
-                                     do_sample=False, decoder=step_decoder).completion_ids
+                                     do_sample=False, decoder=decoders[name]).completion_ids
     try:
         start = time.perf_counter()
-        run("compiled", decoder)
+        run("compiled")
         harness.synchronize(device)
         first_s = time.perf_counter() - start
-        seconds = {"eager": timed_steps(shape, device, lambda: run("eager", None), 1),
-                   "compiled": timed_steps(shape, device, lambda: run("compiled", decoder), 1)}
+        seconds = {name: timed_steps(shape, device, lambda: run(name), 1) for name in ("eager", "compiled")}
+        syncs = {}
+        for name in ("eager", "compiled"):
+            with sync_warnings(device, decoders[name]) as syncs[name]:
+                run(name)
+        picks = {name: picks_against_forward(student, batch, outputs[name], device) for name in outputs}
     finally:  # however the phase ends (stopped at its limit too), the student is left in training mode
         student.train()
     tokens = batch_size * new_tokens
@@ -706,20 +854,100 @@ def decode_compiled(kit: Kit) -> tuple[str, str]:
     same = (outputs["eager"] == outputs["compiled"]).float().mean().item()
     skips = counters["inductor"]["cudagraph_skips"] - skips_before
     kit.report["decode"] = {"tokens_per_s": rates, "compiled_over_eager": rates["compiled"] / rates["eager"],
-                            "first_compiled_call_s": first_s, "identical_tokens": same, "cudagraph_skips": skips}
-    return "ok", (f"compiled {rates['compiled']:,.0f} vs eager {rates['eager']:,.0f} tokens/s "
-                  f"({rates['compiled'] / rates['eager']:.2f}x), first call {first_s:.0f} s")
+                            "first_compiled_call_s": first_s, "identical_tokens": same, "cudagraph_skips": skips,
+                            "syncs": syncs, "picks_against_forward": picks}
+    in_steps = sum(s["in_steps"] for s in syncs.values())
+    seen = (f"syncs inside decode steps: eager {syncs['eager']['in_steps']}, compiled "
+            f"{syncs['compiled']['in_steps']} (rollout {syncs['eager']['rollout']} / {syncs['compiled']['rollout']})"
+            if device.startswith("cuda") else "syncs: not on CUDA")
+    return ("ok" if in_steps == 0 else "failed"), (
+        f"compiled {rates['compiled']:,.0f} vs eager {rates['eager']:,.0f} tokens/s "
+        f"({rates['compiled'] / rates['eager']:.2f}x), first call {first_s:.0f} s; {seen}; compiled picks the "
+        f"forward's argmax {picks['compiled']['argmax_share']:.1%} (max shortfall "
+        f"{picks['compiled']['max_shortfall']:.2g} nats; eager's {picks['eager']['argmax_share']:.1%}, "
+        f"{picks['eager']['max_shortfall']:.2g})")
+
+
+class SyncCountingDecoder(Decoder):
+    """A Decoder that tells which of a rollout's sync warnings its decode steps raised: inside `sync_warnings`,
+    `in_steps` counts them and `sites` names the lines they came from (elsewhere it is the Decoder it extends)."""
+
+    def __init__(self, compiled: bool = False):
+        super().__init__(compiled)
+        self.caught: list | None = None  # sync_warnings' record while it watches
+        self.in_steps, self.sites = 0, {}
+
+    def __call__(self, *args, **kwargs):
+        before = len(self.caught) if self.caught is not None else 0
+        result = super().__call__(*args, **kwargs)
+        if self.caught is not None:
+            for warning in self.caught[before:]:
+                if SYNC_WARNING in str(warning.message):
+                    self.in_steps += 1
+                    site = f"{os.path.relpath(warning.filename, ROOT)}:{warning.lineno}"
+                    self.sites[site] = self.sites.get(site, 0) + 1
+        return result
+
+
+@contextlib.contextmanager
+def sync_warnings(device: str, decoder: SyncCountingDecoder):
+    """The block with every device sync raising a warning (torch.cuda.set_sync_debug_mode("warn"): a host read of a
+    CUDA tensor, a blocking copy...) -> a dict filled when it ends: "rollout", all the block's syncs; "in_steps",
+    those `decoder`'s decode steps raised; "sites", where those came from. On a CPU there is no device to wait for
+    and no mode to set: what the block warns is counted as it is (the CPU tests warn on purpose)."""
+    cuda = device.startswith("cuda")
+    counts: dict = {}
+    previous = torch.cuda.get_sync_debug_mode() if cuda else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # each sync, not the first per line
+        decoder.caught, decoder.in_steps, decoder.sites = caught, 0, {}
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(previous)
+            decoder.caught = None
+    counts.update(rollout=sum(SYNC_WARNING in str(w.message) for w in caught), in_steps=decoder.in_steps,
+                  sites=decoder.sites)
+
+
+@torch.no_grad()
+def picks_against_forward(model: Qwen3ForCausalLM, batch: dict, completion_ids: torch.Tensor, device: str,
+                          rows_at_once: int = 8) -> dict:
+    """The prompts and a greedy rollout's tokens through the model's eager forward in bf16 autocast (teacher
+    forcing): at each completion position, whether the token the rollout picked is the forward's argmax, and its
+    shortfall, log p(argmax) - log p(pick) in nats (0 when it is the argmax; a bf16 near-tie otherwise). A few rows
+    at a time: a chunk's fp32 logits are rows x tokens x 151,936 x 4 bytes."""
+    ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
+    mask = torch.cat([batch["prompt_attention_mask"], torch.ones_like(completion_ids)], dim=1)
+    prompt = batch["prompt_ids"].shape[1]
+    shortfalls = []
+    for rows in range(0, len(ids), rows_at_once):
+        chunk = slice(rows, rows + rows_at_once)
+        with resolve_precision(device, "bfloat16").autocast():
+            hidden = model(ids[chunk], attention_mask=mask[chunk], return_hidden=True).hidden_states
+            logits = model.lm_head(hidden[:, prompt - 1:-1])
+        log_probs = logits.float().log_softmax(dim=-1)
+        picked = log_probs.gather(-1, completion_ids[chunk, :, None]).squeeze(-1)
+        shortfalls.append(log_probs.max(dim=-1).values - picked)
+    shortfall = torch.cat(shortfalls)
+    return {"argmax_share": (shortfall == 0).float().mean().item(), "max_shortfall": shortfall.max().item(),
+            "mean_shortfall": shortfall.mean().item()}
 
 
 def generate_against_transformers(kit: Kit) -> tuple[str, str]:
-    """Greedy, every row exactly `new_tokens` long (no EOS), bf16 on CUDA, the student's current weights: seconds
-    of ours and of transformers', each after one call of warm-up. The folder both load from is removed after."""
+    """Greedy, every row exactly as long (no EOS), bf16 on CUDA, the student's current weights: a call of each with
+    GENERATE_PROBE_TOKENS new tokens (their warm-up) measures a step of both, then one timed call of each with the
+    most tokens that fit in GENERATE_TIMED_S (`fitted_new_tokens`): tokens/s of each and transformers' seconds over
+    ours. The folder both load from is removed after."""
     try:
         import transformers  # benchmarks only; the project never imports it
     except ImportError:
         return "skipped", "transformers is not installed"
-    device = kit.args.device
-    batch_size, new_tokens = WORKLOAD[kit.args.shape]["opd"]
+    device, shape = kit.args.device, kit.args.shape
+    batch_size, most_tokens = WORKLOAD[shape]["transformers"]
     dtype = teacher_dtype(device)
     folder = os.path.join(kit.folder, "generate")
     try:
@@ -731,19 +959,41 @@ def generate_against_transformers(kit: Kit) -> tuple[str, str]:
     batch = opd_prompts(load_tokenizer(None), batch_size, device)
     ids, mask = batch["prompt_ids"], batch["prompt_attention_mask"]
 
-    def run_ours():
+    def run_ours(new_tokens: int):  # the eager decode step: neither side compiles
         generate(ours, ids, mask, new_tokens, do_sample=False)
 
-    def run_theirs():
+    def run_theirs(new_tokens: int):
         with torch.no_grad():
             theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=False, pad_token_id=0)
-    seconds = {"ours": timed_steps(kit.args.shape, device, run_ours, 1),
-               "transformers": timed_steps(kit.args.shape, device, run_theirs, 1)}
+    runs = {"ours": run_ours, "transformers": run_theirs}
+    probe = min(GENERATE_PROBE_TOKENS, most_tokens)
+    probe_s = sum(timed_call(device, lambda: run(probe)) for run in runs.values())
+    new_tokens = fitted_new_tokens(probe_s / probe, GENERATE_TIMED_S[shape], most_tokens, probe)
+    seconds = {name: timed_call(device, lambda: run(new_tokens)) for name, run in runs.items()}
     ratio = seconds["transformers"] / seconds["ours"]
-    kit.report["generate_vs_transformers"] = {**seconds, "transformers_over_ours": ratio,
-                                              "transformers_version": transformers.__version__}
-    return "ok", f"transformers / ours {ratio:.2f}x"
+    kit.report["generate_vs_transformers"] = {
+        **seconds, "transformers_over_ours": ratio, "rows": batch_size, "new_tokens": new_tokens,
+        "tokens_per_s": {name: batch_size * new_tokens / s for name, s in seconds.items()},
+        "transformers_version": transformers.__version__}
+    return "ok", f"transformers / ours {ratio:.2f}x ({batch_size} x {new_tokens} tokens)"
+
+
+def timed_call(device: str, call: Callable[[], object]) -> float:
+    """Seconds of one call, the device's queue drained before and after."""
+    harness.synchronize(device)
+    start = time.perf_counter()
+    call()
+    harness.synchronize(device)
+    return time.perf_counter() - start
+
+
+def fitted_new_tokens(seconds_per_token: float, seconds: float, most: int, step: int) -> int:
+    """The most new tokens, a multiple of `step` between `step` and `most`, whose calls take at most `seconds` at
+    `seconds_per_token` (a token of every call: measured with the prefill and a first call's costs in it, so the
+    calls take less)."""
+    fitting = int(seconds / seconds_per_token) // step * step if seconds_per_token > 0 else most
+    return max(step, min(most, fitting))
 
 
 def sync_python(args: argparse.Namespace) -> str | None:
@@ -864,14 +1114,23 @@ def report_table(report: dict) -> str:
             lines.append(f"| {name.upper()} | {t['tokens_per_s']:,.0f} | {mfu} | {memory} |")
     if "bf16_vs_fp32" in report:
         b = report["bf16_vs_fp32"]
+        unfused = f"; {' and '.join(b['math_kernel'])} on the math kernel (no fused kernel)" if b["math_kernel"] else ""
         lines += ["", f"bf16 vs fp32 first SFT loss: {b['bfloat16']:.4f} vs {b['float32']:.4f}, relative difference "
-                      f"{b['relative_difference']:.2e} (tolerance {b['tolerance']}): {'ok' if b['ok'] else 'NOT OK'}"]
+                      f"{b['relative_difference']:.2e} (tolerance {b['tolerance']}): {'ok' if b['ok'] else 'NOT OK'}"
+                      f"{unfused}"]
     if "opd" in report:
         o = report["opd"]
         batch, new_tokens = WORKLOAD[report["shape"]]["opd"]
         lines += ["", f"OPD step ({batch} prompts x {new_tokens} new tokens): " + ", ".join(
             f"{phase} {ms:.0f} ms" for phase, ms in o["phases_ms"].items())
-            + f"; generation {o['generation_tokens_per_s']:,.0f} tokens/s"]
+            + f"; generation {o['generation_tokens_per_s']:,.0f} tokens/s" + opd_target(report)]
+    if "generation" in report:
+        g = report["generation"]
+        lines += ["", f"| generation ({g['decode']} decode step, sampled, bf16) | tokens/s | seconds | roofline s | "
+                      f"x roofline | target |", "|---|---|---|---|---|---|"]
+        for name, size in g["sizes"].items():
+            lines.append(f"| {name} | {size['tokens_per_s']:,.0f} | {size['seconds']:.2f} | {size['bound_s']:.3f} | "
+                         f"{size['multiple']:.1f}x | {generation_target(report, size)} |")
     if "decode" in report:
         d = report["decode"]
         batch, new_tokens = WORKLOAD[report["shape"]]["decode"]
@@ -880,6 +1139,14 @@ def report_table(report: dict) -> str:
                       f"tokens/s, eager {rates['eager']:,.0f} ({d['compiled_over_eager']:.2f}x); first compiled call "
                       f"{d['first_compiled_call_s']:.1f} s; identical tokens {d['identical_tokens']:.1%}; CUDA graphs "
                       f"skipped {d['cudagraph_skips']}"]
+        for name in ("eager", "compiled"):
+            syncs, picks = d["syncs"][name], d["picks_against_forward"][name]
+            sites = ", ".join(f"{site} x{n}" for site, n in syncs["sites"].items())
+            lines.append(f"- {name} step: syncs inside the decode steps {syncs['in_steps']}"
+                         f"{' (' + sites + ')' if sites else ''}, in the whole rollout {syncs['rollout']}; its "
+                         f"tokens teacher-forced through the eager forward: the argmax at {picks['argmax_share']:.1%} "
+                         f"of positions, shortfall max {picks['max_shortfall']:.3g} / mean "
+                         f"{picks['mean_shortfall']:.2g} nats")
     if "correct_sync" in report.get("weight_sync", {}):
         w = report["weight_sync"]
         cells = {case: f"{w[case]['mean']:.2e} / {w[case]['max']:.2e} ({'passes' if w[case]['passes'] else 'fails'})"
@@ -889,9 +1156,28 @@ def report_table(report: dict) -> str:
                       f"{cells['correct_sync']}, one AdamW step missed {cells['missed_step']}"]
     if "generate_vs_transformers" in report:
         g = report["generate_vs_transformers"]
-        lines += ["", f"greedy generate, same weights: ours {g['ours']:.2f} s, transformers {g['transformers']:.2f} s "
-                      f"({g['transformers_over_ours']:.2f}x)"]
+        lines += ["", f"greedy generate, same weights, {g['rows']} x {g['new_tokens']} tokens: ours {g['ours']:.2f} s "
+                      f"({g['tokens_per_s']['ours']:,.0f} tokens/s), transformers {g['transformers']:.2f} s "
+                      f"({g['tokens_per_s']['transformers']:,.0f} tokens/s): {g['transformers_over_ours']:.2f}x"]
     return "\n".join(lines) + "\n"
+
+
+def generation_target(report: dict, size: dict) -> str:
+    """The generation target of this size (TARGETS, full shapes only), met or missed, or "-"."""
+    target = TARGETS["generation"].get((size["rows"], size["new_tokens"])) if report["shape"] == "full" else None
+    if target is None:
+        return "-"
+    rate, multiple = target
+    met = size["tokens_per_s"] >= rate and size["multiple"] <= multiple
+    return f">= {rate:,.0f} tokens/s and <= {multiple:g}x: {'met' if met else 'MISSED'}"
+
+
+def opd_target(report: dict) -> str:
+    """The OPD step's seconds against TARGETS (full shapes only)."""
+    if report["shape"] != "full":
+        return ""
+    seconds, target = sum(report["opd"]["phases_ms"].values()) / 1000.0, TARGETS["OPD step s"]
+    return f"; step {seconds:.2f} s (target <= {target:g} s: {'met' if seconds <= target else 'MISSED'})"
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ Workloads (--only takes a comma-separated list):
             student, model/configs/qwen3-tiny-student.json: hidden 64, 2 layers, the real vocabulary; --sample_model
             a trained one such as checkpoints/kd, else random weights), --sample_batches prompts x --sample_tokens,
             EOS disabled: ours with one seeded generator per row (as OPD's rollout), eager and with the compiled
-            decode step (--use_compile 1's Decoder, compiled in the warm-up), transformers' generate(do_sample=True)
+            decode step (--decode compiled's Decoder, compiled in the warm-up), transformers' generate(do_sample=True)
   decode    our sampled generation per step, the eager decode step against the compiled one (torch.compile,
             inductor; on CUDA replayed as CUDA graphs), --sample_batches rows x --sample_tokens, for the OPD demo
             student and teacher shapes and for the demo student's layer (width 64) stacked to Qwen3-0.6B's 28 layers

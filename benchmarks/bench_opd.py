@@ -47,6 +47,7 @@ sample_completions' set-up and its build_sequences concatenation.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import statistics
@@ -65,7 +66,8 @@ from common.checks import check_device  # noqa: E402
 from common.errors import ArgumentParser, refuse, run_script  # noqa: E402
 from dataset.collators import IGNORE_INDEX  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from model import Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
+from model import Decoder, Qwen3Config, create_model, load_pretrained, load_tokenizer  # noqa: E402
+from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 from trainer.skeleton.console import PhaseClock  # noqa: E402
 from trainer.losses.chunked import completion_hidden  # noqa: E402
@@ -110,11 +112,21 @@ def prompt_batch(args, tokenizer) -> dict:
 # one OPD step, phase by phase (train_opd.py's sample_completions itself; Teachers.loss and Run.backward /
 # optimizer_step spelled out, so that each is timed on its own)
 
-def rollout(args, student, tokenizer, batch, step: int):
+def rollout(args, student, tokenizer, batch, step: int, decode: str | None = None):
     """trainer.rollouts.source.sample_completions, the loop's own rollout, with `step` as its epoch (fresh samples every
-    step); -> input_ids, attention_mask, labels."""
+    step) and the loop's decode step (--decode, or `decode`); -> input_ids, attention_mask, labels."""
     return sample_completions(student, args, tokenizer, batch, step, args.device,
-                              resolve_precision(args.device, args.dtype).autocast)  # what Run.autocast returns
+                              resolve_precision(args.device, args.dtype).autocast,  # what Run.autocast returns
+                              decoder(decode or args.decode, args.device))
+
+
+@functools.cache
+def decoder(choice: str, device: str) -> Decoder:
+    """One Decoder per decode step and device for the whole benchmark, as a loop keeps one for its run: a compiled
+    step compiles in the warm-up, not in a timed step."""
+    if choice == "auto":
+        choice = default_decode(torch.device(device).type)
+    return Decoder(compiled=choice == "compiled")
 
 
 def decode_steps(input_ids: torch.Tensor, batch: dict) -> int:
@@ -218,7 +230,7 @@ def take_generation_apart(args, student, tokenizer, batch, runs: int) -> dict:
     for run in range(runs):
         with GenerationProbe(student, args.device) as probe:
             start = probe.now()
-            input_ids, _, _ = rollout(args, student, tokenizer, batch, 10_000 + run)
+            input_ids, _, _ = rollout(args, student, tokenizer, batch, 10_000 + run, "eager")  # hooks time its ops
             end = probe.now()
         first_head = next(i for i, (name, _, _) in enumerate(probe.events) if name == "next_token_logits")
         prefill_end = probe.events[first_head][2]
@@ -269,6 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gen_temperature", type=float, default=1.0)
     g.add_argument("--top_k", type=int, default=0)
     g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--decode", default="auto", choices=DECODE_CHOICES,
+                   help="the rollouts' decode step, as the loops' --decode (auto: compiled on CUDA, eager elsewhere)")
     g.add_argument("--beta", type=float, default=1.0, help="generalized JSD beta (1 = reverse KL)")
     g.add_argument("--temperature", type=float, default=1.0, help="loss temperature")
     g.add_argument("--loss_chunk_size", type=int, default=512)

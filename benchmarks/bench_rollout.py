@@ -10,7 +10,7 @@ against a served one, same weights, same machine, one run.
 Two measurements:
   rollout   trainer.rollouts.source.sample_completions itself (the loop's rollout) on --batch_size demo prompts,
             sampled at temperature 1 with the loop's per-row seeds, by the built-in engine with the eager decode step,
-            with the compiled one (--use_compile 1's; it compiles in the warm-up) and by the server, alternating so
+            with the compiled one (--decode compiled's; it compiles in the warm-up) and by the server, alternating so
             that a slower moment of a shared machine hits all three: generated tokens (through each row's first
             EOS) per second, the median of --repeats after one warm-up each. The server holds the student's
             weights (pushed and verified first). After each served rollout the benchmark waits 2 s: a vLLM CPU

@@ -53,6 +53,7 @@ from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from eval.grader import grade, wilson_interval  # noqa: E402
 from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
+from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
 from model.precision import inference_dtype  # noqa: E402
 from serving.engine import CompletionServer, open_checked_server, probe_token_ids  # noqa: E402
 from serving.weight_sync import check_served_weights  # noqa: E402
@@ -281,9 +282,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (sampling only)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the per-(row, sample) sampling generators")
-    parser.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
-                        help="1: torch.compile the decode step (CUDA graphs on CUDA): faster per token once compiled; "
-                             "the first batch of each decoding width pays the compilation")
+    parser.add_argument("--decode", default="auto", choices=DECODE_CHOICES,
+                        help="the decode step: compiled = torch.compile (CUDA graphs on CUDA), faster per token once "
+                             "compiled, the first batch of each decoding width pays the compilation; auto: compiled "
+                             "on CUDA, eager elsewhere")
     parser.add_argument("--server_url", default=None,
                         help="generate on this OpenAI-compatible server (vLLM) serving --model_path, e.g. "
                              "http://127.0.0.1:8000/v1; its log-probabilities are checked against the model's first")
@@ -308,9 +310,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         refuse(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
     if not args.grade_timeout > 0:
         refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
-    if args.use_compile and args.server_url:
-        refuse("--use_compile compiles the built-in engine's decode step; with --server_url the server generates: "
-               "drop one of them")
+    if args.decode == "compiled" and args.server_url:
+        refuse("--decode compiled compiles the built-in engine's decode step; with --server_url the server "
+               "generates: drop one of them")
+    if args.decode == "auto":
+        args.decode = default_decode(torch.device(args.device).type)
     validate_model_args(args)
     return args
 
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      enable_thinking=bool(args.enable_thinking), n_samples=args.n_samples,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                      grade_timeout=args.grade_timeout, progress=not args.no_progress,
-                                     server=server, decoder=Decoder(compiled=bool(args.use_compile)))
+                                     server=server, decoder=Decoder(compiled=args.decode == "compiled"))
     summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args))
     write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     write_text(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

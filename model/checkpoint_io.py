@@ -2,21 +2,26 @@
 
 Reads single-file and sharded checkpoints (`model.safetensors.index.json`), both config layouts, tied embeddings
 with or without `lm_head.weight` in the file, and writes either layout (files of at most 5 GB, as transformers
-does). An FSDP2-sharded model is read shard by shard (each rank its own rows). Every file is written tensor by
-tensor -- a header computed from the shapes, then each tensor's bytes, a sharded tensor's rank by rank, sent to rank
-0 -- so writing holds at most one tensor beyond the model, and with a sharded model one rank's rows of one tensor:
-no process ever holds a file's tensors at once, or a sharded model whole. Key checking is strict: a missing or
-unexpected tensor is an error that names it. Every failure to load (no such folder, a missing, empty, truncated or
-damaged file, weights that do not match the config) is a `ModelFileError` that names the file and what to do. Saving
-goes to a temporary folder that is renamed into place (`common.files.atomic_directory`), so a crash never leaves
-half a model, and the files get ordinary permissions (as umask allows).
+does). The files keep HF's names and shapes: our fused parameters (model/qwen3.py: q, k and v as one `qkv_proj`,
+gate and up as one `gate_up_proj`) are read from and written as their HF tensors, each a block of their rows
+(`fused_blocks`, `hf_layout`: the one place that maps the two layouts). An FSDP2-sharded model is read shard by
+shard (each rank its own rows). Every file is written tensor by tensor -- a header computed from the shapes, then
+each tensor's bytes, a sharded tensor's rank by rank, sent to rank 0 -- so writing holds at most one tensor beyond
+the model, and with a sharded model one rank's rows of one tensor: no process ever holds a file's tensors at once,
+or a sharded model whole. Key checking is strict: a missing or unexpected tensor is an error that names it (its HF
+name). Every failure to load (no such folder, a missing, empty, truncated or damaged file, weights that do not
+match the config) is a `ModelFileError` that names the file and what to do. Saving goes to a temporary folder that
+is renamed into place (`common.files.atomic_directory`), so a crash never leaves half a model, and the files get
+ordinary permissions (as umask allows).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from typing import BinaryIO, Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,68 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # their names in the header
 REDOWNLOAD = "re-export or re-download the model"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+
+
+def fused_blocks(config: Qwen3Config) -> dict[str, list[tuple[str, int]]]:
+    """Our fused parameters (their names within a decoder layer) -> the HF tensors that are their row blocks, with
+    the rows of each, in row order (model/qwen3.py: Attention.qkv_proj, MLP.gate_up_proj)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),
+                                          ("self_attn.v_proj.weight", kv)],
+            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", config.intermediate_size),
+                                        ("mlp.up_proj.weight", config.intermediate_size)]}
+
+
+class HFBlock(NamedTuple):
+    """Where an HF tensor is among our parameters: rows `rows` of `parameter` (all of them unless it is fused)."""
+    parameter: str
+    rows: range
+
+
+def hf_layout(parameters: dict[str, torch.Tensor], config: Qwen3Config) -> dict[str, HFBlock]:
+    """HF name -> where that tensor is, for our `parameters` (name -> tensor, any device, sharded or not): in their
+    order, each fused one expanded into its blocks -- which is HF's own order, and our parameters' order before the
+    fusion (resume files written then: trainer/skeleton/checkpoint.py)."""
+    fused = fused_blocks(config)
+    layout = {}
+    for name, tensor in parameters.items():
+        inner = next((inner for inner in fused if name.endswith("." + inner)), None)
+        if inner is None:
+            layout[name] = HFBlock(name, range(tensor.shape[0]))
+            continue
+        prefix, start = name.removesuffix(inner), 0  # "model.layers.N."
+        for hf_name, rows in fused[inner]:
+            layout[prefix + hf_name] = HFBlock(name, range(start, start + rows))
+            start += rows
+    return layout
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """An HF tensor of a model: rows `rows` of one of its parameters, `tensor` -- the model's own (a DTensor when
+    sharded), nothing copied -- all of them unless the parameter is fused."""
+    tensor: torch.Tensor
+    rows: range
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.rows), *self.tensor.shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def fuse(tensors: dict[str, torch.Tensor], layout: dict[str, HFBlock]) -> dict[str, torch.Tensor]:
+    """Whole tensors under HF names -> under ours, in our order: each fused parameter's blocks concatenated in row
+    order (what was saved in HF's layout: a resume file's weights from before the fusion, an HF file read whole)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, block in layout.items():
+        parts.setdefault(block.parameter, []).append(tensors[name])
+    return {name: torch.cat(blocks) if len(blocks) > 1 else blocks[0] for name, blocks in parts.items()}
 
 
 def _weight_files(path: str) -> list[str]:
@@ -98,29 +165,39 @@ def _check_folder(path: str) -> None:
                              f"copy of one: {REDOWNLOAD}")
 
 
-def _check_keys(path: str, model: Qwen3ForCausalLM, shapes: dict[str, tuple[str, tuple[int, ...]]],
-                tied: bool) -> None:
-    """Every tensor the config implies is in the checkpoint with its shape, and nothing else."""
-    state = model.state_dict()
-    expected = {k for k in state if not (tied and k == "lm_head.weight")}
-    missing, unexpected = sorted(expected - shapes.keys()), sorted(shapes.keys() - expected)
+def _check_keys(path: str, expected: dict[str, RowBlock], shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Every HF tensor the config implies (`expected`: the model's `hf_weights`) is in the checkpoint with its shape,
+    and nothing else."""
+    missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
     if missing or unexpected:
         raise ModelFileError(f"{path}: checkpoint does not match the config: missing tensors {missing[:10]}"
                              f"{' ...' if len(missing) > 10 else ''}, unexpected tensors {unexpected[:10]}"
                              f"{' ...' if len(unexpected) > 10 else ''}")
     for key, (_, shape) in shapes.items():
-        if shape != tuple(state[key].shape):
-            raise ModelFileError(f"{path}: tensor {key} has shape {shape}, the config implies "
-                                 f"{tuple(state[key].shape)}")
+        if shape != expected[key].shape:
+            raise ModelFileError(f"{path}: tensor {key} has shape {shape}, the config implies {expected[key].shape}")
 
 
-def _local_rows(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The part of a parameter this process holds and the first row of it: a sharded parameter's (FSDP2 shards dim
-    0, `DTensor.to_local()` is its storage) or a whole one's."""
-    if not isinstance(parameter, DTensor):
-        return parameter.data, 0
-    _, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh, parameter.placements)
-    return parameter.to_local(), offset[0] if offset else 0
+def local_rows(parameter: torch.Tensor, rows: range) -> tuple[torch.Tensor, int]:
+    """Of rows `rows` of a parameter (or of a moment shaped and sharded like it), those this process holds, as a
+    view of its storage -- a sharded parameter's shard (FSDP2 shards dim 0, `DTensor.to_local()` is its storage) or
+    a whole one -- and the index of the first of them within `rows`. A rank that holds none of them gets 0 rows."""
+    if isinstance(parameter, DTensor):
+        _, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
+                                                          parameter.placements)
+        local, first = parameter.to_local(), offset[0] if offset else 0
+        held = range(first, first + local.shape[0])
+    else:
+        local, held = parameter.data, range(parameter.shape[0])
+    start, stop = max(rows.start, held.start), min(rows.stop, held.stop)
+    return local[start - held.start:max(start, stop) - held.start], start - rows.start
+
+
+def _rank_rows(rows: int, world: int) -> list[range]:
+    """Each rank's rows of a tensor of `rows` rows sharded over `world` ranks: FSDP2 splits dim 0 as torch.chunk
+    does, in pieces of ceil(rows / world) rows, the last ranks holding fewer or none."""
+    size = -(-rows // world)
+    return [range(min(rank * size, rows), min((rank + 1) * size, rows)) for rank in range(world)]
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -128,7 +205,8 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
     """Load an HF Qwen3 folder (config.json + safetensors) into our Qwen3ForCausalLM in `dtype` on `device`.
 
     The model is built on the meta device and filled tensor by tensor, each cast as it is read: the peak is the
-    model plus one tensor. `shard` (trainer/skeleton/sharding.py's fully_shard, applied in place on the meta model)
+    model plus one tensor. A fused parameter is filled from its HF tensors (q, k, v; gate, up), each into its block of
+    rows (`hf_layout`). `shard` (trainer/skeleton/sharding.py's fully_shard, applied in place on the meta model)
     makes each process read only the rows of each tensor its shards hold: no process ever holds the whole model.
     A missing folder or file, a damaged file, or weights that do not match the config raise a ModelFileError
     (a UserError and a ValueError) naming the file and what to do -- before any weight is read."""
@@ -139,14 +217,15 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
         shapes.pop("lm_head.weight", None)  # some exporters write the tied copy; the embedding is the authority
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config).to(dtype)
-    _check_keys(path, model, shapes, config.tie_word_embeddings)
+    _check_keys(path, hf_weights(model), shapes)
     if shard is not None:
         shard(model)
     model.to_empty(device=device)  # recomputes RoPE's buffer on `device` (RotaryEmbedding._apply)
     model.tie_weights()
+    parameters = dict(model.named_parameters())  # a tied head is the embedding: named once
     by_file: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
-    for name, parameter in model.named_parameters():  # a tied head is the embedding: named once
-        by_file.setdefault(shapes[name][0], {})[name] = _local_rows(parameter)
+    for name, block in hf_layout(parameters, config).items():
+        by_file.setdefault(shapes[name][0], {})[name] = local_rows(parameters[block.parameter], block.rows)
     with torch.no_grad():
         for file, targets in by_file.items():
             _read_rows(file, targets)
@@ -158,31 +237,33 @@ def _generation_config(config: Qwen3Config, pad_token_id: int | None) -> dict:
             "pad_token_id": pad_token_id if pad_token_id is not None else config.bos_token_id}
 
 
-def hf_weights(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """The weights under their HF names, without the tied head (safetensors refuses shared storage; HF re-ties on
-    load): the model's own tensors, nothing copied -- a sharded model's DTensors, with the whole tensors' shapes.
+def hf_weights(model: Qwen3ForCausalLM) -> dict[str, RowBlock]:
+    """The weights under their HF names and in HF's shapes and order, without the tied head (safetensors refuses
+    shared storage; HF re-ties on load): each the rows of one of the model's own tensors, nothing copied -- a
+    sharded model's DTensors, with the whole tensors' shapes; a fused parameter as its HF tensors (`hf_layout`).
     (A sharded model's state_dict also frees a root left gathered by a forward without backward: FSDP2's hook.)"""
     model = unwrap(model)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return state
+    return {name: RowBlock(state[block.parameter], block.rows)
+            for name, block in hf_layout(state, model.config).items()}
 
 
-def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
-    """Bytes of the whole tensor (a DTensor's global shape) in `dtype` (default: its own)."""
-    return tensor.numel() * (dtype or tensor.dtype).itemsize
+def _nbytes(block: RowBlock, dtype: torch.dtype | None) -> int:
+    """Bytes of the whole HF tensor (of a DTensor's global shape) in `dtype` (default: its own)."""
+    return block.numel() * (dtype or block.dtype).itemsize
 
 
-def _safetensors_header(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> bytes:
+def _safetensors_header(state: dict[str, RowBlock], dtype: torch.dtype | None) -> bytes:
     """The head of a safetensors file holding `state`'s tensors in its order, in `dtype` (default: their own),
     computed from the shapes alone, before any tensor's bytes arrive: the JSON's length (little-endian u64), then the
     JSON (each tensor's dtype, shape and byte range in the data that follows), padded with spaces to a multiple of
     8 bytes as the safetensors library pads it."""
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, tensor in state.items():
-        end = offset + _nbytes(tensor, dtype)
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype or tensor.dtype], "shape": list(tensor.shape),
+    for name, block in state.items():
+        end = offset + _nbytes(block, dtype)
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype or block.dtype], "shape": list(block.shape),
                          "data_offsets": [offset, end]}
         offset = end
     header = json.dumps(entries, separators=(",", ":")).encode()
@@ -190,47 +271,50 @@ def _safetensors_header(state: dict[str, torch.Tensor], dtype: torch.dtype | Non
     return struct.pack("<Q", len(header)) + header
 
 
-def write_safetensors(file: BinaryIO | None, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
-    """`state`'s tensors as one safetensors file, written into `file` by rank 0 and streamed: the header first,
-    then each tensor's bytes as they come, cast to `dtype` (default: its own). A sharded tensor comes rank by rank
-    (`_rows_in_order`), so beyond its shards no process holds more than one rank's rows of one tensor. Every rank
-    calls this, in step: the others pass no file and send their rows (a plain tensor is rank 0's alone)."""
+def write_safetensors(file: BinaryIO | None, state: dict[str, RowBlock], dtype: torch.dtype | None) -> None:
+    """`state`'s tensors (`hf_weights`) as one safetensors file, written into `file` by rank 0 and streamed: the
+    header first, then each tensor's bytes as they come, cast to `dtype` (default: its own). A sharded tensor comes
+    rank by rank (`_rows_in_order`), so beyond its shards no process holds more than one rank's rows of one tensor.
+    Every rank calls this, in step: the others pass no file and send their rows (a plain tensor is rank 0's
+    alone)."""
     if file is not None:
         file.write(_safetensors_header(state, dtype))
-    for tensor in state.values():
-        for rows in _rows_in_order(tensor):
+    for block in state.values():
+        for rows in _rows_in_order(block):
             if file is not None:
                 rows = rows.to("cpu", dtype or rows.dtype).contiguous()
                 file.write(rows.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes: no copy
 
 
-def _rows_in_order(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    """A tensor's rows in order, as rank 0 writes them: a plain tensor whole; a sharded one (FSDP2 splits dim 0
-    over the ranks as torch.chunk does, the last ranks holding fewer rows or none) rank 0's own rows, then each
-    other rank's, which it sends to rank 0 when rank 0 is ready for them; a rank other than 0 yields nothing."""
+def _rows_in_order(block: RowBlock) -> Iterator[torch.Tensor]:
+    """An HF tensor's rows in order, as rank 0 writes them: of a plain parameter at once; of a sharded one (FSDP2
+    splits dim 0 over the ranks as torch.chunk does, the last ranks holding fewer rows or none) rank 0's own rows
+    of it, then each other rank's, which it sends to rank 0 when rank 0 is ready for them -- of a fused parameter
+    only the rows of this block, so no rank gathers the parameter; a rank other than 0 yields nothing."""
+    tensor = block.tensor
     if not isinstance(tensor, DTensor):
-        yield tensor
+        yield tensor[block.rows.start:block.rows.stop]
         return
-    group, local = tensor.device_mesh.get_group(), tensor.to_local()
+    group, (local, _) = tensor.device_mesh.get_group(), local_rows(tensor, block.rows)
     if dist.get_rank(group) != 0:
         if local.numel():
             dist.send(local.contiguous(), group_dst=0, group=group)
         return
     yield local
-    pieces = torch.empty(tensor.shape, device="meta").chunk(dist.get_world_size(group))  # each rank's rows
-    for source, piece in enumerate(pieces[1:], 1):
-        if piece.numel():
-            rows = torch.empty(piece.shape, dtype=local.dtype, device=local.device)
+    for source, held in enumerate(_rank_rows(tensor.shape[0], dist.get_world_size(group))[1:], 1):
+        count = min(block.rows.stop, held.stop) - max(block.rows.start, held.start)  # its rows of the block
+        if count > 0:
+            rows = torch.empty((count, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
             dist.recv(rows, group_src=source, group=group)
             yield rows
 
 
-def _export_files(state: dict[str, torch.Tensor], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
+def _export_files(state: dict[str, RowBlock], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
     """The tensors' names in state-dict order (a decoder layer's together), cut into files of at most `max_bytes`
     each (a larger tensor alone in its own)."""
     files, size = [[]], 0
-    for name, tensor in state.items():
-        nbytes = _nbytes(tensor, dtype)
+    for name, block in state.items():
+        nbytes = _nbytes(block, dtype)
         if files[-1] and size + nbytes > max_bytes:
             files, size = files + [[]], 0
         files[-1].append(name)
@@ -238,7 +322,7 @@ def _export_files(state: dict[str, torch.Tensor], dtype: torch.dtype | None, max
     return files
 
 
-def save_file(tensors: dict[str, torch.Tensor], path: str, dtype: torch.dtype | None) -> None:
+def save_file(tensors: dict[str, RowBlock], path: str, dtype: torch.dtype | None) -> None:
     """Rank 0: one file of the export, streamed (`write_safetensors`)."""
     with open(path, "wb") as f:
         write_safetensors(f, tensors, dtype)
@@ -281,7 +365,7 @@ def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | 
         if len(files) > 1:
             weight_map = {name: _file_name(number, len(files)) for number, names in enumerate(files, 1)
                           for name in names}
-            total = sum(_nbytes(tensor, dtype) for tensor in state.values())
+            total = sum(_nbytes(block, dtype) for block in state.values())
             with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:

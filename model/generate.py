@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -128,15 +128,78 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor 
                              uniforms)
 
 
-def decode_step(model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
-                key_mask: torch.Tensor, uniforms: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
-    """One token for every row of the decoding batch: the model on `token` (B,) at `position` (B, 1), its keys and
-    values written to the cache's column, its query seeing the cache positions `key_mask` (B, L) allows (L the
-    cache's length); then the next token. No shape here changes from one step to the next unless the cache's
-    length does."""
-    hidden = model(token[:, None], attention_mask=key_mask, position_ids=position, kv_cache=cache,
+# the host reads how many rows stopped once every this many tokens, not at every token: a read waits for the
+# device to finish all it was given (on CUDA the launch queue drains and the GPU idles while the host catches up),
+# so between reads the host queues steps ahead. A row leaves the decoding batch, and a rollout whose rows all
+# stopped ends, at most STOP_CHECK - 1 steps later than a per-token read would see it; a 64-token rollout reads
+# the device 7 times for this and once for the completions' width.
+STOP_CHECK = 8
+
+
+DECODE_CHOICES = ["auto", "eager", "compiled"]  # the scripts' --decode
+
+
+def default_decode(device_type: str) -> str:
+    """--decode auto: "compiled" on CUDA (the first GPU run, Qwen3-0.6B's shape, 32 x 256 greedy: 12.7x the eager
+    step's tokens/s, its compile paid once, 44 s), "eager" on a CPU (inductor's step is 1.1-2.5x faster there, but
+    its compile, 9-16 s per batch width, is repaid only after dozens of rollouts: docs/generation.md)."""
+    return "compiled" if device_type == "cuda" else "eager"
+
+
+@dataclass
+class DecodeState:
+    """What one decode step reads and updates in place, so that a compiled step finds every tensor at the address
+    it captured: the decoding batch's rows (`rows`: which output rows they are), each row's latest token (not yet
+    recorded), its position, its key mask over the cache, whether it emitted EOS, and the step index (`step`, one
+    element: the completion column of `token`), the cache column it writes; the whole rollout's completions and
+    per-row uniforms."""
+    rows: torch.Tensor             # (B,) long
+    token: torch.Tensor            # (B,) long
+    position: torch.Tensor         # (B, 1) long
+    key_mask: torch.Tensor         # (B, L) bool
+    finished: torch.Tensor         # (B,) bool
+    step: torch.Tensor             # (1,) long
+    column: torch.Tensor           # (1,) long: the cache column this step writes (the cache's `column`)
+    completion_ids: torch.Tensor   # (B_all, R) long, pad where nothing is recorded
+    uniforms: torch.Tensor | None  # (B_all, R) float64, sampling only
+    eos_ids: torch.Tensor          # (E,) long
+    pad_token_id: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors a step writes in place."""
+        return [self.token, self.position, self.key_mask, self.finished, self.step, self.column, self.completion_ids]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the decoding batch's rows `index`, moved to the leading rows of the same storage (as
+        KVCache.select_rows: a CUDA graph replays at the addresses it captured)."""
+        n = len(index)
+        for name in ("rows", "token", "position", "key_mask", "finished"):
+            buffer = getattr(self, name)
+            buffer[:n] = buffer[index]  # indexing gathers a copy first: overlapping rows are safe
+            setattr(self, name, buffer[:n])
+
+
+def record(state: DecodeState) -> None:
+    """The latest token of each decoding row into its completion (pad once the row has stopped), and EOS noted."""
+    state.completion_ids[state.rows, state.step] = state.token.masked_fill(state.finished, state.pad_token_id)
+    state.finished |= torch.isin(state.token, state.eos_ids)
+
+
+def decode_step(model: Qwen3ForCausalLM, state: DecodeState, cache: KVCache, sampling: Sampling) -> None:
+    """One token for every row of the decoding batch, all in place: the latest token recorded; the model on it,
+    its keys and values written to the cache's column, its query seeing the positions the key mask allows; the
+    next token picked (seeded: the row's uniform of the next step). No shape changes from one step to the next
+    unless the cache's length does, and nothing is read back to the host."""
+    record(state)
+    state.key_mask.index_fill_(1, cache.column, True)
+    hidden = model(state.token[:, None], attention_mask=state.key_mask, position_ids=state.position, kv_cache=cache,
                    return_hidden=True).hidden_states
-    return pick_token(next_token_logits(model, hidden[:, -1], greedy=not sampling.do_sample), sampling, uniforms)
+    uniforms = None if state.uniforms is None else state.uniforms[state.rows, state.step + 1]
+    logits = next_token_logits(model, hidden[:, -1], greedy=not sampling.do_sample)
+    state.token.copy_(pick_token(logits, sampling, uniforms))
+    state.position += 1
+    state.step += 1
+    state.column += 1  # the cache's column
 
 
 class Decoder:
@@ -149,15 +212,15 @@ class Decoder:
     Qwen3-0.6B's attention heads; `benchmarks/bench_model.py --only cache`, 1 and 2 threads, 2-core AMD EPYC), so it
     is the eager form at every length.
 
-    Compiled (OPD's and eval_math's --use_compile 1), the step runs under torch.compile with mode "reduce-overhead":
-    on CUDA each shape of the step is captured once as a CUDA graph and replayed as one launch per token (the eager
-    step launches every kernel of every layer from Python; not yet run on a GPU: tests/test_cuda.py checks it
-    there); on a CPU it runs as inductor's fused C++ kernels. A CUDA graph replays at the addresses it captured, so
-    the Decoder holds one cache storage from rollout to rollout (grown when a rollout needs more rows or positions)
-    and each rollout uses its leading rows and positions, its length rounded up to a multiple of CACHE_BLOCK, and
-    every step attends over all of them under the key mask: few shapes, so few graphs, at the price of attending to
-    the positions not yet filled. The storage stays allocated between rollouts: layers x rows x KV heads x length x
-    head_dim x 2 (keys and values) x the autocast dtype's bytes.
+    Compiled (`--decode compiled`, the default on CUDA), the step -- the token's bookkeeping included -- runs under
+    torch.compile with mode "reduce-overhead": on CUDA each shape of the step is captured once as a CUDA graph and
+    replayed as one launch per token (the eager step launches every kernel of every layer from Python); on a CPU it
+    runs as inductor's fused C++ kernels. A CUDA graph replays at the addresses it captured, so the Decoder holds
+    one cache storage and one DecodeState storage from rollout to rollout (grown when a rollout needs more rows,
+    positions or tokens) and each rollout uses their leading rows and positions, its length rounded up to a
+    multiple of CACHE_BLOCK, and every step attends over all of them under the key mask: few shapes, so few graphs,
+    at the price of attending to the positions not yet filled. The storage stays allocated between rollouts: layers
+    x rows x KV heads x length x head_dim x 2 (keys and values) x the autocast dtype's bytes.
 
     Compiled under autocast, the steps run a twin of the model whose linear layers' weights are held in the autocast
     dtype, refreshed in place once per rollout (`step_model`): eager autocast casts each fp32 weight once per rollout
@@ -173,6 +236,7 @@ class Decoder:
         self.compiled = compiled
         self.compiled_step = torch.compile(decode_step, fullgraph=True, mode="reduce-overhead") if compiled else None
         self.storage: KVCache | None = None
+        self.held: DecodeState | None = None  # the compiled step's state storage
         self.twin: Qwen3ForCausalLM | None = None
         self.twin_of: weakref.ref | None = None  # the model the twin copies
 
@@ -189,6 +253,27 @@ class Decoder:
             self.storage = None  # the old storage goes before the new one is allocated
             self.storage = KVCache(config, rows, longest, dtype, device)
         return self.storage.view(batch_size, length)
+
+    def state(self, batch_size: int, length: int, new_tokens: int, sampled: bool,
+              device: torch.device) -> DecodeState:
+        """A DecodeState of `batch_size` rows, a key mask over `length` cache positions and `new_tokens` completion
+        columns: fresh when eager; compiled, views of the held storage (at its addresses; grown when too small),
+        its completions filled with pad by `generate`."""
+        if not self.compiled:
+            return empty_state(batch_size, length, new_tokens, sampled, device)
+        held = self.held
+        if held is None or len(held.rows) < batch_size or held.key_mask.shape[1] < length \
+                or held.completion_ids.shape[1] < new_tokens or held.rows.device != device \
+                or (sampled and held.uniforms is None):
+            rows = max(batch_size, len(held.rows) if held is not None else 0)
+            longest = max(length, held.key_mask.shape[1] if held is not None else 0)
+            tokens = max(new_tokens, held.completion_ids.shape[1] if held is not None else 0)
+            self.held = None
+            self.held = empty_state(rows, longest, tokens, True, device)
+        held = self.held
+        return DecodeState(held.rows[:batch_size], held.token[:batch_size], held.position[:batch_size],
+                           held.key_mask[:batch_size, :length], held.finished[:batch_size], held.step,
+                           held.column, held.completion_ids, held.uniforms if sampled else None, held.eos_ids, 0)
 
     def step_model(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
         """The model one rollout's decode steps run: `model` itself, or compiled under an autocast whose dtype its
@@ -208,28 +293,36 @@ class Decoder:
                 twin_linear.weight.copy_(linear.weight)
         return self.twin
 
-    def __call__(self, model: Qwen3ForCausalLM, token: torch.Tensor, position: torch.Tensor, cache: KVCache,
-                 key_mask: torch.Tensor, filled: int, uniforms: torch.Tensor | None,
-                 sampling: Sampling) -> torch.Tensor:
-        """The next token (B,). `key_mask` (B, L) covers the whole cache, this step's position set; `filled`: the
-        cache positions written once this step's are."""
+    def __call__(self, model: Qwen3ForCausalLM, state: DecodeState, cache: KVCache, filled: int,
+                 sampling: Sampling) -> None:
+        """One decode step (`decode_step`), in place. `filled`: the cache positions written once this step's are."""
         if not self.compiled:
             visible = -(-filled // KEY_BLOCK) * KEY_BLOCK
-            if visible < cache.max_length:
-                cache, key_mask = cache.prefix(visible), key_mask[:, :visible]
-            return decode_step(model, token, position, cache, key_mask, uniforms, sampling)
-        # the step writes the cache in place: marked as an input of fixed address, which a CUDA graph may write
-        # (it is skipped for a graph that mutates an ordinary input)
-        for buffer in cache.keys + cache.values:
+            if visible < cache.max_length:  # the key mask's view is written in place: the whole mask follows
+                cache, state = cache.prefix(visible), replace(state, key_mask=state.key_mask[:, :visible])
+            return decode_step(model, state, cache, sampling)
+        # the step writes the cache and the state in place: marked as inputs of fixed address, which a CUDA graph
+        # may write (it is skipped for a graph that mutates an ordinary input)
+        for buffer in cache.keys + cache.values + state.tensors():
             torch._dynamo.mark_static_address(buffer)
         torch.compiler.cudagraph_mark_step_begin()
-        # a CUDA graph's output lives in its pool and is overwritten by the next replay: the loop keeps a copy
-        return self.compiled_step(model, token, position, cache, key_mask, uniforms, sampling).clone()
+        self.compiled_step(model, state, cache, sampling)
+
+
+def empty_state(batch_size: int, length: int, new_tokens: int, sampled: bool, device: torch.device) -> DecodeState:
+    long = dict(dtype=torch.long, device=device)
+    return DecodeState(torch.arange(batch_size, device=device), torch.zeros(batch_size, **long),
+                       torch.zeros(batch_size, 1, **long), torch.zeros(batch_size, length, dtype=torch.bool,
+                                                                        device=device),
+                       torch.zeros(batch_size, dtype=torch.bool, device=device), torch.zeros(1, **long),
+                       torch.zeros(1, **long), torch.zeros(batch_size, new_tokens, **long),
+                       torch.zeros(batch_size, new_tokens, dtype=torch.float64, device=device) if sampled else None,
+                       torch.zeros(0, **long), 0)
 
 
 def low_precision_twin(model: Qwen3ForCausalLM, dtype: torch.dtype) -> Qwen3ForCausalLM:
     """A frozen Qwen3ForCausalLM whose linear layers hold copies of `model`'s weights in `dtype` and whose
-    embedding, norms and RoPE buffer are `model`'s own tensors (nothing else is allocated)."""
+    embedding, norms and RoPE buffers are `model`'s own tensors (nothing else is allocated)."""
     with torch.device("meta"):
         twin = Qwen3ForCausalLM(model.config)
     for twin_module, module in zip(twin.modules(), model.modules()):
@@ -238,6 +331,7 @@ def low_precision_twin(model: Qwen3ForCausalLM, dtype: torch.dtype) -> Qwen3ForC
         elif hasattr(module, "weight"):  # embedding and RMSNorms: shared, in their stored dtype
             twin_module.weight = module.weight
     twin.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq
+    twin.model.rotary_emb.table = model.model.rotary_emb.table
     return twin.eval()
 
 
@@ -257,60 +351,63 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled. `decoder`: a compiled Decoder to reuse
     across calls (default: the eager step). `all_stopped`: for processes that must run every forward together (a
     sharded model all-gathers each layer's weights in it), whether this process's rows have all stopped -> whether
-    every process's have; until then a process whose rows stopped decodes on, one stopped row wide, its tokens
-    never recorded."""
+    every process's have (asked every STOP_CHECK steps, at the same steps on every process); until then a process
+    whose rows stopped decodes on, one stopped row wide, its tokens never recorded."""
     model = getattr(model, "module", model)
     decoder = decoder or Decoder()
     B, P = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    eos_ids = torch.tensor([] if eos_token_id is None else
-                           ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)), device=device)
-    pad_token_id = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+    eos_list = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    pad_token_id = pad_token_id if pad_token_id is not None else (eos_list[0] if eos_list else 0)
     sampling = Sampling(do_sample, temperature, top_k, top_p, vocab_size)
-    uniforms = draw_uniforms(generator, B, max_new_tokens, device) if do_sample else None
 
     cache = decoder.cache(model.config, B, P + max_new_tokens, cache_dtype(model, device), device)
+    state = decoder.state(B, cache.max_length, max_new_tokens, do_sample, device)
+    # the EOS ids padded with -1 (no token) to a multiple of 8: one shape, so one compiled graph, for the usual lists
+    eos_ids = torch.tensor(eos_list + [-1] * (max(8, -(-len(eos_list) // 8) * 8) - len(eos_list)), device=device)
+    state = replace(state, eos_ids=eos_ids, pad_token_id=pad_token_id)
+    state.completion_ids.fill_(pad_token_id)
+    if do_sample:
+        state.uniforms[:B, :max_new_tokens] = draw_uniforms(generator, B, max_new_tokens, device)
     hidden = model(input_ids, attention_mask=attention_mask, kv_cache=cache, return_hidden=True).hidden_states
-    token = pick_token(next_token_logits(model, hidden[:, -1], greedy=not do_sample), sampling,
-                       None if uniforms is None else uniforms[:, 0])
+    state.token.copy_(pick_token(next_token_logits(model, hidden[:, -1], greedy=not do_sample), sampling,
+                                 None if state.uniforms is None else state.uniforms[:B, 0]))
     # from here the cache is written one position per step (prompts are left padded: the same position for every
     # row), and a row's query sees its prompt's real tokens and every token generated so far
-    cache.column = torch.tensor([P], device=device)
+    state.column.fill_(P)
+    cache.column = state.column
     step_model = decoder.step_model(model)
-    key_mask = torch.zeros(B, cache.max_length, dtype=torch.bool, device=device)
-    key_mask[:, :P] = attention_mask.bool()
-    position = positions_from_mask(attention_mask)[:, -1:] + 1
+    step_model.model.rotary_emb.reserve(cache.max_length)  # so that no step grows the table (a compiled one can't)
+    state.rows.copy_(torch.arange(B, device=device))
+    state.key_mask.zero_()
+    state.key_mask[:, :P] = attention_mask.bool()
+    state.position.copy_(positions_from_mask(attention_mask)[:, -1:] + 1)
+    state.finished.zero_()
+    state.step.zero_()
 
-    completion_ids = input_ids.new_full((B, max_new_tokens), pad_token_id)
-    rows = torch.arange(B, device=device)  # the batch rows in the decoding batch, in order
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # per row of the decoding batch
-    steps = max_new_tokens  # the completions' width: up to the step where this process's rows had all stopped
-    for step in range(max_new_tokens):
-        completion_ids[rows, step] = token.masked_fill(finished, pad_token_id)
-        finished = finished | torch.isin(token, eos_ids)
-        done = int(finished.sum())
-        if done == len(rows):
-            steps = min(steps, step + 1)
-        if step == max_new_tokens - 1 or (all_stopped or bool)(done == len(rows)):
-            break
-        if 2 * done >= len(rows):  # stopped rows leave once they are half the batch: the width at least halves
-            # a power of two (the rows still decoding first, stopped ones filling up): few widths, so few
-            # compiled graphs; a stopped row that stays decodes on, its tokens never recorded
-            keep = finished.long().argsort(stable=True)[:1 << max(len(rows) - done - 1, 0).bit_length()]
-            rows, token, key_mask, position, finished = (rows[keep], token[keep], key_mask[keep], position[keep],
-                                                         finished[keep])
-            cache.select_rows(keep)
-        key_mask.index_fill_(1, cache.column, True)
-        step_uniforms = None if uniforms is None else uniforms[rows, step + 1]
-        token = decoder(step_model, token, position, cache, key_mask, P + step + 1, step_uniforms, sampling)
-        position += 1
-        cache.column += 1
+    for step in range(max_new_tokens - 1):  # each step records token `step` and picks token `step + 1`
+        if step and step % STOP_CHECK == 0:
+            done = int(state.finished.sum())  # the host waits for the device here, and only here
+            if (all_stopped or bool)(done == len(state.rows)):
+                break
+            if 2 * done >= len(state.rows):  # stopped rows leave once they are half the batch: the width halves
+                # a power of two (the rows still decoding first, stopped ones filling up): few widths, so few
+                # compiled graphs; a stopped row that stays decodes on, its tokens never recorded
+                keep = state.finished.long().argsort(stable=True)[:1 << max(len(state.rows) - done - 1, 0).bit_length()]
+                state.keep(keep)
+                cache.select_rows(keep)
+        decoder(step_model, state, cache, P + step + 1, sampling)
+    record(state)
 
-    completion_ids = completion_ids[:, :steps]
+    completion_ids = state.completion_ids[:B, :max_new_tokens].clone()
+    completion_mask = completion_mask_through_eos(completion_ids, state.eos_ids)
+    # the completions' width: up to the step where this process's rows had all stopped
+    steps = int(completion_mask.sum(dim=1).max()) if B else max_new_tokens
+    completion_ids, completion_mask = completion_ids[:, :steps], completion_mask[:, :steps]
     return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
-                          completion_mask=completion_mask_through_eos(completion_ids, eos_ids))
+                          completion_mask=completion_mask)
 
 
 def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:

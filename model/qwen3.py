@@ -1,12 +1,16 @@
-"""Qwen3 for causal LM in plain PyTorch. Parameter names equal HF's, so state dicts map 1:1.
+"""Qwen3 for causal LM in plain PyTorch. Parameter names are HF's but for two fused projections per layer --
+`self_attn.qkv_proj` (HF's q_proj, k_proj, v_proj as its row blocks) and `mlp.gate_up_proj` (gate_proj, up_proj):
+one GEMM each instead of three and two. model/checkpoint_io.py (`fused_blocks`, `hf_layout`) reads and writes them
+under HF's names and shapes, so HF folders, vLLM and transformers see HF's layout.
 
 decoder layer:  x = x + attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
-attention:      q/k/v projections, per-head RMSNorm on q and k *before* RoPE, grouped-query attention
-                through F.scaled_dot_product_attention; rotate-half RoPE (frequencies in fp32 whatever the
+attention:      q/k/v projection, per-head RMSNorm on q and k *before* RoPE, grouped-query attention
+                through F.scaled_dot_product_attention; rotate-half RoPE (a table of fp32 cos / sin whatever the
                 model's dtype) with positions taken from the mask, so a left-padded row gives the same logits as
                 the row alone.
 
-Two attention forms (docs/architecture.md, "Attention kernels"):
+Two attention inputs (docs/architecture.md, "Attention kernels"), each given to SDPA in a form the device's fused
+kernels take (`attention_form`):
   * no attention_mask: plain causal attention (`is_causal=True`, no mask tensor), the form CUDA's flash kernel
     takes. Training forwards use it: their rows are right padded (each row's tokens at positions 0..n-1, pads at
     the end), and under a causal mask a real token never attends a pad that comes after it.
@@ -103,40 +107,66 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # variance in fp32, then back to the input dtype before the weight, exactly as HF's Qwen3RMSNorm
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Qwen3RMSNorm: the variance in fp32, the normalised x back in x's dtype, then times the weight (whose
+    dtype the result takes when it is wider). F.rms_norm without a weight computes exactly the first part (fp32
+    inside, rounded once to x's dtype: bit for bit HF's on the CPU) and is one fused kernel on CUDA; the weight
+    goes after it, as HF multiplies (F.rms_norm's own weight would multiply before the rounding)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE from a table: row p holds [cos(p f), cos(p f)] and [-sin(p f), sin(p f)] for the D/2
+    frequencies f, in fp32 (HF computes p * f in fp32 too), so that a forward looks its positions up in one gather
+    instead of computing them. Then x * cos + roll(x, D/2) * sin is HF's x * cos + rotate_half(x) * sin bit for bit
+    (rotate_half(x) = [-x2, x1] and roll(x, D/2) = [x2, x1]: the sign moves into the table, and (-a) * b = -(a * b)
+    exactly). The table grows (doubling) to the positions a forward may use, known before it runs: no read of the
+    device."""
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+        self.register_buffer("table", self.compute_table(0), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) casts floating buffers too: bf16 frequencies are off by 0.59 rad at position 512. The
-        # buffer is a pure function of (head_dim, theta), so after any move or cast it is recomputed in fp32 on
-        # the device it landed on (meta included).
+        # buffers are pure functions of (head_dim, theta), so after any move or cast they are recomputed in fp32 on
+        # the device they landed on (meta included).
         super()._apply(fn, recurse)
         self.inv_freq = self.compute_inv_freq(device=self.inv_freq.device)
+        self.table = self.compute_table(len(self.table))
         return self
 
     def compute_inv_freq(self, device=None) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         return 1.0 / (self.theta ** exponents)
 
+    def compute_table(self, length: int) -> torch.Tensor:
+        """(length, 2 * head_dim) fp32: each position's [cos, cos, -sin, sin]."""
+        freqs = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos, -sin, sin), dim=-1)
+
+    def reserve(self, length: int) -> None:
+        """Make the table cover positions 0 .. length - 1 (a Python-side decision: nothing is read off the device)."""
+        if length > len(self.table):
+            self.table = self.compute_table(max(length, 2 * len(self.table), 64))
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2), in fp32 like HF
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """(B, T) positions -> cos and signed sin (B, T, D) in `dtype`."""
+        rows = F.embedding(position_ids, self.table)
+        if rows.dtype != dtype:
+            rows = rows.to(dtype)
+        return rows.split(self.head_dim, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, D), cos and signed sin (B, 1, T, D): HF's rotate-half RoPE (see RotaryEmbedding)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -146,37 +176,73 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        # q, k and v as one GEMM (rows: q's, then k's, then v's); the HF checkpoints' q_proj / k_proj / v_proj are
+        # its row blocks (model/checkpoint_io.py: fused_blocks)
+        self.qkv_split = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_proj = nn.Linear(hidden, sum(self.qkv_split), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn_mask, kv_cache: KVCache | None = None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = attention(q, k, v, attn_mask, self.num_heads // self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def attention_form(device_type: str, dtype: torch.dtype, masked: bool, query_len: int, groups: int) -> str:
+    """How an attention call is given to SDPA so that a fused kernel of the device takes it (docs/architecture.md,
+    "Attention kernels"; tests/test_attention_form.py checks every loop's calls against the kernels' rules):
+
+      "gqa"     grouped heads as they are (enable_gqa): the CPU's fused kernel takes every form (masks, grouped
+                heads, fp32/bf16/fp16); on CUDA FlashAttention takes the unmasked causal form in fp16/bf16;
+      "fold"    CUDA, a masked single-query step (decode): each KV head's G query heads become G queries of
+                that head, all under the row's key mask -- the memory-efficient kernel (masks, every dtype) takes
+                it without a copy of the cache, and attends exactly what grouped heads attend;
+      "expand"  CUDA otherwise (a masked prefill, or fp32 where flash refuses): keys and values repeated per query
+                head, for the memory-efficient kernel, which takes masks and fp32 but not grouped heads (torch 2.11;
+                a newer one may, a copy per call is the price of being sure).
+    `dtype`: the one the kernel computes in (autocast's where it is on)."""
+    if groups == 1 or device_type != "cuda" or (not masked and dtype in (torch.float16, torch.bfloat16)):
+        return "gqa"
+    return "fold" if masked and query_len == 1 else "expand"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              groups: int) -> torch.Tensor:
+    """SDPA of q (B, H, T, D) over k, v (B, H / groups, S, D) under `mask` (boolean, broadcast to (B, 1, T, S);
+    None: causal, T == S), in the form `attention_form` picks for the device: (B, H, T, D)."""
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
+    form = attention_form(device_type, dtype, mask is not None, q.shape[2], groups)
+    if form == "fold":
+        B, H, _, D = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(B, H // groups, groups, D), k, v, attn_mask=mask)
+        return out.reshape(B, H, 1, D)
+    if form == "expand":
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=form == "gqa" and groups > 1)
 
 
 class MLP(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # gate and up as one GEMM (rows: gate's, then up's; HF's gate_proj / up_proj are its halves)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -265,6 +331,8 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None]
         x = self.model.embed_tokens(input_ids)
+        # positions stay below the cache's length, or the forward's own length (given positions are a row's own)
+        self.model.rotary_emb.reserve(kv_cache.max_length if kv_cache is not None else past_len + T)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
         if column:  # generate's decode step: attention_mask (B, L) marks the cache positions its query may see
             attn_mask = attention_mask[:, None, None, :].bool()

@@ -1,8 +1,17 @@
 # python -m pytest tests/test_attention_form.py
-"""Training forwards reach the fused attention kernels by construction: right-padded rows, plain causal attention,
-no mask tensor (CUDA's flash kernel takes no attn_mask at all). Proven here with a spy on
-F.scaled_dot_product_attention in the three loops (students and teachers), and by the numbers: the right-padded,
-unmasked forward gives the left-padded, masked forward's losses and gradients."""
+"""Every attention call reaches a fused kernel, in every loop, form and dtype.
+
+  * Training forwards are plain causal attention by construction: right-padded rows, no mask tensor (CUDA's flash
+    kernel takes no attn_mask at all), proven with a spy on F.scaled_dot_product_attention in the loops and by the
+    numbers (the right-padded, unmasked forward gives the left-padded, masked forward's losses and gradients).
+  * The table below says which CUDA kernel takes a call (torch 2.11's rules, aten/src/ATen/native/transformers/cuda/
+    sdp_utils.cpp: FlashAttention fp16/bf16, no mask, grouped heads, causal only when the query and key lengths
+    agree; the memory-efficient kernel fp32/fp16/bf16, masks, but as many key heads as query heads). Every loop --
+    SFT, KD, OPD, RL, logit-free OPD -- runs here on the CPU with the CUDA forms (`attention_form` told "cuda"),
+    in fp32, bf16 and fp16 autocast, and each of its calls -- training forwards, the prefill of left-padded prompts,
+    the decode steps -- must be one a fused kernel takes: a call only the math kernel would take fails.
+  * The CUDA forms compute the CPU forms' numbers (keys and values expanded: bit for bit; query heads folded:
+    within rounding), and the CPU forms run on the CPU's fused kernel with the math kernel disabled."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +134,105 @@ def test_rope_frequencies_stay_fp32_and_both_bf16_constructors_agree(tiny_config
     ids = torch.randint(0, 151669, (1, 1024), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(built(ids).logits, loaded(ids).logits)
+
+
+def cuda_kernels(call: dict) -> set[str]:
+    """The fused CUDA kernels that take an SDPA call (torch 2.11; cuDNN left out: on some GPUs it takes fewer)."""
+    kernels = set()
+    if call["dtype"] in (torch.float16, torch.bfloat16) and not call["mask"] \
+            and not (call["causal"] and call["query_len"] != call["key_len"]):
+        kernels.add("flash")  # grouped heads too
+    if not call["grouped"] and call["dtype"] in (torch.float32, torch.float16, torch.bfloat16):
+        kernels.add("efficient")
+    return kernels
+
+
+@pytest.fixture
+def cuda_forms(monkeypatch):
+    """The model picks the attention forms it would on CUDA; every SDPA call is recorded as the kernel sees it
+    (autocast's dtype where it is on)."""
+    calls = []
+    original, form = F.scaled_dot_product_attention, qwen3.attention_form
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+        calls.append({"dtype": dtype, "mask": attn_mask is not None, "causal": is_causal,
+                      "grouped": q.shape[1] != k.shape[1], "query_len": q.shape[2], "key_len": k.shape[2]})
+        return original(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kwargs)
+
+    monkeypatch.setattr(qwen3.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(qwen3, "attention_form", lambda device_type, *rest: form("cuda", *rest))
+    return calls
+
+
+def refused(calls: list[dict]) -> list[dict]:
+    return [call for call in calls if not cuda_kernels(call)]
+
+
+DTYPES = [pytest.param("float32", marks=pytest.mark.slow), "bfloat16", pytest.param("float16", marks=pytest.mark.slow)]
+LOOPS = ["sft", "kd", "opd", "rl", "logit_free"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_loops_attention_calls_are_ones_a_fused_cuda_kernel_takes(loop, dtype, tiny_config_path, tmp_path,
+                                                                        cuda_forms, black_box_stub, one_thread):
+    from trainer import train_logit_free, train_rl
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 8)
+    teacher = str(tmp_path / "teacher")
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=9), teacher)
+    on_policy = dict(max_new_tokens=8, eval_interval=1, eval_rows=2, eval_max_new_tokens=6)
+    runs = {
+        "sft": (train_sft, {}),
+        "kd": (train_distillation, dict(teacher_path=teacher)),
+        "opd": (train_opd, dict(teacher_path=teacher, lmbda=1.0, **on_policy)),
+        "rl": (train_rl.main, dict(num_generations=2, **on_policy)),
+        "logit_free": (train_logit_free.main, dict(teacher_url=black_box_stub.url, chunk_len=3, audit_chunks=2,
+                                                   continuations=2, **on_policy)),
+    }
+    main, flags = runs[loop]
+    main(loop_args(tiny_config_path, data, tmp_path, name=loop, max_steps=1, dtype=dtype, **flags))
+    assert cuda_forms and not refused(cuda_forms), refused(cuda_forms)[:3]
+    if loop not in ("sft", "kd"):  # the rollouts' prefills (square) and decode steps (queries < keys) ran too
+        assert {call["query_len"] == call["key_len"] for call in cuda_forms if call["mask"]} == {True, False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cuda_forms_compute_the_cpu_forms_numbers(tiny_config_path, dtype, monkeypatch, one_thread):
+    """Training forward, prefill and decode: the CUDA forms' logits and tokens are the CPU forms' -- bit for bit
+    where keys and values are expanded (training in fp32, the prefill), within rounding where query heads are
+    folded (the decode steps); and the CPU forms run on the CPU's fused kernel alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from model import generate
+    model = create_model(Qwen3Config.from_json(tiny_config_path), seed=4).eval()
+    ids = torch.randint(0, 151669, (3, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            train, prefill = model(ids).logits, model(ids, attention_mask=mask).logits
+            tokens = generate(model, ids, mask, 12, do_sample=False).completion_ids
+        return train, prefill, tokens
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # the CPU's fused kernel, no math fallback
+        cpu = run()
+    form = qwen3.attention_form
+    monkeypatch.setattr(qwen3, "attention_form", lambda device_type, *rest: form("cuda", *rest))
+    cuda = run()
+    assert torch.equal(cuda[1], cpu[1]), "the expanded prefill"
+    assert torch.equal(cuda[0], cpu[0]), "the training forward: expanded in fp32, flash's form (the CPU's) else"
+    assert torch.equal(cuda[2], cpu[2])  # greedy over random weights: no near-tie for a fold's rounding to flip
+
+
+def test_the_table_refuses_what_the_first_gpu_run_saw_refused():
+    """The forms the first GPU run met: a masked grouped decode call (flash takes no mask, the memory-efficient
+    kernel no grouped heads) and an fp32 grouped causal one (flash and cuDNN refuse fp32)."""
+    decode = {"dtype": torch.bfloat16, "mask": True, "causal": False, "grouped": True, "query_len": 1,
+              "key_len": 64}
+    assert cuda_kernels(decode) == set()
+    assert cuda_kernels({**decode, "grouped": False}) == {"efficient"}
+    fp32_training = {"dtype": torch.float32, "mask": False, "causal": True, "grouped": True, "query_len": 64,
+                     "key_len": 64}
+    assert cuda_kernels(fp32_training) == set()
+    assert cuda_kernels({**fp32_training, "dtype": torch.bfloat16}) == {"flash"}

@@ -4,24 +4,31 @@ machine's disk, keeps no save it does not need and puts the throughput measureme
 bf16 ones; a small --budget_s skips phases with a note and still leaves a valid JSON; a phase past its limit is
 stopped, its row saying so, and the next phases run; its --device cpu --tiny mode runs every code path it runs on a
 GPU (the three loops in each precision and mode, a resume, the bf16/fp32 comparison, the throughput steps, the OPD
-split, generate against transformers, with a vLLM environment the weight-sync figures) on tiny shapes; its working
-folder is gone afterwards; without CUDA the GPU mode says so and exits 0."""
+split, generation against its roofline, the decode steps' syncs and picks, generate against transformers, with a
+vLLM environment the weight-sync figures) on tiny shapes; its working folder is gone afterwards; without CUDA the
+GPU mode says so and exits 0. The phases' arithmetic and bookkeeping on their own: the math-kernel fall-back of bf16 vs
+fp32, the sync counter, the roofline multiple, the fitted length of generate vs transformers, the targets."""
 import argparse
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks import bench_gpu
+from benchmarks import bench_gpu, roofline
+from model import create_model, generate
 from loop_helpers import env_one_thread
 from support import ROOT
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
+BUDGET_S = bench_gpu.parse_args([]).budget_s  # the default
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the GPU mode would run in full")
@@ -33,11 +40,12 @@ def test_without_cuda_it_says_so_and_exits_0():
 def test_the_plan_prints_without_a_gpu_and_exits_0():
     result = subprocess.run([sys.executable, SCRIPT, "--plan"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "full shapes, budget 420 s" in result.stdout and "peak" in result.stdout and "smoke compile" in result.stdout
+    assert f"full shapes, budget {BUDGET_S:.0f} s" in result.stdout
+    assert "peak" in result.stdout and "smoke compile" in result.stdout
 
 
 def test_the_h200_plan_fits_the_disk_and_keeps_only_the_save_a_resume_reads():
-    plan = bench_gpu.make_plan("full", 420.0)
+    plan = bench_gpu.make_plan("full", BUDGET_S)
     assert plan["disk_bytes"]["peak"] <= 20 * 2**30
     # the smoke student: the 0.6B width and vocabulary, 2 layers; a save is 12 + 4 bytes per parameter + tokenizer
     width, vocab, q, kv, mlp = 1024, 151936, 16 * 128, 8 * 128, 3072
@@ -56,12 +64,49 @@ def test_the_h200_plan_fits_the_disk_and_keeps_only_the_save_a_resume_reads():
 
 
 def test_the_plan_measures_throughput_before_every_smoke_run_but_the_bf16_ones():
-    names = [p["name"] for p in bench_gpu.make_plan("full", 420.0)["phases"]]
+    names = [p["name"] for p in bench_gpu.make_plan("full", BUDGET_S)["phases"]]
     assert names[:2] == ["smoke models", "smoke bf16"]
     throughput = [names.index(name) for name in ("SFT step", "KD step", "OPD split")]
     other_smoke = [names.index(name) for name in bench_gpu.SMOKE_VARIANTS if name != "smoke bf16"]
     assert len(other_smoke) == 3  # fp16, gradient checkpointing, compile
     assert throughput == sorted(throughput) and max(throughput) < min(other_smoke)
+    measured = [names.index(name) for name in ("generation", "decode compiled", "bf16 vs fp32",
+                                               "generate vs transformers")]
+    assert max(measured) < min(other_smoke)
+
+
+def test_the_h200_plan_fits_every_measurement_in_the_default_budget():
+    """The estimates fit every measurement in the default budget (the last smoke runs may not fit), each limit past
+    its estimate; generate vs transformers (past its 83 s limit at 32 x 512 on the first GPU run) now has room for its
+    fitted calls."""
+    plan = bench_gpu.make_plan("full", BUDGET_S)
+    rows = {p["name"]: p for p in plan["phases"]}
+    assert plan["expected_s"] <= BUDGET_S
+    for name in ("smoke bf16", "SFT step", "KD step", "OPD split", "generation", "decode compiled", "bf16 vs fp32",
+                 "generate vs transformers"):
+        assert rows[name]["fits"], name
+    assert all(p["limit_s"] >= p["estimate_s"] for p in plan["phases"])
+    transformers = rows["generate vs transformers"]
+    assert bench_gpu.GENERATE_TIMED_S["full"] < transformers["estimate_s"] < transformers["limit_s"] / 2 + 1
+
+
+def test_the_opd_smoke_runs_choose_their_decode_step():
+    """--use_compile compiles the training layers only: the compile phase's OPD run asks for the compiled decode step,
+    fp16 and checkpointing for the eager one; smoke bf16 keeps the default (auto), and no SFT or KD run gets the
+    flag. The estimates count a compiled decode step where one runs (auto: on CUDA, the full shapes)."""
+    runs = {(run.loop, phase): run for phase in bench_gpu.SMOKE_VARIANTS
+            for group in bench_gpu.smoke_groups(phase) for run in group}
+    decode = {phase: run.flags[run.flags.index("--decode") + 1] if "--decode" in run.flags else "auto"
+              for (loop, phase), run in runs.items() if loop == "opd"}
+    assert decode == {"smoke bf16": "auto", "smoke fp16": "eager", "smoke checkpointing": "eager",
+                      "smoke compile": "compiled"}
+    assert not [key for key, run in runs.items() if key[0] != "opd" and "--decode" in run.flags]
+    opd_bf16 = runs[("opd", "smoke bf16")]
+    assert bench_gpu.compiles_decode(opd_bf16, "full") and not bench_gpu.compiles_decode(opd_bf16, "tiny")
+    assert bench_gpu.compiles_decode(runs[("opd", "smoke compile")], "tiny")
+    sft_bf16 = runs[("sft", "smoke bf16")]
+    extra = bench_gpu.run_estimate(opd_bf16, "full", 0) - bench_gpu.run_estimate(sft_bf16, "full", 0)
+    assert extra == bench_gpu.COST_S["full"]["decode compile"]
 
 
 def test_a_phase_past_its_limit_is_stopped_its_row_says_so_and_the_next_runs(tmp_path):
@@ -84,6 +129,144 @@ def test_a_phase_past_its_limit_is_stopped_its_row_says_so_and_the_next_runs(tmp
     assert after["status"] == "ok" and after["limit_s"] == 60  # the default: max(2 x estimate, 60 s)
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     assert "| sleeps | timeout | 1 | 0.2 | 0 |" in (tmp_path / "report.md").read_text()
+
+
+def tiny_kit(tmp_path, student=None) -> bench_gpu.Kit:
+    args = argparse.Namespace(device="cpu", shape="tiny", budget_s=100.0, out=str(tmp_path / "report.json"),
+                              phase_limit_s={})
+    report = {"device_name": "cpu", "torch": torch.__version__, "shape": "tiny", "budget_s": 100.0, "phases": [],
+              "smoke": [], "throughput": {}}
+    kit = bench_gpu.Kit(args, str(tmp_path), report, time.perf_counter())
+    kit.full_models = (student, None)
+    return kit
+
+
+@pytest.fixture
+def tiny_student():
+    return create_model(bench_gpu.model_config(bench_gpu.SHAPES["tiny"][0]), seed=0)
+
+
+def test_bf16_vs_fp32_runs_a_dtype_no_fused_kernel_takes_on_the_math_kernel_and_says_so(tmp_path, tiny_student,
+                                                                                       one_thread):
+    """On CUDA flash and cuDNN refuse fp32 and the memory-efficient kernel a grouped-query attention: "No available
+    kernel". The CPU's SDPA with only the memory-efficient kernel allowed (which it lacks) refuses every form the
+    same way, so the phase falls back for both dtypes -- with the same losses as without any restriction -- and
+    with the CPU's flash kernel allowed it needs no fall-back."""
+    kit = tiny_kit(tmp_path, tiny_student)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        status, note = bench_gpu.bf16_agrees_with_fp32(kit)
+    fallen_back = kit.report["bf16_vs_fp32"]
+    assert status == "ok" and fallen_back["math_kernel"] == ["bfloat16", "float32"]
+    assert "bfloat16 and float32 on the math kernel" in note
+    assert "on the math kernel" in bench_gpu.report_table({**kit.report, "seconds": 1.0})
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        status, note = bench_gpu.bf16_agrees_with_fp32(kit)
+    assert status == "ok" and kit.report["bf16_vs_fp32"]["math_kernel"] == [] and "math" not in note
+    assert fallen_back["float32"] == pytest.approx(kit.report["bf16_vs_fp32"]["float32"], rel=1e-5)
+
+
+def test_only_a_missing_kernel_falls_back_to_the_math_kernel():
+    def fails():
+        raise RuntimeError("CUDA out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench_gpu.on_fused_kernels_or_math(fails)
+    calls = []
+
+    def no_kernel_unless_math():
+        calls.append(torch.backends.cuda.math_sdp_enabled())
+        if not calls[-1]:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return 1.0
+    with bench_gpu.fused_attention("cuda"):
+        assert bench_gpu.on_fused_kernels_or_math(no_kernel_unless_math) == (1.0, True)
+    assert calls == [False, True]
+
+
+def test_the_sync_counter_tells_the_decode_steps_syncs_from_the_rest_of_the_rollout(tiny_student, monkeypatch,
+                                                                                    one_thread):
+    """What torch.cuda.set_sync_debug_mode("warn") raises on CUDA, raised here by hand: one sync in every decode step
+    (a patched step) and one outside them (a STOP_CHECK-like read); another warning is not a sync. The counter
+    sees 4 steps' syncs inside (5 new tokens: 4 decode steps after the prefill's token) and 5 in the rollout, names
+    the line they came from, and stops counting when its block ends."""
+    generate_module = importlib.import_module("model.generate")
+    original = generate_module.decode_step
+
+    def syncing_step(*args, **kwargs):
+        warnings.warn(bench_gpu.SYNC_WARNING)
+        warnings.warn("not a sync")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(generate_module, "decode_step", syncing_step)
+    decoder = bench_gpu.SyncCountingDecoder()
+    ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
+    with bench_gpu.sync_warnings("cpu", decoder) as syncs:
+        warnings.warn(bench_gpu.SYNC_WARNING)
+        generate(tiny_student.eval(), ids, None, 5, do_sample=False, decoder=decoder)
+    assert syncs["rollout"] == 5 and syncs["in_steps"] == 4
+    assert list(syncs["sites"]) == [f"tests/test_bench_gpu.py:{syncing_step.__code__.co_firstlineno + 1}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        generate(tiny_student, ids, None, 5, do_sample=False, decoder=decoder)  # outside the block: not counted
+    assert decoder.in_steps == 4 and decoder.caught is None
+
+
+def test_picks_against_the_forward_are_the_argmax_for_the_models_own_greedy_tokens(tiny_student, one_thread):
+    batch = {"prompt_ids": torch.randint(0, 1000, (3, 6), generator=torch.Generator().manual_seed(0)),
+             "prompt_attention_mask": torch.ones(3, 6, dtype=torch.long)}
+    batch["prompt_attention_mask"][1, :2] = 0  # left padded
+    model = tiny_student.eval()
+    completion = generate(model, batch["prompt_ids"], batch["prompt_attention_mask"], 8, do_sample=False).completion_ids
+    picks = bench_gpu.picks_against_forward(model, batch, completion, "cpu", rows_at_once=2)
+    assert picks["argmax_share"] > 0.9 and 0 <= picks["mean_shortfall"] <= picks["max_shortfall"] < 0.05
+    drawn = torch.randint(0, 151669, completion.shape, generator=torch.Generator().manual_seed(1))  # not its picks
+    others = bench_gpu.picks_against_forward(model, batch, drawn, "cpu")
+    assert others["argmax_share"] < 0.2 and others["max_shortfall"] > 0.05
+
+
+def test_the_generation_roofline_multiple_is_seconds_over_the_bound(tiny_student):
+    """The bound by hand: bandwidth-bound, the weights read by the prefill and by every step, and the KV cache held
+    so far; compute-bound, 2 FLOPs per layer parameter per prompt token and per row and step the layers and the
+    head."""
+    config = tiny_student.config
+    rows, prompt_tokens, steps, width = 4, 40, 16, 2
+    layers = roofline.layer_parameters(config)
+    weights = (layers + bench_gpu.VOCAB * config.hidden_size) * width
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * width
+    cache = rows * (prompt_tokens / rows + steps / 2) * kv_per_token
+    memory = roofline.Rates(gemm=1e30, exp=1e30, bandwidth=1e9, source="test")
+    got = bench_gpu.generation_roofline(config, rows, prompt_tokens, steps, 2.0, memory, width)
+    assert got["bound_s"] == pytest.approx((weights + steps * (weights + cache)) / 1e9)
+    assert got["multiple"] == pytest.approx(2.0 / got["bound_s"])
+    compute = roofline.Rates(gemm=1e12, exp=1e30, bandwidth=1e30, source="test")
+    flops = 2 * layers * prompt_tokens + steps * rows * 2 * (layers + config.hidden_size * bench_gpu.VOCAB)
+    assert bench_gpu.generation_roofline(config, rows, prompt_tokens, steps, 1.0, compute,
+                                         width)["bound_s"] == pytest.approx(flops / 1e12)
+
+
+@pytest.mark.parametrize("per_token, expected", [(0.05, 400), (0.0001, 512), (10.0, 16), (0.039, 512), (0.0, 512)])
+def test_generate_vs_transformers_takes_the_most_tokens_that_fit(per_token, expected):
+    new_tokens = bench_gpu.fitted_new_tokens(per_token, 20.0, 512, 16)
+    assert new_tokens == expected and new_tokens % 16 == 0
+    assert new_tokens == 16 or new_tokens * per_token <= 20.0
+
+
+def test_the_table_says_whether_the_targets_are_met():
+    """Full shapes: generation at 32 x 512 against >= 10,000 tokens/s and <= 5x its roofline, the OPD step against
+    2.5 s; other sizes and the tiny shapes have no target."""
+    def size(rows, new_tokens, rate, multiple):
+        return {"rows": rows, "new_tokens": new_tokens, "seconds": rows * new_tokens / rate, "tokens_per_s": rate,
+                "bound_s": rows * new_tokens / rate / multiple, "multiple": multiple}
+    report = {"device_name": "H200", "torch": "x", "shape": "full", "budget_s": 420.0, "seconds": 1.0, "phases": [],
+              "smoke": [], "throughput": {},
+              "opd": {"phases_ms": {"generation": 1500.0, "backward": 1200.0}, "generation_tokens_per_s": 10_000.0},
+              "generation": {"decode": "compiled", "rates": {}, "sizes": {
+                  "32 x 512": size(32, 512, 12_000.0, 4.0), "256 x 256": size(256, 256, 50_000.0, 2.0)}}}
+    table = bench_gpu.report_table(report)
+    assert ">= 10,000 tokens/s and <= 5x: met" in table and "| 256 x 256 | 50,000 |" in table
+    assert "step 2.70 s (target <= 2.5 s: MISSED)" in table
+    report["generation"]["sizes"]["32 x 512"] = size(32, 512, 12_000.0, 6.0)
+    assert "<= 5x: MISSED" in bench_gpu.report_table(report)
+    tiny = bench_gpu.report_table({**report, "shape": "tiny"})
+    assert "met" not in tiny and "MISSED" not in tiny
 
 
 def test_on_cuda_attention_may_take_only_the_fused_kernels():
@@ -129,7 +312,14 @@ def test_the_tiny_cpu_mode_runs_every_path(tmp_path):
     assert report["throughput"]["sft"]["tokens_per_s"] > 0 and report["throughput"]["kd"]["tokens_per_s"] > 0
     assert set(report["opd"]["phases_ms"]) >= {"generation", "teacher forward", "backward"}
     assert report["opd"]["roofline"]["phases"]["training"]["multiple"] > 0  # on a GPU: 1 / the phase's MFU
-    assert report["generate_vs_transformers"]["ours"] > 0
+    assert report["generate_vs_transformers"]["ours"] > 0 and report["generate_vs_transformers"]["new_tokens"] == 16
+    sizes = report["generation"]["sizes"]
+    assert report["generation"]["decode"] == "eager" and list(sizes) == ["4 x 16", "16 x 16"]
+    assert all(s["tokens_per_s"] > 0 and s["multiple"] > 0 for s in sizes.values())
+    decode = report["decode"]
+    assert {name: s["in_steps"] for name, s in decode["syncs"].items()} == {"eager": 0, "compiled": 0}  # no CUDA
+    assert all(p["argmax_share"] > 0.9 for p in decode["picks_against_forward"].values())
+    assert report["bf16_vs_fp32"]["math_kernel"] == []  # on a CPU every kernel is allowed
     assert "| smoke run |" in result.stdout and "OPD step" in result.stdout
     assert not work.exists()  # the models and every run's folder removed at the end
 
@@ -147,7 +337,8 @@ def test_the_tiny_cpu_mode_stops_a_phase_at_its_limit_and_runs_the_next(tmp_path
     report = json.loads(out.read_text())
     status = {p["name"]: p["status"] for p in report["phases"]}
     assert status == {"smoke models": "timeout", "smoke bf16": "skipped", "full models": "ok", "SFT step": "ok",
-                      "KD step": "ok", "OPD split": "ok", "bf16 vs fp32": "ok", "smoke fp16": "skipped",
+                      "KD step": "ok", "OPD split": "ok", "generation": "ok", "bf16 vs fp32": "ok",
+                      "smoke fp16": "skipped",
                       "smoke checkpointing": "skipped", "smoke compile": "skipped", "weight sync": "skipped",
                       "decode compiled": "timeout", "generate vs transformers": "ok"}
     rows = {p["name"]: p for p in report["phases"]}

@@ -9,7 +9,7 @@ in its checkpoint and, under fp16, the scaler's state saved and no step skipped:
     the local teacher has activations past fp16's range (65,504; real Qwen3s have such), which its bf16 weights
     hold but an fp16 forward turns into inf and NaN -- so an fp16 run whose teacher computed under the student's
     fp16 autocast fails here
-  * OPD with --use_compile 1 (the compiled layers and decode step under autocast)
+  * OPD with --use_compile 1 --decode compiled (the compiled layers and decode step under autocast)
   * KD and OPD with two teachers (--teachers), rows routed by a column, in bf16 and fp16
   * logit-free OPD against a stub black-box teacher, in bf16 and fp16, with the held-out reverse KL to a local
     copy of the teacher
@@ -185,9 +185,9 @@ def test_rl_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype):
 
 
 def test_opd_with_compile_trains_under_the_recipe(files, tmp_path):
-    """--use_compile 1: the decoder layers compiled for training, the decode step of the rollouts and of the
-    held-out evaluation compiled, all under bf16 autocast (its KV cache in bf16)."""
-    train_opd(recipe_args(files, "opd", tmp_path, "bfloat16", use_compile=1, **EVAL))
+    """--use_compile 1 --decode compiled: the decoder layers compiled for training, the decode step of the
+    rollouts and of the held-out evaluation compiled, all under bf16 autocast (its KV cache in bf16)."""
+    train_opd(recipe_args(files, "opd", tmp_path, "bfloat16", use_compile=1, decode="compiled", **EVAL))
     steps = assert_trained(tmp_path, "bfloat16")
     assert [m["generated_tokens"] for m in steps] == [16, 16]  # 2 rows x 8 sampled tokens (no EOS this early)
 

@@ -127,7 +127,7 @@ def test_a_rank_whose_share_fails_fails_every_rank_after_the_all_reduce(tmp_path
                                      "from trainer.evaluation.heldout import HeldoutEvaluator\n"
                                      "from trainer.skeleton.distributed import init_distributed_mode\n"
                                      "info = init_distributed_mode('cpu', 60.0)\n"
-                                     "evaluator = HeldoutEvaluator(types.SimpleNamespace(eval_interval=0, fsdp=0), "
+                                     "evaluator = HeldoutEvaluator(types.SimpleNamespace(eval_interval=0, fsdp=0, decode='eager'), "
                                      "None, info, 0)\n"
                                      "def work():\n"
                                      "    if info.rank == 1:\n"

@@ -155,21 +155,22 @@ def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
         eval_math.parse_args(["--model_path", "x", "--n_samples", "4"])
 
 
-def test_use_compile_with_a_server_is_refused(setup):
-    with pytest.raises(UserError, match="--use_compile compiles the built-in engine's decode step"):
-        eval_math.parse_args(["--model_path", setup["model_dir"], "--use_compile", "1", "--server_url",
+def test_a_compiled_decode_step_with_a_server_is_refused(setup):
+    with pytest.raises(UserError, match="--decode compiled compiles the built-in engine's decode step"):
+        eval_math.parse_args(["--model_path", setup["model_dir"], "--decode", "compiled", "--server_url",
                               "http://127.0.0.1:1/v1"])
 
 
 @pytest.mark.slow
-def test_use_compile_completes_what_the_eager_decode_step_completes(setup, tmp_path):
-    """--use_compile 1 (the decode step under inductor): the same greedy records as the eager step."""
+def test_the_compiled_decode_step_completes_what_the_eager_one_completes(setup, tmp_path):
+    """--decode compiled (the decode step under inductor): the same greedy records as the eager step (the CPU's
+    default, auto)."""
     runs = []
-    for compiled in ("0", "1"):
+    for compiled in ("auto", "compiled"):
         out = tmp_path / f"compiled{compiled}.jsonl"
         eval_math.main(["--model_path", setup["model_dir"], "--data_path", setup["data"], "--batch_size", "2",
                         "--max_new_tokens", "6", "--out", str(out), "--device", "cpu", "--no_progress",
-                        "--use_compile", compiled])
+                        "--decode", compiled])
         runs.append([json.loads(line) for line in out.read_text().splitlines()])
     assert runs[0] == runs[1]
 

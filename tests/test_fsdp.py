@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread, kill_after_first_checkpoint,
                           loop_args, max_weight_diff, metrics, run_command, script_exit, torchrun_command, weights)
 from model import Qwen3Config, create_model, load_pretrained, save_pretrained
+from model.checkpoint_io import hf_weights
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 from trainer.skeleton.sharding import load_shards
 from trainer.train_distillation import main as train_distillation
@@ -110,7 +111,8 @@ def test_the_export_of_a_sharded_run_is_the_whole_model(tiny_config_path, chat_j
     optimizer = torch.optim.AdamW(model.parameters())
     checkpoint = torch.load(tmp_path / "run_resume.pt", weights_only=False)
     load_shards(str(tmp_path / checkpoint["shards"]), model, optimizer)
-    whole = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    # under HF's names and in HF's shapes (q/k/v and gate/up apart), the tied head once
+    whole = {name: block.tensor[block.rows.start:block.rows.stop] for name, block in hf_weights(model).items()}
     assert exported.keys() == whole.keys() and all(torch.equal(exported[k], whole[k]) for k in whole)
     # and transformers reads it with our logits
     transformers = pytest.importorskip("transformers")

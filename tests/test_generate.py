@@ -2,7 +2,7 @@
 """KV-cache generation: greedy equals transformers' greedy generate on a left-padded batch with per-row EOS,
 seeded sampling is reproducible, top-k / top-p limits, vocab_size masking, the cache equals a full recompute, the
 eager step over the filled cache positions equals the whole-cache step bit for bit, the lm_head's form follows the
-use and the rows, stopped rows leave the batch in power-of-two widths, and the compiled decode step (--use_compile 1)
+use and the rows, stopped rows leave the batch in power-of-two widths, and the compiled decode step (--decode compiled)
 samples exactly the eager step's tokens with one compiled graph per width, writing its cache at fixed, static-marked
 addresses."""
 import importlib
@@ -298,7 +298,7 @@ def test_stopped_rows_leave_in_power_of_two_widths_and_the_rest_sample_as_alone(
 
 
 def test_the_compiled_decode_step_samples_the_eager_steps_tokens(models, monkeypatch):
-    """torch.compile (inductor) of the decode step, as --use_compile 1 runs it: per-row seeded samples with rows
+    """torch.compile (inductor) of the decode step, as --decode compiled runs it: per-row seeded samples with rows
     leaving at EOS, greedy, then a rollout of other prompt lengths: the eager step's tokens exactly; that last
     rollout compiles nothing new (one graph serves every step and rollout of a width); and every call writes the
     cache at the same addresses, marked static -- what lets a CUDA graph replay the step instead of skipping it."""
@@ -306,11 +306,12 @@ def test_the_compiled_decode_step_samples_the_eager_steps_tokens(models, monkeyp
     torch._dynamo.reset()  # a fresh compile cache: no graph another test left
     from torch._dynamo.utils import counters
     decoder = Decoder(compiled=True)
-    calls = []  # per compiled call: (width, the layer-0 key buffer's address, whether it is marked static)
+    calls = []  # per compiled call: (width, the addresses it writes, whether each is marked static)
     step = decoder.compiled_step
-    monkeypatch.setattr(decoder, "compiled_step", lambda model, token, position, cache, *rest: calls.append(
-        (len(token), cache.keys[0].data_ptr(), hasattr(cache.keys[0], "_dynamo_static_input_type")))
-        or step(model, token, position, cache, *rest))
+    monkeypatch.setattr(decoder, "compiled_step", lambda model, state, cache, sampling: calls.append(
+        (len(state.rows), tuple(t.data_ptr() for t in [cache.keys[0], *state.tensors()]),
+         all(hasattr(t, "_dynamo_static_input_type") for t in [cache.keys[0], *state.tensors()])))
+        or step(model, state, cache, sampling))
     ids, mask = prompts()
     seeds = [11, 22, 33, 44]
     free = generate(ours, ids, mask, 16, pad_token_id=PAD, generator=_per_row(seeds), top_k=4).completion_ids
@@ -331,11 +332,11 @@ def test_the_compiled_decode_step_samples_the_eager_steps_tokens(models, monkeyp
     assert torch.equal(compiled, eager)
     assert counters["stats"]["unique_graphs"] == graphs, "a new rollout of a compiled width compiled again"
     assert {w for w, _, _ in calls} == {4, 2} and all(marked for _, _, marked in calls)
-    assert len({address for _, address, _ in calls}) == 1, "the cache moved: a CUDA graph would record again"
+    assert len({addresses for _, addresses, _ in calls}) == 1, "the cache or the state moved: a CUDA graph records again"
 
 
 def test_the_compiled_decoders_cache_for_qwen3_0_6b_is_what_the_docs_say():
-    """The storage --use_compile 1 keeps allocated between rollouts, from the real shapes on the meta device:
+    """The storage --decode compiled keeps allocated between rollouts, from the real shapes on the meta device:
     Qwen3-0.6B (28 layers, 8 KV heads of 128) at 8 rows x 1,536 positions in bf16 is 1.31 GiB."""
     from model import Qwen3Config
     tiny = Qwen3Config.from_json(os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")).to_hf_dict()

@@ -104,9 +104,9 @@ def test_every_trainer_module_is_in_a_room_that_imports_downwards():
     ("guard", {"common.errors", "common.files", "trainer.skeleton.distributed"}),
     ("run_state", set()),
     ("resume_checks", {"common.errors", "model.precision", "trainer.skeleton.distributed", "trainer.skeleton.guard"}),
-    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.precision",
-                    "trainer.skeleton.distributed", "trainer.skeleton.resume_checks", "trainer.skeleton.run_state",
-                    "trainer.skeleton.sharding"}),
+    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.checkpoint_io",
+                    "model.precision", "trainer.skeleton.distributed", "trainer.skeleton.resume_checks",
+                    "trainer.skeleton.run_state", "trainer.skeleton.sharding"}),
 ])
 def test_the_pieces_below_the_run_import_nothing_of_the_loops(module, may_import):
     """trainer/skeleton/console.py (bar, log line, clocks), distributed.py (the process group), guard.py (run lock,

@@ -166,6 +166,38 @@ def test_save_pretrained_loads_in_transformers(tmp_path, tie, vocab):
         assert torch.equal(again(ids, attention_mask=mask).logits, logits)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_our_export_is_hf_layout_and_loads_as_the_folder_transformers_writes(tmp_path, tie):
+    """Our fused q/k/v and gate/up are written as HF's tensors: our export holds exactly the keys and shapes of the
+    folder transformers writes of the same model (q_proj, k_proj, v_proj, gate_proj, up_proj apart), tensor for
+    tensor equal; load_pretrained of either gives our weights bit for bit, each fused parameter the concatenation
+    of transformers' q, k, v (gate, up) in that order."""
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, initializer_range=0.1,
+                         tie_word_embeddings=tie)
+    ours = create_model(config, seed=3)
+    save_pretrained(ours, str(tmp_path / "ours"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)
+    hf.save_pretrained(str(tmp_path / "theirs"))
+    written, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("ours", "theirs"))
+    if tie:
+        theirs.pop("lm_head.weight", None)  # a tied copy, if an exporter writes one, is not a tensor of its own
+    assert sorted(written) == sorted(theirs)
+    assert written["model.layers.1.self_attn.k_proj.weight"].shape == (16, 64)
+    assert written["model.layers.1.mlp.up_proj.weight"].shape == (96, 64)
+    assert all(torch.equal(written[name], theirs[name]) for name in theirs)
+    layer = hf.model.layers[1]
+    for folder in ("ours", "theirs"):
+        loaded = load_pretrained(str(tmp_path / folder))
+        assert list(loaded.state_dict()) == list(ours.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), ours.state_dict().values()))
+        fused = loaded.model.layers[1]
+        assert torch.equal(fused.self_attn.qkv_proj.weight, torch.cat(
+            [layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]))
+        assert torch.equal(fused.mlp.gate_up_proj.weight,
+                           torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+
+
 def test_save_pretrained_atomic_overwrite(tmp_path, monkeypatch):
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -205,7 +237,8 @@ def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
         load_pretrained(str(tmp_path / "missing"))
 
     hf_tiny_checkpoint(tmp_path / "unexpected", tie=False)
-    _edit_tensors(tmp_path / "unexpected", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
+    _edit_tensors(tmp_path / "unexpected",
+                  lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
     with pytest.raises(ValueError, match=r"unexpected.*model\.layers\.0\.self_attn\.q_proj\.bias"):
         load_pretrained(str(tmp_path / "unexpected"))
 

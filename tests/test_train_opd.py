@@ -96,13 +96,14 @@ def test_logged_loss_is_the_jsd_of_independently_computed_logits(tiny_config_pat
 
 @pytest.mark.slow
 def test_use_compile_trains_as_the_eager_run_to_rounding(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
-    """--use_compile 1: the layers compiled for training and the decode step of the rollouts and of the held-out
-    evaluation compiled (one Decoder, its graphs traced through the compiled layers) -- the eager run's numbers to
+    """--use_compile 1 --decode compiled: the layers compiled for training and the decode step of the rollouts and
+    of the held-out evaluation compiled (one Decoder, its graphs traced through the compiled layers) -- the eager run's numbers to
     rounding. Top-4 samples: 4 CDF boundaries for a rounding difference to flip a draw at."""
     runs = {}
     for compiled in (0, 1):
         train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / f"c{compiled}", teacher_dir, batch=2,
-                           max_steps=3, top_k=4, use_compile=compiled, eval_interval=3, eval_rows=4))
+                           max_steps=3, top_k=4, use_compile=compiled, decode=["eager", "compiled"][compiled], eval_interval=3,
+                           eval_rows=4))
         runs[compiled] = metrics(tmp_path / f"c{compiled}")
     for eager, compiled in zip(runs[0], runs[1]):
         assert eager.keys() == compiled.keys()

@@ -110,7 +110,7 @@ def train(args: argparse.Namespace) -> None:
     student = build_student(args, info.device, tokenizer)
     reference = load_reference(args, tokenizer, info.device)  # the anchor's p_ref, frozen
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
-    decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step
+    decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
                                  **eval_teachers.for_evaluation())
     rollouts = Rollouts(args, tokenizer, server, decoder, lambda epoch, step: True, run.raw_model, run.autocast,

@@ -90,7 +90,7 @@ def train(args: argparse.Namespace) -> None:
                              evaluation=lambda t: evaluation_divergence(args.beta, t.model is not None, t.topk))
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
-    decoder = Decoder(compiled=bool(args.use_compile) and not args.fsdp)  # step 1's decode step (CUDA graphs on CUDA)
+    decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
                                  **teachers.for_evaluation())
     rollouts = Rollouts(args, tokenizer, server, decoder, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s),

@@ -14,6 +14,7 @@ import torch
 from common.checks import check_device, check_model_dir
 from common.errors import refuse
 from common.files import check_writable
+from model.generate import DECODE_CHOICES, default_decode
 from model.precision import DTYPE_CHOICES, resolve_precision
 from trainer.skeleton.distributed import DEFAULT_DIST_TIMEOUT, SAVE_WRITE_BYTES_PER_S
 from trainer.skeleton.loading import DEFAULT_MODEL_CONFIG, ROOT
@@ -25,9 +26,9 @@ from trainer.skeleton.resume_checks import check_run_name, resume_change_names
 # Each loop's config (trainer/config/LOOP.py) adds its own groups' to these: its RESUMABLE.
 SHARED_RESUMABLE = frozenset({
     "from_resume", "device", "num_workers", "log_interval", "save_interval", "export_steps", "use_swanlab",
-    "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "gradient_checkpointing",
-    "eval_interval", "eval_rows", "eval_data_path", "eval_max_new_tokens", "save_dir", "start_over", "dist_timeout",
-    "resume_changes"})
+    "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "decode",
+    "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path", "eval_max_new_tokens", "save_dir",
+    "start_over", "dist_timeout", "resume_changes"})
 # where the frozen models live, and a start-up check: not what the run computes
 TEACHER_RESUMABLE = frozenset({"replicate_teacher", "accept_template_difference"})
 
@@ -97,8 +98,12 @@ def add_system_args(parser: argparse.ArgumentParser) -> None:
                    help="autocast dtype over fp32 master weights, on any device (float16 adds a GradScaler); auto: "
                         "bfloat16 on CUDA, float32 (no autocast) elsewhere (model/precision.py)")
     g.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
-                   help="1: torch.compile each decoder layer (training); OPD also compiles the student's decode "
-                        "step (CUDA graphs on CUDA), which keeps its KV cache allocated between rollouts")
+                   help="1: torch.compile each decoder layer (training)")
+    g.add_argument("--decode", default="auto", choices=DECODE_CHOICES,
+                   help="the built-in engine's decode step (rollouts, held-out evaluation): compiled = torch.compile "
+                        "mode reduce-overhead, on CUDA one CUDA-graph replay per token (compiled once per width, "
+                        "its cache kept allocated between rollouts); auto: compiled on CUDA, eager elsewhere and "
+                        "with --fsdp 1 (docs/generation.md)")
     g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1],
                    help="1: recompute each decoder layer's activations in the backward (less memory, one more forward)")
     g.add_argument("--fsdp", type=int, default=0, choices=[0, 1],
@@ -168,6 +173,7 @@ def validate_common_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path and not os.path.exists(path):
             refuse(f"--{flag} {path} does not exist")
+    args.decode = resolve_decode(args.decode, args.device, bool(args.fsdp))
     if args.fsdp and resolve_precision(args.device, args.dtype).scaled:
         refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
                "--dtype bfloat16")
@@ -178,6 +184,17 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
     check_writable(args.save_dir, "--save_dir")
     check_run_name(args.save_dir, args.save_weight, args.from_resume, args.start_over)
+
+
+def resolve_decode(choice: str, device: str, sharded: bool) -> str:
+    """--decode auto -> generate's default for the device (model/generate.py: default_decode), but eager with
+    --fsdp 1, whose lockstep decoding all-gathers every layer's weights inside the step."""
+    if choice == "compiled" and sharded:
+        refuse("--decode compiled with --fsdp 1: a sharded model all-gathers its layers inside the decode step, "
+               "which a CUDA graph cannot capture; use --decode eager (or auto)")
+    if choice != "auto":
+        return choice
+    return "eager" if sharded else default_decode(torch.device(device).type)
 
 
 def add_teacher_args(parser: argparse.ArgumentParser) -> None:

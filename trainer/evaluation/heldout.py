@@ -159,7 +159,8 @@ class HeldoutEvaluator:
         default: every row is the one teacher's. A row naming a teacher the run does not have is refused now."""
         self.args, self.tokenizer, self.info = args, tokenizer, info
         self.teachers, self.teacher_of = tuple(teachers), teacher_of
-        self.decoder = decoder  # generate's decode step: OPD's compiled one with --use_compile 1, else eager
+        # generate's decode step (--decode): the on-policy loops share theirs with their rollouts
+        self.decoder = decoder or Decoder(compiled=args.decode == "compiled")
         self.lockstep = bool(args.fsdp) and info.enabled
         self.all_stopped = stop_together(info.device) if self.lockstep else None
         self.batches = self.load_batches() if args.eval_interval else []

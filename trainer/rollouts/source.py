@@ -43,8 +43,8 @@ class Rollouts:
                  on_policy: Callable[[int, int], bool], student: torch.nn.Module, autocast: Callable,
                  dtype: torch.dtype, fail_together: Callable, resumed: dict[int, dict]):
         """`on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
-        `decoder`: the built-in engine's decode step (compiled with --use_compile 1). `student`: the model being
-        trained (unwrapped), which samples or whose weights the server gets; `autocast` its forward context,
+        `decoder`: the built-in engine's decode step (--decode: compiled by default on CUDA). `student`: the model
+        being trained (unwrapped), which samples or whose weights the server gets; `autocast` its forward context,
         `dtype` the one it computes in. `fail_together`: the run's failure protocol (Run.fail_together), around
         every request to the server. `resumed`: the rollouts a resumed run's checkpoint kept ({} at a start)."""
         self.args, self.tokenizer, self.server, self.decoder = args, tokenizer, server, decoder

@@ -7,7 +7,9 @@ For --save_dir SAVE_DIR --save_weight NAME:
     SAVE_DIR/NAME_resume.pt                 the resume file: written last, so when it says step N the export of step N
                                             is complete (a kill during an export resumes from the step before)
     SAVE_DIR/NAME_resume.shards-STEP-ID/    --fsdp 1: model and optimizer shards (DCP), named by the resume file
-Every file is written beside its target and renamed into place (common/files.py).
+Every file is written beside its target and renamed into place (common/files.py). Resume files written before
+q/k/v and gate/up were fused (their weights and AdamW state under HF's names and numbering) still resume: they are
+converted as they load (`fused_resume_state`; a shard folder: sharding.load_shards).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from common.errors import UserError
 from common.files import atomic_write, check_free_space, raise_disk_error, remove_stale_temporaries
 from common.seeds import derived_seed, seed_everything
 from model import save_pretrained
+from model.checkpoint_io import HFBlock, fuse, hf_layout
 from model.precision import resolve_precision
 from trainer.skeleton.distributed import DistInfo, print0
 from trainer.skeleton.resume_checks import CHECKPOINT_FORMAT, check_run_name, load_checkpoint
@@ -218,8 +221,9 @@ class Checkpoints:
         if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
             load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), model, optimizer)
         else:
-            model.load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
+            weights, moments = fused_resume_state(checkpoint, model, self.resume_path)
+            model.load_state_dict(weights)
+            optimizer.load_state_dict(moments)
         scaler.load_state_dict(checkpoint["scaler"])
         state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
                          checkpoint["swanlab_run_id"], checkpoint.get("skipped_steps", 0),
@@ -233,6 +237,51 @@ class Checkpoints:
         print0(f"resumed from {self.resume_path}: step {state.step}, {where} (saved by {ranks} "
                f"rank{'s' if ranks > 1 else ''})")
         return state
+
+
+def fused_resume_state(checkpoint: dict, model: torch.nn.Module, path: str) -> tuple[dict, dict]:
+    """A single-process resume file's model and optimizer state dicts, for `model`'s parameters. One written before
+    q/k/v and gate/up were fused holds them under HF's names (model/checkpoint_io.py, `hf_layout`) and its AdamW
+    state numbers them in that order: its weights and moments are concatenated into the fused parameters' (exact),
+    its parameters renumbered."""
+    weights, state = checkpoint["model"], model.state_dict()
+    layout = hf_layout(state, model.config)  # with a tied head, as the state dicts hold it
+    if weights.keys() == state.keys() or weights.keys() != layout.keys():
+        return weights, checkpoint["optimizer"]  # this layout (or a foreign one, which load_state_dict names)
+    parameters = hf_layout(dict(model.named_parameters()), model.config)  # the optimizer's: a tied head once
+    return fuse(weights, layout), fused_optimizer_state(checkpoint["optimizer"], parameters, path)
+
+
+def fused_optimizer_state(saved: dict, layout: dict[str, HFBlock], path: str) -> dict:
+    """A torch optimizer's state_dict over the unfused parameters (numbered in `layout`'s order, HF's) -> over
+    ours: each fused parameter's per-element state (AdamW's moments) its blocks' concatenated in row order, its
+    scalar state (AdamW's step) its blocks', which must agree."""
+    blocks: dict[str, list[int]] = {}  # our parameter -> the old numbers of its blocks, in row order
+    for old, block in enumerate(layout.values()):
+        blocks.setdefault(block.parameter, []).append(old)
+    renumbered = {old: new for new, olds in enumerate(blocks.values()) for old in olds}
+    state = {}
+    for new, (name, olds) in enumerate(blocks.items()):
+        if olds[0] not in saved["state"]:
+            continue  # no state yet (no step taken)
+        parts = [saved["state"][old] for old in olds]
+        state[new] = {key: _fused_value([part[key] for part in parts], f"the {key} of {name}", path)
+                      for key in parts[0]}
+    groups = [{**group, "params": list(dict.fromkeys(renumbered[old] for old in group["params"]))}
+              for group in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _fused_value(values: list[torch.Tensor], what: str, path: str) -> torch.Tensor:
+    """One entry of a fused parameter's optimizer state from its blocks': per-element state concatenated, a scalar
+    (the step count) the same in every block."""
+    if values[0].dim():
+        return torch.cat(values) if len(values) > 1 else values[0]
+    if any(not torch.equal(value, values[0]) for value in values):
+        raise UserError(f"{path}: {what} differs between its unfused blocks ({[float(v) for v in values]}), which "
+                        f"no run writes: the file is damaged; restore it from a backup, or pass --start_over 1 "
+                        f"(without --from_resume) to set it aside and start anew")
+    return values[0]
 
 
 def expected_save_bytes(model: torch.nn.Module) -> int:

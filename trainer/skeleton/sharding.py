@@ -22,6 +22,9 @@ scales them once by world_size * constant / tokens -- on the local shards, which
 by the global norm (a DTensor reduction over the shards). Gradients are reduce-scattered after every micro-batch's
 backward and accumulated as fp32 shards, so a rank never holds a whole gradient across a window (FSDP2's no-sync
 mode would keep every layer's unsharded fp32 gradient until the window's last backward: 4 bytes per parameter).
+
+A shard folder written before q/k/v and gate/up were fused holds those weights and their AdamW moments under HF's
+names; it loads into the fused parameters, each rank reading only its rows of them (`FusingLoadPlanner`).
 """
 from __future__ import annotations
 
@@ -35,14 +38,20 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from common.errors import UserError
 from common.files import fsync_directory, temporary_name
 from model import Qwen3Config, Qwen3ForCausalLM
+from model.checkpoint_io import HFBlock, hf_layout, local_rows
 from model.qwen3 import RMSNorm
 
 
@@ -153,9 +162,82 @@ def remove_other_shards(prefix: str, keep: str | None) -> list[str]:
 
 
 def load_shards(folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """All ranks: the model's and optimizer's state from `folder`, resharded to this run's world size."""
+    """All ranks: the model's and optimizer's state from `folder`, resharded to this run's world size (a folder
+    written before q/k/v and gate/up were fused too: `FusingLoadPlanner`)."""
     state = sharded_state(model, optimizer)  # the layout to fill (the optimizer's moments created at zero)
+    planner = FusingLoadPlanner(hf_layout(dict(model.named_parameters()), model.config))
     with single_process_quietly():
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, checkpoint_id=folder, planner=planner)
+    planner.check_steps(folder)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+class FusingLoadPlanner(DefaultLoadPlanner):
+    """DCP's own planner for a folder of this layout. A folder written before q/k/v and gate/up were fused holds a
+    fused parameter's weight and AdamW moments as its HF tensors (`layout`: model/checkpoint_io.py, hf_layout):
+    each rank reads, of each, only the rows its shard of the fused parameter holds (`local_rows`), straight into
+    that shard -- DCP reads any row range of a saved tensor, whatever ranks wrote it -- so no rank holds more than
+    its shards. The fused parameter's step count is its blocks' (`check_steps`: they must agree); the optimizer's
+    parameter names stay this run's."""
+
+    def __init__(self, layout: dict[str, HFBlock]):
+        super().__init__()
+        self.layout = layout
+        self.targets: dict[str, torch.Tensor] = {}        # a saved (unfused) key -> the local rows it fills
+        self.steps: dict[str, list[torch.Tensor]] = {}    # a fused parameter's step key -> its blocks' steps
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        missing = [key for key in self.state_dict if key not in saved]
+        if not missing:
+            return super().create_local_plan()
+        # the saved params lists name the unfused parameters: this run's names stay
+        present = {key: value for key, value in self.state_dict.items()
+                   if key in saved and self.mappings[key][-1] != "params"}
+        requests = create_default_local_load_plan(present, self.metadata).items
+        for key in missing:
+            requests += self.block_reads(key)
+        return LoadPlan(requests)
+
+    def block_reads(self, key: str) -> list[ReadItem]:
+        """The reads that fill `key` -- a fused parameter's weight or optimizer state, as this run holds it -- from
+        the saved tensors of its blocks."""
+        path = self.mappings[key]  # ("model", FQN) or ("optimizer", "state", FQN, "exp_avg" | "step" | ...)
+        fqn, target = path[1] if path[0] == "model" else path[2], self.state_dict[key]
+        saved, requests = self.metadata.state_dict_metadata, []
+        blocks = {hf_name: block for hf_name, block in self.layout.items() if block.parameter == fqn}
+        old_keys = {hf_name: ".".join(str(hf_name if part == fqn else part) for part in path)  # DCP's flat keys
+                    for hf_name in blocks}
+        if not blocks or any(old_key not in saved for old_key in old_keys.values()):
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {key}.")  # as DCP says it
+        for hf_name, block in blocks.items():
+            old_key = old_keys[hf_name]
+            if target.dim() == 0:  # AdamW's step, the same in every block: the first one's, the others compared
+                into = target if key not in self.steps else torch.empty_like(target)
+                self.steps.setdefault(key, []).append(into)
+                offsets = torch.Size([])
+            else:
+                into, start = local_rows(target, block.rows)
+                if not into.numel():
+                    continue  # this rank holds none of this block
+                offsets = torch.Size([start] + [0] * (into.dim() - 1))
+            self.targets[old_key] = into
+            requests += create_read_items_for_chunk_list(old_key, saved[old_key],
+                                                         [ChunkStorageMetadata(offsets=offsets, sizes=into.shape)])
+        return requests
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self.targets.get(read_item.dest_index.fqn)
+        if target is None:
+            return super().resolve_tensor(read_item)
+        return self.transform_tensor(read_item, target)
+
+    def check_steps(self, folder: str) -> None:
+        """After the load: each fused parameter's blocks were saved at the same step count (AdamW steps all its
+        parameters together); a file where they differ is damaged."""
+        for key, steps in self.steps.items():
+            if any(not torch.equal(step, steps[0]) for step in steps[1:]):
+                raise UserError(f"{folder}: {key} differs between its unfused blocks ({[float(s) for s in steps]}), "
+                                f"which no run writes: the folder is damaged; restore it from a backup, or pass "
+                                f"--start_over 1 (without --from_resume) to set it aside and start anew")
