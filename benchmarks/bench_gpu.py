@@ -32,11 +32,15 @@ measurements users care about most, then the other smoke runs and the weight syn
   full models    the 28-layer Qwen3-0.6B and Qwen3-1.7B shapes, built on the device (not written to disk)
   SFT / KD step  batch 8 x 2,048 tokens (labels on the last 1,024), bf16 autocast, fp32 master weights and AdamW,
                  the loops' chunked losses: tokens/s (all 16,384 tokens of a step), model FLOPs utilisation and
-                 peak memory. MFU = tokens/s x FLOPs per token / the GPU's peak dense bf16 FLOPs, with FLOPs per
-                 token = 6 x N (N: parameters except the input embedding, whose lookup is not a matmul) + 12 x
-                 layers x heads x head_dim x sequence length (attention scores and values, forward and backward);
-                 a KD step adds the teacher's forward, 2 x N_teacher + 4 x layers x ... x sequence. The peak is
-                 known for H100/H200 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
+                 peak memory. MFU = model FLOPs per second / the GPU's peak dense bf16 FLOPs, model FLOPs as
+                 torchtitan counts them: 6 x the layers' parameters per token + 12 x layers x heads x head_dim x
+                 sequence length per token (attention over every pair, forward and backward), and the head, 6 x
+                 hidden x vocabulary, on the labelled positions only (those the loss projects); a KD step adds the
+                 teacher's forward (a third of that, its head on the same positions). Beside it the FLOPs the step
+                 computes (causal attention: half the pairs) over the peak, and the peak memory split into the fp32
+                 weights, gradients and AdamW moments and a KD teacher's weights (from the shapes) and the rest
+                 (activations and the loss chunk: measured peak minus those). The peak is known for H100/H200
+                 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
   OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
                  forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
   generation     sampled rollouts, every row its full length, bf16 autocast, with the decode step the loops take by
@@ -619,17 +623,6 @@ def sft_batch(shape: str, device: str, rows: int | None = None) -> tuple[torch.T
     return ids, labels
 
 
-def matmul_parameters(model) -> int:
-    embedding = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is embedding
-    return model.num_parameters() - (0 if tied else embedding.numel())
-
-
-def attention_flops(config, length: int) -> float:
-    """Scores and values for one token against a sequence of `length`, forward only: 2 x 2 x layers x width x L."""
-    return 4.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * length
-
-
 def timed_steps(shape: str, device: str, step, steps: int | None = None) -> float:
     """Seconds per call of `step`, after the workload's warm-up."""
     workload = WORKLOAD[shape]
@@ -670,19 +663,48 @@ def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    length = ids.shape[1]
-    per_token = 6.0 * matmul_parameters(student) + 3.0 * attention_flops(student.config, length)
-    if loss == "kd":
-        per_token += 2.0 * matmul_parameters(teacher) + attention_flops(teacher.config, length)
+    model_flops, computed_flops = step_flops(student.config, teacher.config if loss == "kd" else None, ids, labels)
+    static = static_memory(student, teacher if loss == "kd" else None)
     reset_peak(device)
     seconds = timed_steps(shape, device, step)
     tokens_per_s = ids.numel() / seconds
     peak_tflops = gpu_peak_tflops(kit.args)
+    peak = peak_gib(device)
     kit.report["throughput"][loss] = {
-        "tokens_per_s": tokens_per_s, "step_s": seconds, "flops_per_token": per_token,
-        "mfu": tokens_per_s * per_token / (peak_tflops * 1e12) if peak_tflops else None,
-        "peak_memory_gib": peak_gib(device)}
+        "tokens_per_s": tokens_per_s, "step_s": seconds, "flops_per_token": model_flops / ids.numel(),
+        "computed_flops_per_token": computed_flops / ids.numel(),
+        "mfu": model_flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
+        "computed_mfu": computed_flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
+        "peak_memory_gib": peak, "memory_gib": {**static, "activations and loss": peak - sum(static.values())
+                                                if peak is not None else None}}
     return "ok", f"{tokens_per_s:,.0f} tokens/s"
+
+
+def step_flops(student, teacher, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """One training step's model FLOPs as torchtitan counts them (6 N + 12 L H d T per token, attention over every
+    pair), with the head on the labelled positions only -- what the loss projects -- and the FLOPs the step actually
+    computes (causal attention: half the pairs). KD adds the teacher's forward over the batch, its head on the same
+    positions."""
+    rows, length = ids.shape
+    labelled = int((labels[:, 1:] != -100).sum()) / rows  # the positions whose next token is a label, per row
+    counts = []
+    for causal in (False, True):
+        flops = roofline.sequence_flops(student, length, labelled, VOCAB, causal)
+        if teacher is not None:
+            flops += roofline.sequence_flops(teacher, length, labelled, VOCAB, causal, backward=False)
+        counts.append(rows * flops)
+    return counts[0], counts[1]
+
+
+def static_memory(student, teacher) -> dict[str, float]:
+    """GiB the step holds before any activation, from the shapes: the fp32 master weights, their gradients and
+    AdamW's two moments (4 + 4 + 8 bytes per parameter), and a KD teacher's weights in its own dtype."""
+    parameters = student.num_parameters()
+    memory = {"weights": 4 * parameters / 2**30, "gradients": 4 * parameters / 2**30,
+              "optimizer": 8 * parameters / 2**30}
+    if teacher is not None:
+        memory["teacher"] = sum(p.numel() * p.element_size() for p in teacher.parameters()) / 2**30
+    return memory
 
 
 def bf16_agrees_with_fp32(kit: Kit) -> tuple[str, str]:
@@ -1106,12 +1128,15 @@ def report_table(report: dict) -> str:
                          f"{r['seconds']:.0f} |")
     if report["throughput"]:
         batch, length, _ = WORKLOAD[report["shape"]]["sft"]
-        lines += ["", f"| step ({batch} x {length} tokens, bf16 autocast) | tokens/s | MFU | peak memory GiB |",
-                  "|---|---|---|---|"]
+        lines += ["", f"| step ({batch} x {length} tokens, bf16 autocast) | tokens/s | MFU (model FLOPs) | "
+                      f"computed FLOPs / peak | peak memory GiB | of which weights / gradients / AdamW / teacher / "
+                      f"activations and loss |", "|---|---|---|---|---|---|"]
         for name, t in report["throughput"].items():
-            mfu = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "-"
+            mfu, computed = (f"{100 * t[key]:.1f}%" if t[key] is not None else "-" for key in ("mfu", "computed_mfu"))
             memory = f"{t['peak_memory_gib']:.1f}" if t["peak_memory_gib"] is not None else "-"
-            lines.append(f"| {name.upper()} | {t['tokens_per_s']:,.0f} | {mfu} | {memory} |")
+            parts = " / ".join(f"{t['memory_gib'].get(part):.1f}" if t["memory_gib"].get(part) is not None else "-"
+                               for part in ("weights", "gradients", "optimizer", "teacher", "activations and loss"))
+            lines.append(f"| {name.upper()} | {t['tokens_per_s']:,.0f} | {mfu} | {computed} | {memory} | {parts} |")
     if "bf16_vs_fp32" in report:
         b = report["bf16_vs_fp32"]
         unfused = f"; {' and '.join(b['math_kernel'])} on the math kernel (no fused kernel)" if b["math_kernel"] else ""

@@ -109,6 +109,19 @@ def layer_parameters(config: Qwen3Config) -> int:
     return parameter_count(config) - embeddings
 
 
+def sequence_flops(config: Qwen3Config, length: int, labelled: int, vocab: int, causal: bool,
+                   backward: bool = True) -> float:
+    """FLOPs of one sequence of `length` tokens whose `labelled` positions go through the head (its `vocab`
+    columns), forward only or forward + backward (3x): 2 per layer parameter per token, 2 H V per labelled
+    position, and attention's scores and values, 4 x layers x heads x head_dim per (query, key) pair -- every pair
+    (torchtitan's count: 6 N + 12 L H d T per token with the backward) or the causal half plus the diagonal, the
+    pairs a causal kernel computes."""
+    pairs = length * (length + 1) / 2 if causal else length * length
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * pairs
+    forward = 2 * layer_parameters(config) * length + 2 * config.hidden_size * vocab * labelled + attention
+    return forward * (3 if backward else 1)
+
+
 def opd_work(student: Qwen3Config, teacher: Qwen3Config, vocab: int, rows: int, prompt_tokens: int,
              completion_tokens: int, decode_steps: int, exps_per_logit: int, weight_bytes: int = 4,
              teacher_bytes: int = 4) -> dict[str, Work]:

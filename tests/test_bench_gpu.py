@@ -242,6 +242,37 @@ def test_the_generation_roofline_multiple_is_seconds_over_the_bound(tiny_student
                                          width)["bound_s"] == pytest.approx(flops / 1e12)
 
 
+def test_model_flops_count_every_attention_pair_and_the_head_on_labelled_positions():
+    """torchtitan's count by hand for Qwen3-0.6B at the kit's SFT workload (2,048 tokens, labels on the last 1,024:
+    1,024 positions per row whose next token is a label, the positions the loss projects), against sequence_flops:
+    6 x layer parameters x T + 6 x H x V x labelled + 12 x L x heads x head_dim x T^2; the causal count takes
+    T (T + 1) / 2 pairs instead of T^2."""
+    config = bench_gpu.model_config(bench_gpu.SHAPES["full"][0])
+    T, labelled, V = 2048, 1024, 151669
+    layers = roofline.layer_parameters(config)
+    attention_pairs = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    hand = 6 * layers * T + 6 * config.hidden_size * V * labelled + attention_pairs * T * T
+    assert roofline.sequence_flops(config, T, labelled, V, causal=False) == pytest.approx(hand, rel=1e-12)
+    causal = hand - attention_pairs * (T * T - T * (T + 1) / 2)
+    assert roofline.sequence_flops(config, T, labelled, V, causal=True) == pytest.approx(causal, rel=1e-12)
+    forward = roofline.sequence_flops(config, T, labelled, V, causal=False, backward=False)
+    assert forward == pytest.approx(hand / 3, rel=1e-12)
+    # the kit's old count put the head on all 2,048 positions: the honest one is smaller by the unlabelled half
+    old = (6 * (layers + config.hidden_size * config.vocab_size) + attention_pairs * T) * T
+    assert 0.09 < (old - hand) / old < 0.1  # 6 H V x 1,024 positions: 9.4% of the step
+
+
+def test_a_steps_flops_take_the_labelled_positions_from_the_labels(tiny_student):
+    ids, labels = torch.zeros(2, 10, dtype=torch.long), torch.full((2, 10), -100)
+    labels[:, 6:] = 1  # positions 5..8 have a next-token label: 4 per row
+    config = tiny_student.config
+    model, computed = bench_gpu.step_flops(config, None, ids, labels)
+    assert model == pytest.approx(2 * roofline.sequence_flops(config, 10, 4, bench_gpu.VOCAB, causal=False))
+    assert computed < model
+    kd, _ = bench_gpu.step_flops(config, config, ids, labels)
+    assert kd == pytest.approx(model * 4 / 3)  # the teacher's forward: a third of forward + backward
+
+
 @pytest.mark.parametrize("per_token, expected", [(0.05, 400), (0.0001, 512), (10.0, 16), (0.039, 512), (0.0, 512)])
 def test_generate_vs_transformers_takes_the_most_tokens_that_fit(per_token, expected):
     new_tokens = bench_gpu.fitted_new_tokens(per_token, 20.0, 512, 16)
@@ -310,6 +341,9 @@ def test_the_tiny_cpu_mode_runs_every_path(tmp_path):
     assert report["smoke"][1]["steps"] == 4  # the resumed run logged steps 1-4, two of them after the resume
     assert report["bf16_vs_fp32"]["ok"]
     assert report["throughput"]["sft"]["tokens_per_s"] > 0 and report["throughput"]["kd"]["tokens_per_s"] > 0
+    sft, kd = report["throughput"]["sft"], report["throughput"]["kd"]
+    assert sft["computed_flops_per_token"] < sft["flops_per_token"] < kd["flops_per_token"]  # causal; + teacher
+    assert kd["memory_gib"]["teacher"] > 0 and sft["memory_gib"]["optimizer"] == 2 * sft["memory_gib"]["weights"]
     assert set(report["opd"]["phases_ms"]) >= {"generation", "teacher forward", "backward"}
     assert report["opd"]["roofline"]["phases"]["training"]["multiple"] > 0  # on a GPU: 1 / the phase's MFU
     assert report["generate_vs_transformers"]["ours"] > 0 and report["generate_vs_transformers"]["new_tokens"] == 16
