@@ -2,6 +2,7 @@
 one SFT training step.
 
     python benchmarks/bench_losses.py                  # JSD: 4,096 positions x 151,936 vocabulary x hidden 1,024
+    python benchmarks/bench_losses.py --loss ce        # cross entropy: 4,096 positions x 151,936 x hidden 1,024
     python benchmarks/bench_losses.py --loss sft       # SFT step: 4 x 1,024 tokens (512 completion), 151,936 vocab
     python benchmarks/bench_losses.py --device cuda    # on a GPU (torch.cuda.max_memory_allocated)
     python benchmarks/bench_losses.py --positions 512 --vocab 32000      # a quick look
@@ -12,12 +13,16 @@ one SFT training step.
   the generic trainer.losses.chunked.chunked_loss with the JSD as its loss, the lm_heads applied chunk by chunk and
   recomputed in the backward (how OPD computed it before trainer/losses/fused_jsd.py); chunked: what training runs,
   trainer.losses.fused_jsd.chunked_generalized_jsd_loss, chunk by chunk with the gradient computed in the same pass.
+--loss ce (target: chunked <= 25% of full): the cross entropy of random hidden states (N, H) and lm_head (V, H)
+  against random labels. full: the (N, V) logits at once; checkpointed: chunked_sft_loss, the generic checkpointed
+  path; chunked: what training runs, trainer.losses.fused_linear.fused_cross_entropy (closed-form gradient).
 --loss sft (target: chunked <= 40% of full): one SFT step of a small model (hidden 256, 2 layers, the tied
   151,936-row embedding: as for Qwen3-0.6B at real lengths, the logits dominate) on a batch laid out as SFTCollator
   makes it: right padded (row r has r x --pad_step pads at the end, its prompt that much shorter), labels -100 on
   the prompt and the pads. chunked: as train_sft.py, completion_hidden (only the positions that predict a label)
-  then chunked_sft_loss; full: the same forward's logits (B, T, V), labels shifted (not the logits: no shifted
-  copy, as transformers' ForCausalLMLoss), cross entropy -- the kindest full-logits baseline.
+  then fused_cross_entropy; checkpointed: the same with chunked_sft_loss (the loop's path before); full: the same
+  forward's logits (B, T, V), labels shifted (not the logits: no shifted copy, as transformers' ForCausalLMLoss),
+  cross entropy -- the kindest full-logits baseline.
 --casts: the generic chunked path (the JSD through chunked_loss, as SFT, KD and the top-K loss use it) under CPU
   bf16 autocast, counting the full-size (V, H) casts of the lm_head weights (aten._to_copy, through a dispatch mode)
   and timing it, once with the weights cast once per loss (`trainer.losses.chunked.autocast_once`, today) and once
@@ -55,10 +60,11 @@ from model import Qwen3Config, create_model  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 from trainer.losses.chunked import chunked_sft_loss, completion_hidden  # noqa: E402
 from trainer.losses.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.losses.fused_linear import fused_cross_entropy  # noqa: E402
 from trainer.losses.closed_forms import generalized_jsd_loss, sft_loss  # noqa: E402
 
-TARGETS = {"jsd": 0.25, "sft": 0.40}  # chunked / full memory
-DEFAULT_HIDDEN = {"jsd": 1024, "sft": 256}  # Qwen3-0.6B's; a small model whose logits dominate
+TARGETS = {"jsd": 0.25, "ce": 0.25, "sft": 0.40}  # chunked / full memory
+DEFAULT_HIDDEN = {"jsd": 1024, "ce": 1024, "sft": 256}  # Qwen3-0.6B's; a small model whose logits dominate
 PAD_ID = 151643  # Qwen3's <|endoftext|>, its pad token
 
 
@@ -99,7 +105,7 @@ def sft_batch(args: argparse.Namespace, device: torch.device) -> dict:
 
 def inputs(loss: str, args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
     """-> (the measured inputs, a toy slice of them for the warm-up)."""
-    if loss == "jsd":
+    if loss in ("jsd", "ce"):  # the cross entropy leaves the teacher alone
         full = jsd_inputs(args, device)
         toy = {**{key: full[key][:8] for key in ("h", "w", "th", "tw")}, "labels": full["labels"][:8] % 8}
         return full, toy
@@ -131,19 +137,37 @@ def jsd_checkpointed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, t
     return loss, torch.tensor(len(x["labels"]))
 
 
+def ce_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    return sft_loss(x["h"] @ x["w"].T, x["labels"])
+
+
+def ce_checkpointed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    return chunked_sft_loss(x["h"], x["w"], x["labels"], chunk_size=min(args.chunk_size, len(x["labels"])))
+
+
+def ce_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_cross_entropy(x["h"], x["w"], x["labels"], chunk_size=min(args.chunk_size, len(x["labels"])))
+
+
 def sft_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     logits = x["model"](x["input_ids"]).logits  # (B, T, V); the same forward as completion_hidden's
     # position t predicts labels[t + 1]: shift the labels (the last position gets -100), not the logits
     return sft_loss(logits, F.pad(x["labels"][:, 1:], (0, 1), value=IGNORE_INDEX))
 
 
-def sft_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_checkpointed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, targets = completion_hidden(x["model"], x["input_ids"], x["attention_mask"], x["labels"])
     return chunked_sft_loss(hidden, x["model"].lm_head.weight, targets, chunk_size=args.chunk_size)
 
 
+def sft_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, targets = completion_hidden(x["model"], x["input_ids"], x["attention_mask"], x["labels"])
+    return fused_cross_entropy(hidden, x["model"].lm_head.weight, targets, chunk_size=args.chunk_size)
+
+
 STEPS = {("jsd", "full"): jsd_full, ("jsd", "checkpointed"): jsd_checkpointed, ("jsd", "chunked"): jsd_chunked,
-         ("sft", "full"): sft_full, ("sft", "chunked"): sft_chunked}
+         ("ce", "full"): ce_full, ("ce", "checkpointed"): ce_checkpointed, ("ce", "chunked"): ce_chunked,
+         ("sft", "full"): sft_full, ("sft", "checkpointed"): sft_checkpointed, ("sft", "chunked"): sft_chunked}
 
 
 def weights(x: dict) -> list[torch.Tensor]:
@@ -181,24 +205,29 @@ def run_variant(loss: str, variant: str, args: argparse.Namespace) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Full logits, then chunked (and for the JSD the checkpointed path), each in a fresh process of its own (its
+    """Full logits, the checkpointed path, then chunked (what training runs), each in a fresh process of its own (its
     peak is its own) -> the results."""
     context = mp.get_context("spawn")
     variants = {}
-    for variant in ("full", "checkpointed", "chunked") if args.loss == "jsd" else ("full", "chunked"):
+    for variant in ("full", "checkpointed", "chunked"):
         with harness.environment(harness.FIXED_MMAP_THRESHOLD), context.Pool(1) as pool:
             variants[variant] = pool.apply(run_variant, (args.loss, variant, args))
     full, chunked = variants["full"], variants["chunked"]
     results = {"variants": variants, "memory_ratio": chunked["extra_bytes"] / full["extra_bytes"],
                "time_ratio": chunked["seconds"] / full["seconds"], "target": TARGETS[args.loss],
                "loss_difference": abs(chunked["loss_per_token"] - full["loss_per_token"])}
-    if "checkpointed" in variants:  # the fused loss against the generic path it replaced for the JSD
-        results["checkpointed_time_ratio"] = variants["checkpointed"]["seconds"] / chunked["seconds"]
+    # the fused loss against the generic checkpointed path it replaced: time (> 1: fused faster) and memory
+    results["checkpointed_time_ratio"] = variants["checkpointed"]["seconds"] / chunked["seconds"]
+    results["memory_vs_checkpointed"] = chunked["extra_bytes"] / variants["checkpointed"]["extra_bytes"]
     return results
 
 
 def describe(args: argparse.Namespace) -> str:
     precision = resolve_precision(args.device, args.dtype).name
+    if args.loss == "ce":
+        return (f"cross entropy, {args.positions} positions x {args.vocab} vocabulary, hidden {args.hidden}, chunk "
+                f"{args.chunk_size}, {args.device} {precision}; one (N, V) fp32 tensor = "
+                f"{args.positions * args.vocab * 4 / harness.GIB:.2f} GiB")
     if args.loss == "jsd":
         return (f"generalized JSD beta {args.beta}, {args.positions} positions x {args.vocab} vocabulary, hidden "
                 f"{args.hidden}, chunk {args.chunk_size}, {args.device} {precision}; one (N, V) fp32 tensor = "
@@ -221,9 +250,8 @@ def print_results(results: dict) -> None:
     verdict = "meets" if results["memory_ratio"] <= results["target"] else "misses"
     print(f"chunked / full memory: {results['memory_ratio']:.1%} ({verdict} the <= {results['target']:.0%} target); "
           f"time ratio {results['time_ratio']:.2f}x; loss difference {results['loss_difference']:.2e}")
-    if "checkpointed_time_ratio" in results:
-        print(f"checkpointed / chunked time: {results['checkpointed_time_ratio']:.2f}x (the gradient computed with the "
-              f"loss, trainer/losses/fused_jsd.py)")
+    print(f"checkpointed / chunked time: {results['checkpointed_time_ratio']:.2f}x, chunked / checkpointed memory "
+          f"{results['memory_vs_checkpointed']:.2f} (the gradient computed with the loss: losses/fused_linear.py)")
 
 
 # ----------------------------------------------------------------------------------------------------- --casts
@@ -276,7 +304,7 @@ def measure_casts(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--loss", choices=["jsd", "sft"], default="jsd", help="what is measured (see above)")
+    parser.add_argument("--loss", choices=["jsd", "ce", "sft"], default="jsd", help="what is measured (see above)")
     parser.add_argument("--casts", action="store_true", help="count and time the lm_head casts under bf16 autocast")
     parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size V")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: 1024 jsd, 256 sft)")

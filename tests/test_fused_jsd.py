@@ -8,7 +8,7 @@ import torch
 from benchmarks.bench_losses import CountWeightCasts
 from support import reference_divergence
 from trainer.losses.chunked import chunked_loss
-import trainer.losses.fused_jsd as fused_jsd
+import trainer.losses.fused_linear as fused_linear
 from trainer.losses.fused_jsd import chunked_generalized_jsd_loss
 from trainer.losses.closed_forms import generalized_jsd_loss
 
@@ -135,12 +135,12 @@ def test_under_bf16_autocast_each_head_is_cast_once_and_the_numbers_are_the_chec
 def test_off_the_cpu_the_buffers_are_plain_allocations():
     """CUDA's branch of the workspace, on the meta device (any device but the CPU takes it): fresh tensors of the
     chunk's shape each call, none kept -- a GPU's caching allocator pools them already."""
-    kept = getattr(fused_jsd._workspace, "buffers", None)
-    first = fused_jsd._buffers(3, 4, 10, torch.device("meta"))
-    second = fused_jsd._buffers(3, 4, 10, torch.device("meta"))
+    kept = getattr(fused_linear._workspace, "buffers", None)
+    first = fused_linear.buffers(3, 4, 10, torch.device("meta"))
+    second = fused_linear.buffers(3, 4, 10, torch.device("meta"))
     assert [b.shape for b in first] == [torch.Size([4, 10])] * 3 and all(b.is_meta for b in first)
     assert all(a is not b for a, b in zip(first, second))
-    assert getattr(fused_jsd._workspace, "buffers", None) is kept
+    assert getattr(fused_linear._workspace, "buffers", None) is kept
 
 
 def test_under_fp16_autocast_with_a_grad_scaler_the_gradients_are_fp16_exact_and_finite():

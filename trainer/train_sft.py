@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.errors import run_script
 from trainer.config import sft as config
 from trainer.evaluation.heldout import HeldoutEvaluator
-from trainer.losses.chunked import chunked_sft_loss, completion_hidden
+from trainer.losses.chunked import completion_hidden
+from trainer.losses.fused_linear import fused_cross_entropy
 from trainer.skeleton import Run, build_student, init_distributed_mode, load_sft_data, train_noting_stop_signals
 
 
@@ -45,8 +46,9 @@ def train(args: argparse.Namespace) -> None:
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
                                                         batch["labels"])
-                    loss_sum, num_tokens = chunked_sft_loss(hidden, run.head, targets, chunk_size=args.loss_chunk_size,
-                                                            vocab_size=len(tokenizer))
+                    loss_sum, num_tokens = fused_cross_entropy(hidden, run.head, targets,
+                                                               chunk_size=args.loss_chunk_size,
+                                                               vocab_size=len(tokenizer))
                 run.backward(loss_sum, num_tokens)
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         if run.end_step(metrics, evaluator=evaluator):  # log; save, evaluate when due

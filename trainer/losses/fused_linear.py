@@ -1,0 +1,168 @@
+"""One driver for every loss whose gradient with respect to the logits has a closed form: each chunk of positions
+goes through the lm_head once, and the loss and dL/dlogits come out together, so the backward only scales what the
+forward already computed.
+
+The generic chunked path (trainer/losses/chunked.py's `chunked_loss`) checkpoints each chunk: its backward
+recomputes the chunk's head GEMMs and every elementwise step of the loss, and autograd keeps each step's inputs. Here
+a chunk costs three GEMMs of the student's head -- the projection, then dL/dh = G W and dL/dW += G^T h -- and one of
+the teacher's where the loss has a teacher, and the (C, V) work of the closed form itself. A `ChunkLoss` is the
+closed form: from the chunk's fp32 logits (which it may overwrite) it returns each position's loss and G = dL/dz.
+Its users: the cross entropy here (`fused_cross_entropy`), the generalized JSD (trainer/losses/fused_jsd.py).
+
+Precision as `chunked_loss`: under autocast each projection runs in the autocast dtype with each head cast once per
+call, the chunk's gradient G is cast to it for dL/dh and dL/dW, and dL/dW is summed over chunks in the weight's own
+dtype; everything from the logits on is fp32. Positions labelled IGNORE_INDEX contribute neither loss nor gradient
+(their per-position loss is excluded with `torch.where`, their gradient rows zeroed). Under fp16 autocast G is cast
+unscaled (a GradScaler's factor reaches it after the two GEMMs, in fp32): an entry below fp16's smallest subnormal
+becomes 0, where the checkpointed path, scaling before the cast, keeps it but overflows sooner.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dataset.collators import IGNORE_INDEX
+from trainer.losses.chunked import checked_vocab_size
+
+# On a CPU the chunk's fp32 (C, V) buffers are kept from call to call: a fresh tensor of that size (above glibc
+# malloc's mmap threshold, at most 32 MB) is mapped anew at every allocation and page-faulted on first touch: on a
+# 2-core AMD EPYC, the (512, 151669) projection of bench_opd's step took 219 ms into a fresh tensor and 104 ms into a
+# kept one. A GPU's caching allocator keeps its blocks anyway: plain allocations.
+_workspace = threading.local()
+
+
+@dataclass(frozen=True)
+class ChunkLoss:
+    """A loss's closed form on one chunk: `fn(student, teacher, spare, labels)` -> (per-position loss (C,), G (C, V)),
+    from the chunk's fp32 logits `student` and `teacher` (None without a teacher) -- both its to overwrite, G may be
+    one of them -- and `spare` (C, V) buffers; `labels` (C,) or None. The driver multiplies dL/dh and dL/dW by
+    `grad_scale` after the GEMMs (a temperature's 1 / T)."""
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    spares: int = 0
+    grad_scale: float = 1.0
+
+
+def buffers(count: int, rows: int, cols: int, device: torch.device) -> list[torch.Tensor]:
+    """`count` fp32 (rows, cols) tensors whose contents are garbage (every caller writes before it reads)."""
+    size = rows * cols
+    if device.type != "cpu":
+        return [torch.empty(rows, cols, device=device) for _ in range(count)]
+    held = getattr(_workspace, "buffers", [])
+    if len(held) < count or held[0].numel() < size:
+        _workspace.buffers = held = []  # the old ones go before the new ones are allocated
+        _workspace.buffers = held = [torch.empty(size) for _ in range(count)]
+    return [buffer[:size].view(rows, cols) for buffer in held[:count]]
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """Forward: (loss_sum, num_tokens), with dL/dh and dL/dW computed on the way. Backward: those, scaled."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, labels, loss, chunk_size, vocab_size):
+        device = hidden.device
+        low = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        mask = torch.ones(len(hidden), dtype=torch.bool, device=device) if labels is None else labels != IGNORE_INDEX
+        grads = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grads = torch.zeros_like(hidden), torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        with torch.autocast(device.type, enabled=False):  # the casts below are autocast's, made once
+            heads = [None if w is None else w[:vocab_size] if low is None else w[:vocab_size].to(low)
+                     for w in (weight, teacher_weight)]
+            total = _chunks(hidden, teacher_hidden, heads, labels, mask, loss, chunk_size, grads)
+        # kept on ctx, not saved: they are neither inputs nor outputs, and the backward hands them over (scaled in
+        # place, no copy of the head's gradient), so the graph holds them only until its backward
+        ctx.grads = grads or (None, None)
+        tokens = mask.sum()
+        ctx.mark_non_differentiable(tokens)
+        return total, tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_tokens):
+        if ctx.grads is None:
+            raise RuntimeError("a fused loss's gradients were handed over by its first backward: it cannot run twice "
+                               "(retain_graph=True)")
+        grads, ctx.grads = ctx.grads, None
+        grad_h, grad_w = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: list[torch.Tensor | None],
+            labels: torch.Tensor | None, mask: torch.Tensor, loss: ChunkLoss, chunk_size: int,
+            grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The summed loss over `chunk_size` positions at a time; with `grads` (dL/dh, dL/dW, zeros), also adds each
+    chunk's gradients into them."""
+    n, vocab_size = len(hidden), len(heads[0])
+    count = 1 + (teacher_hidden is not None) + loss.spares
+    chunk_buffers = buffers(count, max(min(chunk_size, n), 1), vocab_size, hidden.device)
+    masked = not bool(mask.all())  # one check per call (a device sync), not one per chunk
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, chunk_size):
+        rows = slice(start, start + chunk_size)
+        h, keep = hidden[rows], mask[rows]
+        views = [buffer[:len(h)] for buffer in chunk_buffers]
+        student = views.pop(0)
+        _project(h, heads[0], student)
+        teacher = None
+        if teacher_hidden is not None:
+            teacher = views.pop(0)
+            _project(teacher_hidden[rows], heads[1], teacher)
+        per_row, g = loss.fn(student, teacher, views, None if labels is None else labels[rows])
+        total += torch.where(keep, per_row, 0.0).sum()
+        if grads is not None:
+            if masked:  # whatever a masked position's logits were, its gradient is exactly 0
+                g.masked_fill_(~keep[:, None], 0.0)
+            _backward_chunk(g, h, heads[0], loss.grad_scale, grads[0][rows], grads[1][:vocab_size])
+    return total
+
+
+def _project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out = hidden @ weight.T in fp32, computed in the weight's dtype (the autocast dtype under autocast)."""
+    if hidden.dtype == out.dtype and weight.dtype == out.dtype:
+        torch.mm(hidden, weight.T, out=out)
+    else:
+        out.copy_(torch.mm(hidden.to(weight.dtype), weight.T))
+
+
+def _backward_chunk(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, scale: float, grad_h: torch.Tensor,
+                    grad_w: torch.Tensor) -> None:
+    """grad_h = scale G W, grad_w += scale G^T h (G in the projection's dtype; grad_w summed in its own)."""
+    if h.dtype == g.dtype and w.dtype == g.dtype and grad_h.dtype == g.dtype:
+        torch.mm(g, w, out=grad_h).mul_(scale)
+        grad_w.addmm_(g.T, h, alpha=scale)
+        return
+    g = g.to(w.dtype)
+    grad_h.copy_(torch.mm(g, w).mul_(scale))
+    grad_w.add_(torch.mm(g.T, h.to(w.dtype)).mul_(scale))
+
+
+def fused_linear_loss(loss: ChunkLoss, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
+                      vocab_size: int, chunk_size: int, teacher_hidden: torch.Tensor | None = None,
+                      teacher_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`loss` summed over the positions of `hidden` (N, H) through the first `vocab_size` rows of `weight` (V_pad,
+    H) (and of the teacher's head), `chunk_size` positions at a time: (loss_sum, num_tokens). Gradients reach the
+    student's hidden states and head, never the teacher."""
+    return _FusedLinearLoss.apply(hidden, weight, None if teacher_hidden is None else teacher_hidden.detach(),
+                                  None if teacher_weight is None else teacher_weight.detach(), labels, loss,
+                                  int(chunk_size), int(vocab_size))
+
+
+def _cross_entropy(logits: torch.Tensor, _teacher, _spare, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log p(label) per position and its gradient p - onehot(label), in the logits' buffer."""
+    targets = labels.clamp_min(0)[:, None]  # a masked position's label: any column, its loss is excluded
+    log_p = torch.log_softmax(logits, dim=-1, out=logits)
+    per_row = log_p.gather(1, targets).squeeze(1).neg_()
+    return per_row, log_p.exp_().scatter_add_(1, targets, torch.full_like(targets, -1.0, dtype=logits.dtype))
+
+
+CROSS_ENTROPY = ChunkLoss(_cross_entropy)
+
+
+def fused_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 512,
+                        vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """closed_forms.sft_loss (summed cross entropy over labels != IGNORE_INDEX) from hidden states (N, H) and the
+    lm_head (V_pad, H): (loss_sum, num_tokens), as chunked_sft_loss returns them, with the gradient in closed form."""
+    vocab_size = checked_vocab_size(weight, None, chunk_size, vocab_size)
+    return fused_linear_loss(CROSS_ENTROPY, hidden, weight, labels, vocab_size, chunk_size)
