@@ -130,7 +130,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
-        self.register_buffer("table", self.compute_table(0), persistent=False)
+        # a plain attribute, not a buffer: its length is each process's own (DDP broadcasts buffers from rank 0 at
+        # every forward, and ranks whose sequences differ in length would hand it tables of different shapes)
+        self.table = self.compute_table(0)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) casts floating buffers too: bf16 frequencies are off by 0.59 rad at position 512. The

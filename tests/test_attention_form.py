@@ -130,6 +130,10 @@ def test_rope_frequencies_stay_fp32_and_both_bf16_constructors_agree(tiny_config
     cast = create_model(config, seed=5).half().to(torch.bfloat16)  # any later cast keeps them fp32 too
     for model in (built, loaded, cast):
         assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+        # the cos / sin table grows to each process's own lengths: not a buffer, which DDP would broadcast from
+        # rank 0 at every forward (tables of different shapes on two ranks abort gloo)
+        assert all("table" not in name for name, _ in model.named_buffers())
+        assert model.model.rotary_emb.table.dtype == torch.float32
         assert model.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 151669, (1, 1024), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
