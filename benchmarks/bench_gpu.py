@@ -115,8 +115,9 @@ from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, wait_ready  # noqa: E402
 from serving.weight_sync import TOLERANCE, WeightSync, own_logprobs, sync_statistics, within  # noqa: E402
-from trainer.losses.chunked import chunked_loss, chunked_sft_loss, completion_hidden  # noqa: E402
-from trainer.losses.closed_forms import distillation_loss, sft_loss  # noqa: E402
+from trainer.losses.chunked import completion_hidden  # noqa: E402
+from trainer.losses.fused_divergences import fused_kd_loss  # noqa: E402
+from trainer.losses.fused_linear import fused_cross_entropy  # noqa: E402
 from trainer.skeleton.optimizer_step import make_optimizer  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 
@@ -653,12 +654,11 @@ def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
                 teacher_hidden, _ = completion_hidden(teacher, ids, mask, labels)
         with resolve_precision(device, "bfloat16").autocast():
             hidden, targets = completion_hidden(student, ids, mask, labels)
-            if loss == "kd":
-                loss_sum, tokens = chunked_loss(
-                    lambda s, t, y: (distillation_loss(s, t, y, 1.0, reduction="sum"), sft_loss(s, y)[1]), hidden,
-                    student.lm_head.weight, targets, teacher_hidden, teacher.lm_head.weight, vocab_size=VOCAB)
+            if loss == "kd":  # the loops' fused losses, train_distillation.py's default --alpha
+                loss_sum, tokens, _, _ = fused_kd_loss(hidden, student.lm_head.weight, teacher_hidden,
+                                                       teacher.lm_head.weight, targets, alpha=0.5, vocab_size=VOCAB)
             else:
-                loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
+                loss_sum, tokens = fused_cross_entropy(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
         (loss_sum / tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -719,7 +719,7 @@ def bf16_agrees_with_fp32(kit: Kit) -> tuple[str, str]:
     def first_loss(dtype: str) -> float:
         with torch.no_grad(), resolve_precision(device, dtype).autocast():
             hidden, targets = completion_hidden(student, ids, torch.ones_like(ids), labels)
-            loss_sum, tokens = chunked_sft_loss(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
+            loss_sum, tokens = fused_cross_entropy(hidden, student.lm_head.weight, targets, vocab_size=VOCAB)
         return float(loss_sum) / int(tokens)
 
     losses, math_kernel = {}, []

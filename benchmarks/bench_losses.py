@@ -3,7 +3,11 @@ one SFT training step.
 
     python benchmarks/bench_losses.py                  # JSD: 4,096 positions x 151,936 vocabulary x hidden 1,024
     python benchmarks/bench_losses.py --loss ce        # cross entropy: 4,096 positions x 151,936 x hidden 1,024
+    python benchmarks/bench_losses.py --loss kd        # KD (alpha 0.5): 4,096 positions x 151,936 x hidden 1,024
+    python benchmarks/bench_losses.py --loss rl        # the RL loss (k3 + OPD term): the same shape
     python benchmarks/bench_losses.py --loss sft       # SFT step: 4 x 1,024 tokens (512 completion), 151,936 vocab
+    python benchmarks/bench_losses.py --loss sft --model_config model/configs/qwen3-demo.json --batch_size 16 \
+        --seq_len 512 --completion_len 256 --pad_step 16              # the demo's SFT step (train_sft's defaults)
     python benchmarks/bench_losses.py --device cuda    # on a GPU (torch.cuda.max_memory_allocated)
     python benchmarks/bench_losses.py --positions 512 --vocab 32000      # a quick look
     python benchmarks/bench_losses.py --casts --hidden 256               # lm_head casts under bf16 autocast
@@ -11,11 +15,17 @@ one SFT training step.
 --loss jsd (target: chunked <= 25% of full): generalized JSD (beta 1: OPD's reverse KL) between random student and
   teacher hidden states (N, H) and lm_heads (V, H). full: both logits (N, V) at once, then the loss; checkpointed:
   the generic trainer.losses.chunked.chunked_loss with the JSD as its loss, the lm_heads applied chunk by chunk and
-  recomputed in the backward (how OPD computed it before trainer/losses/fused_jsd.py); chunked: what training runs,
-  trainer.losses.fused_jsd.chunked_generalized_jsd_loss, chunk by chunk with the gradient computed in the same pass.
+  recomputed in the backward (how OPD computed it before trainer/losses/fused_divergences.py); chunked: what
+  training runs, trainer.losses.fused_divergences.chunked_generalized_jsd_loss, chunk by chunk with the gradient
+  computed in the same pass.
 --loss ce (target: chunked <= 25% of full): the cross entropy of random hidden states (N, H) and lm_head (V, H)
   against random labels. full: the (N, V) logits at once; checkpointed: chunked_sft_loss, the generic checkpointed
   path; chunked: what training runs, trainer.losses.fused_linear.fused_cross_entropy (closed-form gradient).
+--loss kd / --loss rl (target: chunked <= 25% of full): classic KD (alpha CE + (1 - alpha) KL(teacher || student))
+  and the RL clipped policy-gradient loss (on-policy, k3 to a reference and the OPD term on) on the same inputs
+  (the RL loss with per-token values: advantages +-1, reference and teacher log-probabilities). full: the (N, V)
+  logits at once and trainer/losses/closed_forms.py's (policy_gradient.policy_loss's) function; checkpointed:
+  the same function through chunked_loss; chunked: what training runs, fused_kd_loss / fused_policy_loss.
 --loss sft (target: chunked <= 40% of full): one SFT step of a small model (hidden 256, 2 layers, the tied
   151,936-row embedding: as for Qwen3-0.6B at real lengths, the logits dominate) on a batch laid out as SFTCollator
   makes it: right padded (row r has r x --pad_step pads at the end, its prompt that much shorter), labels -100 on
@@ -59,12 +69,15 @@ from dataset.collators import IGNORE_INDEX  # noqa: E402
 from model import Qwen3Config, create_model  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 from trainer.losses.chunked import chunked_sft_loss, completion_hidden  # noqa: E402
-from trainer.losses.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.losses.fused_divergences import chunked_generalized_jsd_loss, fused_kd_loss  # noqa: E402
 from trainer.losses.fused_linear import fused_cross_entropy  # noqa: E402
-from trainer.losses.closed_forms import generalized_jsd_loss, sft_loss  # noqa: E402
+from trainer.losses.closed_forms import distillation_loss, generalized_jsd_loss, sft_loss  # noqa: E402
+from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP,  # noqa: E402
+                                            fused_policy_loss, policy_loss)
 
-TARGETS = {"jsd": 0.25, "ce": 0.25, "sft": 0.40}  # chunked / full memory
-DEFAULT_HIDDEN = {"jsd": 1024, "ce": 1024, "sft": 256}  # Qwen3-0.6B's; a small model whose logits dominate
+TARGETS = {"jsd": 0.25, "ce": 0.25, "kd": 0.25, "rl": 0.25, "sft": 0.40}  # chunked / full memory
+# Qwen3-0.6B's; for the SFT step a small model whose logits dominate
+DEFAULT_HIDDEN = {"jsd": 1024, "ce": 1024, "kd": 1024, "rl": 1024, "sft": 256}
 PAD_ID = 151643  # Qwen3's <|endoftext|>, its pad token
 
 
@@ -76,10 +89,23 @@ def jsd_inputs(args: argparse.Namespace, device: torch.device) -> dict:
     return {"h": (torch.randn(n, h, device=device) * 0.5).requires_grad_(),
             "w": (torch.randn(v, h, device=device) * 0.05).requires_grad_(),
             "th": torch.randn(n, h, device=device) * 0.5, "tw": torch.randn(v, h, device=device) * 0.05,
-            "labels": torch.randint(0, v, (n,), device=device)}
+            "labels": torch.randint(0, v, (n,), device=device), "values": rl_values(n, device)}
+
+
+def rl_values(n: int, device: torch.device) -> torch.Tensor:
+    """Per-token values of an on-policy RL step (trainer/losses/policy_gradient.py's columns): advantages of +-1,
+    log pi_old NaN (on-policy), reference and teacher log-probabilities near a sampled token's."""
+    values = torch.empty(n, 4, device=device)
+    values[:, ADVANTAGE] = torch.randint(0, 2, (n,), device=device).float() * 2 - 1
+    values[:, OLD_LOGP] = float("nan")
+    values[:, REF_LOGP] = -3.0 + 0.3 * torch.randn(n, device=device)
+    values[:, TEACHER_LOGP] = -3.0 + 0.3 * torch.randn(n, device=device)
+    return values
 
 
 def sft_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    if args.model_config:
+        return create_model(Qwen3Config.from_json(args.model_config), seed=0, device=device).train()
     config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                          num_hidden_layers=args.num_layers, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=args.hidden // 4, max_position_embeddings=max(4096, args.seq_len),
@@ -105,9 +131,9 @@ def sft_batch(args: argparse.Namespace, device: torch.device) -> dict:
 
 def inputs(loss: str, args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
     """-> (the measured inputs, a toy slice of them for the warm-up)."""
-    if loss in ("jsd", "ce"):  # the cross entropy leaves the teacher alone
+    if loss in ("jsd", "ce", "kd", "rl"):  # the cross entropy and the RL loss leave the teacher alone
         full = jsd_inputs(args, device)
-        toy = {**{key: full[key][:8] for key in ("h", "w", "th", "tw")}, "labels": full["labels"][:8] % 8}
+        toy = {**{key: full[key][:8] for key in ("h", "w", "th", "tw", "values")}, "labels": full["labels"][:8] % 8}
         return full, toy
     batch = sft_batch(args, device)
     full = {"model": sft_model(args, device), **batch}
@@ -149,6 +175,50 @@ def ce_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.T
     return fused_cross_entropy(x["h"], x["w"], x["labels"], chunk_size=min(args.chunk_size, len(x["labels"])))
 
 
+def kd_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        teacher_logits = x["th"] @ x["tw"].T
+    return kd_closed_form(x["h"] @ x["w"].T, teacher_logits, x["labels"], args.alpha), torch.tensor(len(x["labels"]))
+
+
+def kd_checkpointed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = chunked_losses.chunked_loss(lambda s, t, y: kd_closed_form(s, t, y, args.alpha), x["h"], x["w"],
+                                       x["labels"], x["th"], x["tw"], chunk_size=min(args.chunk_size, len(x["h"])))
+    return loss, torch.tensor(len(x["labels"]))
+
+
+def kd_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    loss, tokens, _, _ = fused_kd_loss(x["h"], x["w"], x["th"], x["tw"], x["labels"], args.alpha,
+                                       chunk_size=min(args.chunk_size, len(x["h"])))
+    return loss, tokens
+
+
+def kd_closed_form(logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+                   alpha: float) -> torch.Tensor:
+    """KD at temperature 1 from trainer/losses/closed_forms.py: alpha CE + (1 - alpha) KL(teacher || student)."""
+    kd = distillation_loss(logits, teacher_logits, labels, reduction="sum")
+    return alpha * sft_loss(logits, labels)[0] + (1.0 - alpha) * kd
+
+
+RL_SETTINGS = dict(kl_coef=0.05, opd_coef=0.5)  # every term of the loss: k3 to a reference, the OPD advantage
+
+
+def rl_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    return policy_loss(x["h"] @ x["w"].T, x["values"], x["labels"], **RL_SETTINGS)[:2]
+
+
+def rl_checkpointed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    return chunked_losses.chunked_loss(lambda s, v, y: policy_loss(s, v, y, **RL_SETTINGS)[:2], x["h"], x["w"],
+                                       x["labels"], chunk_size=min(args.chunk_size, len(x["h"])),
+                                       teacher_values=x["values"])
+
+
+def rl_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    sums = fused_policy_loss(x["h"], x["w"], x["labels"], x["values"], min(args.chunk_size, len(x["h"])),
+                             len(x["w"]), **RL_SETTINGS)
+    return sums.loss, sums.tokens
+
+
 def sft_full(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     logits = x["model"](x["input_ids"]).logits  # (B, T, V); the same forward as completion_hidden's
     # position t predicts labels[t + 1]: shift the labels (the last position gets -100), not the logits
@@ -167,6 +237,8 @@ def sft_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.
 
 STEPS = {("jsd", "full"): jsd_full, ("jsd", "checkpointed"): jsd_checkpointed, ("jsd", "chunked"): jsd_chunked,
          ("ce", "full"): ce_full, ("ce", "checkpointed"): ce_checkpointed, ("ce", "chunked"): ce_chunked,
+         ("kd", "full"): kd_full, ("kd", "checkpointed"): kd_checkpointed, ("kd", "chunked"): kd_chunked,
+         ("rl", "full"): rl_full, ("rl", "checkpointed"): rl_checkpointed, ("rl", "chunked"): rl_chunked,
          ("sft", "full"): sft_full, ("sft", "checkpointed"): sft_checkpointed, ("sft", "chunked"): sft_chunked}
 
 
@@ -228,14 +300,20 @@ def describe(args: argparse.Namespace) -> str:
         return (f"cross entropy, {args.positions} positions x {args.vocab} vocabulary, hidden {args.hidden}, chunk "
                 f"{args.chunk_size}, {args.device} {precision}; one (N, V) fp32 tensor = "
                 f"{args.positions * args.vocab * 4 / harness.GIB:.2f} GiB")
+    if args.loss in ("kd", "rl"):
+        what = f"KD alpha {args.alpha}" if args.loss == "kd" else f"RL policy loss {RL_SETTINGS}, on-policy"
+        return (f"{what}, {args.positions} positions x {args.vocab} vocabulary, hidden {args.hidden}, chunk "
+                f"{args.chunk_size}, {args.device} {precision}; one (N, V) fp32 tensor = "
+                f"{args.positions * args.vocab * 4 / harness.GIB:.2f} GiB")
     if args.loss == "jsd":
         return (f"generalized JSD beta {args.beta}, {args.positions} positions x {args.vocab} vocabulary, hidden "
                 f"{args.hidden}, chunk {args.chunk_size}, {args.device} {precision}; one (N, V) fp32 tensor = "
                 f"{args.positions * args.vocab * 4 / harness.GIB:.2f} GiB")
     loss_tokens = args.batch_size * args.completion_len
+    model = f"model {args.model_config}" if args.model_config else f"hidden {args.hidden}, {args.num_layers} layers"
     return (f"SFT step, batch {args.batch_size} x {args.seq_len} tokens ({args.completion_len} completion, "
             f"{loss_tokens} loss tokens; right padded, {args.pad_step} more pads a row), vocabulary {args.vocab}, "
-            f"hidden {args.hidden}, {args.num_layers} layers, chunk {args.chunk_size}, {args.device} {precision}; "
+            f"{model}, chunk {args.chunk_size}, {args.device} {precision}; "
             f"one fp32 (B, T, V) tensor = {args.batch_size * args.seq_len * args.vocab * 4 / harness.GIB:.2f} GiB")
 
 
@@ -304,7 +382,8 @@ def measure_casts(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--loss", choices=["jsd", "ce", "sft"], default="jsd", help="what is measured (see above)")
+    parser.add_argument("--loss", choices=["jsd", "ce", "kd", "rl", "sft"], default="jsd",
+                        help="what is measured (see above)")
     parser.add_argument("--casts", action="store_true", help="count and time the lm_head casts under bf16 autocast")
     parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size V")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: 1024 jsd, 256 sft)")
@@ -312,12 +391,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = parser.add_argument_group("--loss jsd")
     g.add_argument("--positions", type=int, default=4096, help="loss positions N")
     g.add_argument("--beta", type=float, default=1.0, help="generalized JSD beta (1 = reverse KL, OPD)")
+    g.add_argument("--alpha", type=float, default=0.5, help="--loss kd: the cross entropy's weight")
     g = parser.add_argument_group("--loss sft")
     g.add_argument("--batch_size", type=int, default=4)
     g.add_argument("--seq_len", type=int, default=1024, help="tokens per row, prompt + completion + pads")
     g.add_argument("--completion_len", type=int, default=512, help="completion (label) tokens per row")
     g.add_argument("--pad_step", type=int, default=64, help="row r ends with r x pad_step pads")
     g.add_argument("--num_layers", type=int, default=2)
+    g.add_argument("--model_config", default=None,
+                   help="the model from a config.json instead (--hidden, --num_layers and --vocab unused), e.g. the "
+                        "demo's model/configs/qwen3-demo.json")
     g = parser.add_argument_group("run")
     harness.add_device_args(g)
     g.add_argument("--repeats", type=int, default=1, help="measured steps per variant (the median time)")

@@ -14,7 +14,7 @@ One OPD step on one micro-batch, phase by phase, with the calls train_opd.py mak
                    the benchmark's step number stands in for the epoch, so every step samples afresh
   teacher forward  completion_hidden(teacher, ...) under no_grad (the teacher's body only: its lm_head is applied
                    chunk by chunk inside the loss)
-  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/losses/fused_jsd.py:
+  student fwd+bwd  completion_hidden(student, ...), chunked_generalized_jsd_loss(...) (trainer/losses/fused_divergences.py:
                    student AND teacher lm_head per chunk, beta=1: reverse KL, the gradients of the student's hidden
                    states and head computed in the same pass), backward of the summed loss (scales those, then the body)
   optimizer        (shown so the rows add up to a step) grads scaled by the token count, clipping, AdamW
@@ -71,7 +71,7 @@ from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
 from model.precision import resolve_precision  # noqa: E402
 from trainer.skeleton.console import PhaseClock  # noqa: E402
 from trainer.losses.chunked import completion_hidden  # noqa: E402
-from trainer.losses.fused_jsd import chunked_generalized_jsd_loss  # noqa: E402
+from trainer.losses.fused_divergences import chunked_generalized_jsd_loss  # noqa: E402
 from trainer.skeleton.optimizer_step import make_optimizer  # noqa: E402
 from trainer.rollouts.source import sample_completions  # noqa: E402
 

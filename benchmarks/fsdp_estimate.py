@@ -1,8 +1,8 @@
 """Each rank's GPU memory in one training step, estimated on the CPU with fake tensors (bench_fsdp.py --estimate).
 
 The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen
-teacher's forward without gradients (distillation), the student's forward to its final hidden states, the chunked
-loss through `lm_head.weight` (trainer/losses/closed_forms.py), the backward, the teacher's gathered root freed
+teacher's forward without gradients (distillation), the student's forward to its final hidden states, the fused
+loss through `lm_head.weight` (trainer/losses/fused_linear.py: the cross entropy, KD), the backward, the teacher's gathered root freed
 (trainer/skeleton/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients scaled by one foreach
 multiply, clipped by the global norm, AdamW, zero_grad). The models are built on the meta device and sharded by
 trainer/skeleton/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the layers
@@ -41,9 +41,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from model import Qwen3Config, Qwen3ForCausalLM
-from trainer.losses.chunked import chunked_loss, chunked_sft_loss
 from trainer.skeleton.sharding import reshard_root, shard
-from trainer.losses.divergences import ce_and_kd
+from trainer.losses.fused_divergences import fused_kd_loss
+from trainer.losses.fused_linear import fused_cross_entropy
 
 # The public config.json of each Qwen/Qwen3-* model (huggingface.co/Qwen): hidden, intermediate, layers, attention
 # heads, key/value heads, tied embeddings; all have head_dim 128 and the 151,936-row vocabulary.
@@ -195,15 +195,15 @@ def training_step(student: Qwen3ForCausalLM, teachers: list[Qwen3ForCausalLM], o
         with phases.phase("forward"), autocast():
             hidden = student(ids, return_hidden=True).hidden_states
             if not teachers:
-                loss, _ = chunked_sft_loss(predicting(hidden), student.lm_head.weight, labels, chunk_size=shape.chunk)
+                loss, _ = fused_cross_entropy(predicting(hidden), student.lm_head.weight, labels,
+                                              chunk_size=shape.chunk)
             else:
                 loss = 0.0
             for teacher, mine, scores in zip(teachers, rows, teacher_hidden):
                 if mine:
-                    ce, kd, _ = chunked_loss(functools.partial(ce_and_kd, temperature=1.0), predicting(hidden[mine]),
-                                             student.lm_head.weight, ids[mine, 1:].reshape(-1), scores,
-                                             teacher.lm_head.weight, chunk_size=shape.chunk)
-                    loss = loss + 0.5 * ce + 0.5 * kd
+                    loss = loss + fused_kd_loss(predicting(hidden[mine]), student.lm_head.weight, scores,
+                                                teacher.lm_head.weight, ids[mine, 1:].reshape(-1), alpha=0.5,
+                                                chunk_size=shape.chunk)[0]
         with phases.phase("backward"):
             loss.backward()
         for teacher in teachers:
@@ -266,10 +266,11 @@ def parameter_count(config: Qwen3Config) -> int:
 
 def extra_teacher_bytes(student_config: Qwen3Config, teacher_config: Qwen3Config, world: int,
                         replicated: bool = False) -> int:
-    """What one more teacher (--teachers) adds to a rank's peak, at the backward: its bf16 weights (2 bytes per
+    """What one more teacher (--teachers) adds to a rank's peak, at the forward's end: its bf16 weights (2 bytes per
     parameter, over the W ranks when sharded), its gathered root (bf16 embedding and head, whole from its forward to
     the backward's end; nothing when it is whole anyway: one rank or --replicate_teacher 1), and one more fp32
-    gradient of the student's head (each teacher's loss term gives the head its own before autograd sums them).
+    gradient of the student's head (each teacher's fused loss term computes the head's gradient with its loss,
+    trainer/losses/fused_linear.py, and holds it until autograd sums the terms').
     tests/test_fsdp_estimate.py holds it against the estimate of one step with one teacher and with two."""
     sharded = world > 1 and not replicated
     weights = 2 * parameter_count(teacher_config) // (world if sharded else 1)

@@ -35,9 +35,11 @@ def measured(main, argv: list[str], tmp_path) -> dict:
 @pytest.mark.parametrize("argv", [
     ["--positions", "1024", "--vocab", "32000", "--hidden", "64", "--chunk_size", "128"],
     ["--loss", "ce", "--positions", "1024", "--vocab", "32000", "--hidden", "64", "--chunk_size", "128"],
+    ["--loss", "kd", "--positions", "1024", "--vocab", "32000", "--hidden", "64", "--chunk_size", "128"],
+    ["--loss", "rl", "--positions", "1024", "--vocab", "32000", "--hidden", "64", "--chunk_size", "128"],
     ["--loss", "sft", "--batch_size", "2", "--seq_len", "256", "--completion_len", "128", "--pad_step", "32",
      "--vocab", "32000", "--hidden", "64", "--chunk_size", "64"],
-], ids=["jsd", "ce", "sft"])
+], ids=["jsd", "ce", "kd", "rl", "sft"])
 def test_the_chunked_losses_equal_the_full_ones_within_their_memory_target(argv, tmp_path):
     """Each variant in a process of its own; the logits (N x 32,000) dominate, so the chunked loss meets the memory
     target of the full shapes here too (0.14 of the full logits' for the JSD, 0.20 for SFT, measured); the SFT batch

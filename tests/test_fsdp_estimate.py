@@ -44,10 +44,14 @@ def test_an_estimate_at_full_depth_is_extrapolated_exactly_from_shallow_ones(tin
     assert predicted["peaks"] == {phase: max(values) for phase, values in direct["peaks"].items()}
 
 
+def step_peak(estimate: dict) -> int:
+    return max(max(values) for values in estimate["peaks"].values())
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_one_more_teacher_adds_what_the_sizing_formula_says(tiny_config_path, one_thread, world):
     """--teachers: the fake-tensor estimate of a KD step with two teachers against one, each teacher scoring its
-    rows: the peak (at the backward) grows by `extra_teacher_bytes` -- its bf16 shards, its gathered root when
+    rows: the step's peak (the forward's end) grows by `extra_teacher_bytes` -- its bf16 shards, its gathered root when
     sharded, one more fp32 gradient of the student's head -- within 2%, and the training state by its shards (and
     its RoPE buffer)."""
     if dist.is_initialized():
@@ -58,7 +62,7 @@ def test_one_more_teacher_adds_what_the_sizing_formula_says(tiny_config_path, on
                                   tie_word_embeddings=False)
     shape = fe.StepShape(batch=2, seq=64, window=2, chunk=32)
     one, two = fe.estimate(student, [teacher], world, shape), fe.estimate(student, [teacher, teacher], world, shape)
-    grown = max(two["peaks"]["backward"]) - max(one["peaks"]["backward"])
+    grown = step_peak(two) - step_peak(one)
     assert abs(grown / fe.extra_teacher_bytes(student, teacher, world) - 1.0) <= 0.02, grown
     held = two["state"] - one["state"] - 2 * fe.parameter_count(teacher) // world
     assert 0 <= held <= 1024, held  # and its RoPE buffer (48 bytes)

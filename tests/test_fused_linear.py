@@ -1,6 +1,6 @@
 # python -m pytest tests/test_fused_linear.py
 """trainer/losses/fused_linear.py: the fused linear-loss driver with the cross entropy's closed form (its JSD is
-tests/test_fused_jsd.py's) -- value and gradients against the definition in float64 dense autograd, against the
+tests/test_fused_divergences.py's) -- value and gradients against the definition in float64 dense autograd, against the
 checkpointed path under CPU bf16 autocast, masked positions, the incoming gradient, and no_grad."""
 import pytest
 import torch

@@ -8,7 +8,7 @@ import torch
 
 from support import reference_divergence
 from trainer.losses.chunked import chunked_loss, chunked_sft_loss
-from trainer.losses.fused_jsd import chunked_generalized_jsd_loss
+from trainer.losses.fused_divergences import chunked_generalized_jsd_loss
 from trainer.losses.closed_forms import distillation_loss, generalized_jsd_loss, sampled_token_kl_loss, sft_loss
 
 BETAS = (0.0, 0.5, 1.0)
@@ -434,8 +434,8 @@ def test_under_bf16_autocast_the_lm_heads_are_cast_once_per_loss_with_the_same_n
     """The CUDA training path's cast, on CPU bf16 autocast: 8 chunks of student and teacher cast each (V, H) weight
     once (the view `weight[:vocab_size]` would otherwise be cast at every chunk's matmul, recompute and backward),
     and the loss and the head's gradient equal the per-chunk casts'. The generic chunked path (SFT, KD, top-K,
-    the sampled-token and policy losses), here with the JSD as its loss; trainer/losses/fused_jsd.py casts once by
-    construction (tests/test_fused_jsd.py)."""
+    the sampled-token and policy losses), here with the JSD as its loss; trainer/losses/fused_divergences.py casts once by
+    construction (tests/test_fused_divergences.py)."""
     import trainer.losses.chunked as chunked_losses
     from benchmarks.bench_losses import CountWeightCasts
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
+from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
                                      group_advantages, k3, policy_loss, token_logprobs)
 
 
@@ -113,7 +113,7 @@ def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy):
     values[:, REF_LOGP] = -3.0 + 0.3 * torch.randn(n, dtype=torch.float64)
     values[:, TEACHER_LOGP] = -3.0 + 0.3 * torch.randn(n, dtype=torch.float64)
     settings = dict(temperature=0.9, clip_low=0.2, clip_high=0.28, kl_coef=0.05, opd_coef=0.5)
-    sums = chunked_policy_loss(hidden, weight, labels, values, chunk_size=4, vocab_size=v, **settings)
+    sums = fused_policy_loss(hidden, weight, labels, values, chunk_size=4, vocab_size=v, **settings)
     grads = torch.autograd.grad(sums.loss, (hidden, weight))
     reference = dense_reference(hidden, weight[:v], labels, values, 0.9, 0.2, 0.28, 0.05, 0.5)
     expected = torch.autograd.grad(reference, (hidden, weight))

@@ -98,12 +98,12 @@ def test_a_non_finite_loss_stops_an_fp16_run_too(tiny_config_path, chat_jsonl, t
     """Under the scaler a NaN gradient only skips the step: a NaN loss (the data's or the model's, never fp16's
     range: the loss is summed in fp32) would then skip every step silently. It stops the run instead."""
     import trainer.train_sft as sft
-    original = sft.chunked_sft_loss
+    original = sft.fused_cross_entropy
 
     def nan_loss(*args, **kwargs):
         loss_sum, num_tokens = original(*args, **kwargs)
         return loss_sum * float("nan"), num_tokens
-    monkeypatch.setattr(sft, "chunked_sft_loss", nan_loss)
+    monkeypatch.setattr(sft, "fused_cross_entropy", nan_loss)
     with pytest.raises(RuntimeFailure, match="non-finite loss"):
         train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, dtype="float16", max_steps=2))
 

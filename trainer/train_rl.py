@@ -44,7 +44,7 @@ from trainer.config import rl as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.losses.chunked import completion_hidden
 from trainer.losses.divergences import Divergence, evaluation_divergence
-from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, chunked_policy_loss,
+from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
                                             group_advantages, token_logprobs)
 from trainer.rl.rewards import GroupCollator, check_ground_truths, reward_of
 from trainer.rollouts.servers import connect_server, say_servers
@@ -165,7 +165,7 @@ def train(args: argparse.Namespace) -> None:
             with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-                    sums = chunked_policy_loss(hidden, run.head, targets, values, args.loss_chunk_size, vocab,
+                    sums = fused_policy_loss(hidden, run.head, targets, values, args.loss_chunk_size, vocab,
                                                **settings)
                 divisor = labels.shape[0] * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
                 run.backward(sums.loss, divisor)

@@ -1,7 +1,7 @@
 """The losses of trainer/losses/closed_forms.py from final hidden states, projected through the lm_head a chunk of
 positions at a time and recomputed in the backward, so the (N, V) logits never exist in full; and `completion_hidden`,
 the forward that keeps only the positions that predict a label. (OPD's generalized JSD has a closed-form gradient and
-its own path, trainer/losses/fused_jsd.py, which shares `checked_vocab_size`.)
+its own path, trainer/losses/fused_divergences.py, which shares `checked_vocab_size`.)
 
 The wrappers return sums plus token counts: the training skeleton divides by the token count of the whole
 accumulation window and all ranks (docs/architecture.md, "Invariant 1: exact token normalisation"). Under autocast

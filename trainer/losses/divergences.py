@@ -21,16 +21,11 @@ subset of positions is the same call with the others' labels set to IGNORE_INDEX
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from dataset.collators import IGNORE_INDEX
-from trainer.losses.chunked import chunked_loss
-from trainer.losses.closed_forms import (distillation_loss, sampled_token_kl_from_logprobs, sampled_token_kl_loss,
-                                         sft_loss)
-from trainer.losses.fused_jsd import chunked_generalized_jsd_loss
+from trainer.losses.fused_divergences import chunked_generalized_jsd_loss, fused_kd_loss, fused_sampled_kl_loss
 from trainer.losses.topk_divergence import chunked_topk_divergence
 
 KINDS = ("jsd", "topk", "sampled_kl", "kd")
@@ -63,14 +58,6 @@ class DivergenceSums:
     tokens: torch.Tensor       # the completion tokens it covers
     value: torch.Tensor        # the divergence it measures, summed (sampled_kl: the estimate, not the surrogate)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # summed per-token numbers worth logging
-
-
-def ce_and_kd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-              temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk of positions: summed cross entropy against the data, summed T^2 KL(teacher || student), tokens."""
-    ce_sum, num_tokens = sft_loss(student_logits, labels)
-    kd_sum = distillation_loss(student_logits, teacher_logits, labels, temperature, reduction="sum")
-    return ce_sum, kd_sum, num_tokens
 
 
 def training_divergence(loss: str, beta: float, temperature: float, teacher_topk: int) -> Divergence:
@@ -114,15 +101,10 @@ def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, studen
 
         return DivergenceSums(loss, tokens, loss)
     if divergence.kind == "kd":  # classic KD on the data: alpha CE + (1 - alpha) T^2 KL(teacher || student)
-        ce, kd, tokens = chunked_loss(functools.partial(ce_and_kd, temperature=divergence.temperature),
-                                      student_hidden, **common, **teacher)
-        loss = divergence.alpha * ce + (1.0 - divergence.alpha) * kd
+        loss, tokens, ce, kd = fused_kd_loss(student_hidden, alpha=divergence.alpha,
+                                             temperature=divergence.temperature, **common, **teacher)
         return DivergenceSums(loss, tokens, loss, {"ce": ce, "kd": kd})
 
-    def sampled_kl(student_logits, teacher_logits_or_logprobs, chunk_labels):
-        loss = sampled_token_kl_loss if local else sampled_token_kl_from_logprobs
-        surrogate_sum, kl_sum = loss(student_logits, teacher_logits_or_logprobs, chunk_labels, divergence.temperature)
-        return surrogate_sum, kl_sum, (chunk_labels != IGNORE_INDEX).sum()
-    values = {} if local else dict(teacher_values=scores)
-    surrogate, kl, tokens = chunked_loss(sampled_kl, student_hidden, **common, **teacher, **values)
+    surrogate, tokens, kl = fused_sampled_kl_loss(student_hidden, temperature=divergence.temperature, **common,
+                                                  **teacher, **({} if local else dict(teacher_logprobs=scores)))
     return DivergenceSums(surrogate, tokens, kl, {"reverse_kl_estimate": kl})

@@ -24,12 +24,13 @@ drgrpo by rows x --max_new_tokens (Dr. GRPO's constant), both exact under accumu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from dataset.collators import IGNORE_INDEX
-from trainer.losses.chunked import chunked_loss
+from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_loss
 
 ADVANTAGES = ("grpo", "drgrpo")
 STD_EPSILON = 1e-4  # TRL's: (r - mean) / (std + 1e-4)
@@ -106,14 +107,51 @@ def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torc
             torch.where(mask, opd, zero).sum())
 
 
-def chunked_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
-                        values: torch.Tensor, chunk_size: int, vocab_size: int, **settings) -> PolicySums:
+def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], labels: torch.Tensor,
+                  values: torch.Tensor, temperature: float, clip_low: float, clip_high: float, kl_coef: float,
+                  opd_coef: float):
+    """`policy_loss` on one chunk in closed form: per token l_t, the extras and dl/dz = c (onehot(y) - p_T) / T
+    (the driver's grad_scale is 1 / T), with c = dl/dlog pi(y). c follows autograd's rules for the reference's
+    `-minimum(unclipped, clipped)`: the smaller term takes the gradient, a tie gives each half; the clipped term's
+    ratio passes it only inside [1 - eps_low, 1 + eps_high] (clamp's, bounds included)."""
+    keep = labels != IGNORE_INDEX
+    log_p = torch.log_softmax(student.div_(temperature) if temperature != 1.0 else student, dim=-1, out=student)
+    logp = log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
+    values = values.to(logp.dtype)
+    old = torch.where(torch.isnan(values[:, OLD_LOGP]), logp, values[:, OLD_LOGP])
+    opd = logp - values[:, TEACHER_LOGP] if opd_coef else torch.zeros_like(logp)
+    advantage = values[:, ADVANTAGE] - opd_coef * opd if opd_coef else values[:, ADVANTAGE]
+    ratio = torch.exp(logp - old)
+    unclipped, clipped = ratio * advantage, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantage
+    per_token = -torch.minimum(unclipped, clipped)
+    inside = (ratio >= 1 - clip_low) & (ratio <= 1 + clip_high)
+    share = torch.where(unclipped == clipped, 0.5, (unclipped < clipped).float())  # the unclipped term's
+    c = -advantage * ratio * (share + (1.0 - share) * inside)
+    kl = torch.zeros_like(logp)
+    if kl_coef:
+        kl = k3(values[:, REF_LOGP], logp)
+        per_token = per_token + kl_coef * kl
+        c = c + kl_coef * (1.0 - torch.exp(values[:, REF_LOGP] - logp))  # d k3 / d log pi
+    c = torch.where(keep, c, 0.0)  # a masked row's values may be anything: its G finite (zero)
+    p = torch.exp(log_p, out=spares[0])
+    entropy = -torch.bmm(p.unsqueeze(1), log_p.unsqueeze(2)).view(-1)
+    g = add_at_labels(p.mul_(-c[:, None]), labels, c)
+    return per_token, g, ((clipped < unclipped).float(), kl, entropy, opd)
+
+
+def fused_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
+                      values: torch.Tensor, chunk_size: int, vocab_size: int, temperature: float = 1.0,
+                      clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
+                      opd_coef: float = 0.0) -> PolicySums:
     """`policy_loss` from the final hidden states at the completion positions, a chunk of positions at a time
-    through the lm_head (trainer/losses/chunked.py: the (n, V) logits never exist in full)."""
-    def loss(logits, chunk_values, chunk_labels):
-        return policy_loss(logits, chunk_values, chunk_labels, **settings)
-    return PolicySums(*chunked_loss(loss, student_hidden, student_weight, labels, chunk_size=chunk_size,
-                                    vocab_size=vocab_size, teacher_values=values))
+    through the lm_head with its gradient in closed form (trainer/losses/fused_linear.py): the (n, V) logits never
+    exist in full and no chunk is computed twice. `values` (n, 4) as `policy_loss` reads them."""
+    chunk = ChunkLoss(functools.partial(_policy_chunk, temperature=temperature, clip_low=clip_low,
+                                        clip_high=clip_high, kl_coef=kl_coef, opd_coef=opd_coef),
+                      spares=1, grad_scale=1.0 / temperature, extra_names=("clipped", "kl", "entropy", "opd"))
+    loss, tokens, (clipped, kl, entropy, opd) = fused_linear_loss(chunk, student_hidden, student_weight, labels,
+                                                                  vocab_size, chunk_size, values=values)
+    return PolicySums(loss, tokens, clipped, kl, entropy, opd)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,

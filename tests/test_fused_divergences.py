@@ -1,5 +1,5 @@
-# python -m pytest tests/test_fused_jsd.py
-"""trainer/losses/fused_jsd.py: the generalized JSD whose gradient is computed with the loss, against the definition in
+# python -m pytest tests/test_fused_divergences.py
+"""trainer/losses/fused_divergences.py: the generalized JSD whose gradient is computed with the loss, against the definition in
 float64 autograd, against the generic checkpointed path under CPU bf16 autocast, and its edge cases (masked
 positions with non-finite logits, the incoming gradient, no_grad, buffers reused between calls)."""
 import pytest
@@ -9,7 +9,7 @@ from benchmarks.bench_losses import CountWeightCasts
 from support import reference_divergence
 from trainer.losses.chunked import chunked_loss
 import trainer.losses.fused_linear as fused_linear
-from trainer.losses.fused_jsd import chunked_generalized_jsd_loss
+from trainer.losses.fused_divergences import chunked_generalized_jsd_loss
 from trainer.losses.closed_forms import generalized_jsd_loss
 
 

@@ -1,0 +1,174 @@
+"""The generalized JSD of trainer/losses/closed_forms.py from final hidden states, its gradient computed with the loss:
+OPD's training phase near the machine's bound (benchmarks/bench_opd.py prints the roofline).
+
+The generic chunked path (trainer/losses/chunked.py's `chunked_loss`) checkpoints each chunk of positions: its
+backward recomputes both lm_head projections and every elementwise step of the loss, and autograd keeps each step's
+inputs -- two GEMMs more per chunk than the three a projection's forward and backward need, and some fifteen passes
+over the chunk's (C, V) logits. This divergence's gradient with respect to the student's logits z has a closed form
+(p = softmax(z / T), q the teacher's, both over the tokenizer's vocabulary):
+
+    beta = 1, KL(p || q):      dL/dz = p (d - KL) / T,             d = log p - log q
+    beta = 0, KL(q || p):      dL/dz = (p - q) / T
+    0 < beta < 1:              dL/dz = p (g - sum_v p_v g_v) / T,  g = (1 - beta)(log p - log m),
+                               m = (1 - beta) p + beta q, L = beta KL(q || m) + (1 - beta) KL(p || m)
+
+so each chunk computes both projections, the per-token losses and the gradients with respect to the student's hidden
+states and lm_head at once, and the backward only scales them by the loss's incoming gradient: per chunk three
+GEMMs of the student's head (the projection, then dL/dh = G W and dL/dW += G^T h) and one of the teacher's, and
+for reverse KL two exponentials per logit (the two log-softmaxes; p is exp(log p)). The values equal the autograd
+path's to float rounding (tests/test_fused_divergences.py: against float64 autograd, and under bf16 autocast against the
+checkpointed path).
+
+Precision, masking and the driver's work per chunk: trainer/losses/fused_linear.py, whose ChunkLoss this is. The
+per-token divergence is clamped at 0 with its gradient unchanged (closed_forms._non_negative).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dataset.collators import IGNORE_INDEX
+from trainer.losses.chunked import checked_vocab_size
+from trainer.losses.closed_forms import _check_args
+from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_loss
+
+
+def _log_softmax_(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return torch.log_softmax(logits, dim=-1, out=logits)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[c, v] b[c, v] per row, without a (C, V) temporary (a batched matrix product)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
+
+
+def _divergence_and_grad(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float,
+                         spare: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row divergence (C,) and T x its gradient with respect to the student's logits (C, V), from the chunk's
+    fp32 logits `student` and `teacher`, which it overwrites (the gradient is returned in one of them); `spare` a
+    third (C, V) buffer (needed for beta < 1)."""
+    log_p = _log_softmax_(student, temperature)
+    log_q = _log_softmax_(teacher, temperature)
+    if beta == 1.0:
+        d = torch.sub(log_p, log_q, out=log_q)
+        p = log_p.exp_()
+        p_d = d.mul_(p)
+        kl = p_d.sum(dim=-1)
+        return kl, p_d.addcmul_(p, kl[:, None], value=-1.0)  # p (d - KL)
+    if beta == 0.0:
+        q = torch.exp(log_q, out=spare)
+        d = torch.sub(log_q, log_p, out=log_q)
+        kl = _row_dot(q, d)
+        return kl, log_p.exp_().sub_(q)
+    log_m = torch.logaddexp(log_p + math.log(1.0 - beta), log_q + math.log(beta))
+    p, q = log_p.exp(), torch.exp(log_q, out=spare)
+    g = torch.sub(log_p, log_m, out=log_p)                      # log p - log m
+    kl_p, kl_q = _row_dot(p, g), _row_dot(q, log_q.sub_(log_m))
+    per_row = beta * kl_q + (1.0 - beta) * kl_p
+    return per_row, g.sub_(kl_p[:, None]).mul_(p).mul_(1.0 - beta)
+
+
+def jsd_chunk_loss(beta: float, temperature: float) -> ChunkLoss:
+    """The generalized JSD as the driver's closed form: per-row divergence (clamped at 0, gradient unclamped) and
+    T x its gradient, which the driver scales by 1 / T after the GEMMs."""
+    def fn(student, teacher, spares, _labels, _values):
+        per_row, g = _divergence_and_grad(student, teacher, beta, temperature, spares[0] if spares else None)
+        return per_row.clamp_min(0), g, ()
+    return ChunkLoss(fn, spares=0 if beta == 1.0 else 1, grad_scale=1.0 / temperature)
+
+
+def kd_chunk_loss(alpha: float, temperature: float) -> ChunkLoss:
+    """Classic KD as the driver's closed form: per position alpha CE + (1 - alpha) T^2 KL(q_T || p_T) (the generalized
+    JSD at beta = 0, p_T = softmax(z / T), q_T the teacher's), the extras ("ce", "kd") and the gradient
+
+        dL/dz = alpha (p - onehot(label)) + (1 - alpha) T (p_T - q_T),   p = softmax(z)
+
+    With alpha = 1 its G is the cross entropy's bit for bit (the KD term adds an exact 0)."""
+    def fn(student, teacher, spares, labels, _values):
+        high = spares[1] if temperature != 1.0 else None
+        if high is not None:  # z / T for the KL, before the cross entropy overwrites z
+            _log_softmax_(high.copy_(student), temperature)
+        log_p = torch.log_softmax(student, dim=-1, out=student)
+        ce = log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1).neg_()
+        log_p_t = log_p if high is None else high
+        log_q_t = _log_softmax_(teacher, temperature)
+        q_t = torch.exp(log_q_t, out=spares[0])
+        kl = _row_dot(q_t, log_q_t.sub_(log_p_t))  # KL(q_T || p_T)
+        g = log_p.exp_()                           # p
+        if high is None:  # T = 1: alpha (p - onehot) + (1 - alpha)(p - q) = p - (1 - alpha) q - alpha onehot
+            g.sub_(q_t, alpha=1.0 - alpha)
+        else:
+            p_minus_q = high.exp_().sub_(q_t)
+            g.mul_(alpha).add_(p_minus_q, alpha=(1.0 - alpha) * temperature)
+        kd = kl.clamp_min(0).mul_(temperature ** 2)  # clamped as closed_forms._non_negative, gradient unclamped
+        return alpha * ce + (1.0 - alpha) * kd, add_at_labels(g, labels, -alpha), (ce, kd)
+    return ChunkLoss(fn, spares=1 if temperature == 1.0 else 2, extra_names=("ce", "kd"))
+
+
+def sampled_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) in the logits' buffer; returns each row's log-probability of its label (C,)."""
+    log_p = _log_softmax_(logits, temperature)
+    return log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
+
+
+def sampled_kl_chunk_loss(temperature: float, local_teacher: bool) -> ChunkLoss:
+    """The sampled-token reverse KL (closed_forms.sampled_token_kl_loss) as the driver's closed form: with
+    k = log p_T(y) - log q_T(y) held constant, the surrogate k log p_T(y) per position, its gradient
+    k (onehot(y) - p_T) / T, and the extra ("reverse_kl_estimate") k. The teacher's log q_T(y) from its logits (a
+    local teacher) or from the per-position `values` (a served one's log-probabilities)."""
+    def fn(student, teacher, _spares, labels, values):
+        logp = sampled_token_log_probs(student, labels, temperature)
+        teacher_logp = sampled_token_log_probs(teacher, labels, temperature) if local_teacher else values.to(logp.dtype)
+        k = torch.where(labels != IGNORE_INDEX, logp - teacher_logp, 0.0)  # a masked row: finite G
+        g = student.exp_().mul_(-k[:, None])  # -k p_T
+        return k * logp, add_at_labels(g, labels, k), (k,)
+    return ChunkLoss(fn, grad_scale=1.0 / temperature, extra_names=("reverse_kl_estimate",))
+
+
+def chunked_generalized_jsd_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                                 teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                                 labels: torch.Tensor | None, beta: float = 0.5, temperature: float = 1.0,
+                                 chunk_size: int = 512,
+                                 vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`generalized_jsd_loss` (reduction "sum") from hidden states (N, H) / (N, H_t) and lm_head weights
+    (V_pad, H) / (V_pad_t, H_t), `chunk_size` positions at a time, over the first `vocab_size` rows of both heads.
+    Returns (loss_sum, num_tokens); gradients reach the student's hidden states and head, never the teacher."""
+    _check_args("sum", temperature, beta)
+    vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
+    loss_sum, tokens, _ = fused_linear_loss(jsd_chunk_loss(float(beta), float(temperature)), student_hidden,
+                                            student_weight, labels, vocab_size, chunk_size, teacher_hidden,
+                                            teacher_weight)
+    return loss_sum, tokens
+
+
+def fused_kd_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                  teacher_weight: torch.Tensor, labels: torch.Tensor, alpha: float, temperature: float = 1.0,
+                  chunk_size: int = 512, vocab_size: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Classic KD's sums (trainer/losses/divergences.py, kind "kd") from hidden states and lm_heads as
+    `chunked_generalized_jsd_loss` takes them: (loss_sum, num_tokens, ce_sum, kd_sum), loss = alpha ce + (1 - alpha)
+    kd, kd = T^2 KL(teacher || student) (closed_forms.distillation_loss)."""
+    _check_args("sum", temperature)
+    vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
+    loss_sum, tokens, (ce, kd) = fused_linear_loss(kd_chunk_loss(float(alpha), float(temperature)), student_hidden,
+                                                   student_weight, labels, vocab_size, chunk_size, teacher_hidden,
+                                                   teacher_weight)
+    return loss_sum, tokens, ce, kd
+
+
+def fused_sampled_kl_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
+                          teacher_hidden: torch.Tensor | None = None, teacher_weight: torch.Tensor | None = None,
+                          teacher_logprobs: torch.Tensor | None = None, temperature: float = 1.0,
+                          chunk_size: int = 512, vocab_size: int | None = None) -> tuple[torch.Tensor, ...]:
+    """The sampled-token reverse KL's sums from hidden states and the student's lm_head, the teacher's either as
+    hidden states and lm_head (local) or as `teacher_logprobs` of the labels (served): (surrogate_sum, num_tokens,
+    kl_estimate_sum)."""
+    _check_args("sum", temperature)
+    local = teacher_hidden is not None
+    vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
+    surrogate, tokens, (kl,) = fused_linear_loss(sampled_kl_chunk_loss(float(temperature), local), student_hidden,
+                                                 student_weight, labels, vocab_size, chunk_size, teacher_hidden,
+                                                 teacher_weight, values=None if local else teacher_logprobs)
+    return surrogate, tokens, kl
