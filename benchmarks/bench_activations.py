@@ -23,8 +23,8 @@ saved_tensors, and refuses to report a compiled figure where they differ. Each g
 Per token: the forward runs at T and at 2T tokens, and the difference over T tokens is the per-token figure, so
 that what does not grow with the tokens drops out -- the bf16 copies of the weights autocast makes, which eager and
 compiled both keep for the backward: the table shows them apart ("fixed"). Beside the measurement, the eager
-figure by hand (`eager_bytes_per_token`); on CUDA eager RMSNorm is one fused kernel that saves less than the CPU's
-composite one, so the eager figure is the CPU's, not a GPU's.
+figure by hand (`eager_bytes_per_token`). It is the CPU's: on CUDA an eager RMSNorm is one fused kernel, which need
+not keep an fp32 upcast of a bf16 input as the CPU's composite one does, so a GPU's eager figure may be lower.
 """
 from __future__ import annotations
 

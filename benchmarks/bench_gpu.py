@@ -43,10 +43,11 @@ measurements users care about most, then the other smoke runs and the weight syn
                  of that, its head on the same positions). Beside it the FLOPs the step computes (causal attention:
                  half the pairs) over the peak, and the peak memory split into the fp32 weights, gradients and AdamW
                  moments and a KD teacher's weights (from the shapes) and the rest (activations and the loss chunk:
-                 measured peak minus those). The peak is known for H100/H200
-                 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
+                 measured peak minus those). The peak is known for H100/H200 (989 TFLOP/s) and A100 (312);
+                 otherwise MFU is not shown (--peak_tflops)
   OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
-                 forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
+                 forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout; the
+                 student's layers eager)
   generation     sampled rollouts, every row its full length, bf16 autocast, with the decode step the loops take by
                  default here (--decode auto: compiled on CUDA, eager on a CPU), at 32 x 512 and 256 x 256 new
                  tokens: tokens/s and the multiple of generation's roofline (benchmarks/roofline.py: the bound of
@@ -418,9 +419,9 @@ def print_plan(plan: dict) -> None:
     print(f"plan ({plan['shape']} shapes, budget {plan['budget_s']:.0f} s): phases in priority order, estimated "
           f"seconds and limits; one that does not fit in what is left of the budget is skipped, one that runs past "
           f"its limit is stopped")
-    print(f"SFT / KD step: {'compiled' if plan['compiled_steps'] else 'eager'} decoder layers (--use_compile "
-          f"{int(plan['compiled_steps'])})" + (", the SFT step's first one compiling them" if plan["compiled_steps"]
-                                              else ""))
+    layers = "compiled (--use_compile 1; the SFT step's first step compiles them)" if plan["compiled_steps"] \
+        else "eager (--use_compile 0)"
+    print(f"the SFT / KD step phases' decoder layers: {layers}")
     for row in plan["phases"]:
         print(f"  {row['expected_start_s']:6.0f} s  {row['name']:<26} ~{row['estimate_s']:5.0f} s  limit "
               f"{row['limit_s']:5g} s" + ("" if row["fits"] else "  (would be skipped if the estimates hold)"))
