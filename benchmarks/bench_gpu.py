@@ -3,7 +3,8 @@ that plans its work, keeps each phase to a time limit and the whole to a wall-cl
 measured when it is cut short.
 
     python benchmarks/bench_gpu.py --plan                 # the plan for one H200 (no GPU needed), then exit 0
-    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 8 minutes (--budget_s 480)
+    python benchmarks/bench_gpu.py                        # one CUDA GPU: about 9 minutes (--budget_s 550)
+    python benchmarks/bench_gpu.py --use_compile 0        # the SFT / KD step phases with eager layers
     python benchmarks/bench_gpu.py --device cpu --tiny    # the same code paths on tiny shapes (a test runs it)
     python benchmarks/bench_gpu.py --out gpu.json         # the JSON (default bench_gpu.json); gpu.md, gpu.log beside
     python benchmarks/bench_gpu.py --phase_limit_s "smoke compile=300"   # one phase's limit (SECONDS: every phase's)
@@ -25,24 +26,28 @@ measurements users care about most, then the other smoke runs and the weight syn
                  Qwen3-0.6B (the student: hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072, tied) and Qwen3-1.7B
                  (the teacher: hidden 2048, MLP 6144), 2 layers each (--tiny: hidden 64 / 128)
   smoke bf16     the three loops' main() for 2 steps each in bf16, and one SFT resume (2 more steps with
-                 --from_resume 1); each must finish with finite losses (the loops' output: --out as .log). The
-                 loops always save a run's last step; each run saves into a folder of its own, removed when it ends
-                 (the bf16 SFT run's when its resume has read it), so at most one run's save is on disk at a time
-                 (two while the resume writes its own)
+                 --from_resume 1), with eager layers (--use_compile 0: the step phases pay the compile and measure
+                 the compiled layers, smoke compile runs them in the loops); each must finish with finite losses
+                 (the loops' output: --out as .log). The loops always save a run's last step; each run saves into a
+                 folder of its own, removed when it ends (the bf16 SFT run's when its resume has read it), so at
+                 most one run's save is on disk at a time (two while the resume writes its own)
   full models    the 28-layer Qwen3-0.6B and Qwen3-1.7B shapes, built on the device (not written to disk)
   SFT / KD step  batch 8 x 2,048 tokens (labels on the last 1,024), bf16 autocast, fp32 master weights and AdamW,
-                 the loops' chunked losses: tokens/s (all 16,384 tokens of a step), model FLOPs utilisation and
-                 peak memory. MFU = model FLOPs per second / the GPU's peak dense bf16 FLOPs, model FLOPs as
-                 torchtitan counts them: 6 x the layers' parameters per token + 12 x layers x heads x head_dim x
-                 sequence length per token (attention over every pair, forward and backward), and the head, 6 x
-                 hidden x vocabulary, on the labelled positions only (those the loss projects); a KD step adds the
-                 teacher's forward (a third of that, its head on the same positions). Beside it the FLOPs the step
-                 computes (causal attention: half the pairs) over the peak, and the peak memory split into the fp32
-                 weights, gradients and AdamW moments and a KD teacher's weights (from the shapes) and the rest
-                 (activations and the loss chunk: measured peak minus those). The peak is known for H100/H200
-                 (989 TFLOP/s) and A100 (312); otherwise MFU is not shown (--peak_tflops)
+                 the loops' chunked losses, the decoder layers as the loops run them (--use_compile auto: compiled
+                 on CUDA, eager on a CPU): the first step on its own (with compiled layers, their compile), then
+                 tokens/s (all 16,384 tokens of a step), model FLOPs utilisation and peak memory. MFU = model FLOPs
+                 per second / the GPU's peak dense bf16 FLOPs, model FLOPs as torchtitan counts them: 6 x the
+                 layers' parameters per token + 12 x layers x heads x head_dim x sequence length per token
+                 (attention over every pair, forward and backward), and the head, 6 x hidden x vocabulary, on the
+                 labelled positions only (those the loss projects); a KD step adds the teacher's forward (a third
+                 of that, its head on the same positions). Beside it the FLOPs the step computes (causal attention:
+                 half the pairs) over the peak, and the peak memory split into the fp32 weights, gradients and AdamW
+                 moments and a KD teacher's weights (from the shapes) and the rest (activations and the loss chunk:
+                 measured peak minus those). The peak is known for H100/H200 (989 TFLOP/s) and A100 (312);
+                 otherwise MFU is not shown (--peak_tflops)
   OPD split      one step split into generation (batch 32 x 512 new tokens: tokens/s), teacher forward and student
-                 forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout)
+                 forward + backward + optimizer (benchmarks/bench_opd.py's opd_step: the loop's own rollout; the
+                 student's layers eager)
   generation     sampled rollouts, every row its full length, bf16 autocast, with the decode step the loops take by
                  default here (--decode auto: compiled on CUDA, eager on a CPU), at 32 x 512 and 256 x 256 new
                  tokens: tokens/s and the multiple of generation's roofline (benchmarks/roofline.py: the bound of
@@ -63,8 +68,8 @@ measurements users care about most, then the other smoke runs and the weight syn
                  prompts, greedy, same length: a 16-token call of each measures a step, and the timed calls get
                  as many tokens (at most 512) as fit in GENERATE_TIMED_S
   smoke ...      the same runs as smoke bf16 (without the resume) in fp16 (a GradScaler), with
-                 --gradient_checkpointing 1, with --use_compile 1 (OPD with --decode compiled too; the first
-                 compiled run pays a cold compile)
+                 --gradient_checkpointing 1 (both with eager layers), with --use_compile 1 (OPD with --decode
+                 compiled too; the first compiled run pays a cold compile)
   weight sync    serving/weight_sync.py's bf16 criterion (mean |d log p| over the probe <= 4e-3, max <= 5e-2) was
                  calibrated on the CPU (benchmarks/bench_sync.py); measured here against a bf16 vLLM server on this
                  device, started when one can be (on CUDA: this interpreter imports vllm, or --vllm_python; on the
@@ -112,9 +117,11 @@ from benchmarks.roofline import peak_bf16_tflops  # noqa: E402
 from common.errors import Stopped  # noqa: E402
 from model import (Decoder, Qwen3Config, Qwen3ForCausalLM, create_model, default_tokenizer_dir,  # noqa: E402
                    generate, load_pretrained, load_tokenizer, save_pretrained)
+from model.qwen3 import COMPILE_CHOICES  # noqa: E402
 from serving.engine import CompletionServer, probe_token_ids  # noqa: E402
 from serving.vllm_launch import start_vllm, stop_vllm, vllm_command, wait_ready  # noqa: E402
 from serving.weight_sync import TOLERANCE, WeightSync, own_logprobs, sync_statistics, within  # noqa: E402
+from trainer.config.flags import resolve_use_compile  # noqa: E402
 from trainer.losses.chunked import completion_hidden  # noqa: E402
 from trainer.losses.fused_divergences import fused_kd_loss  # noqa: E402
 from trainer.losses.fused_linear import fused_cross_entropy  # noqa: E402
@@ -134,10 +141,14 @@ SHAPES = {  # (student, teacher) of the full-model phases; the smoke models keep
 SMOKE_LAYERS = 2  # every code path of a deeper model; a save is mostly the 151,936-row embedding anyway
 SMOKE_STEPS = 2   # per smoke run; the resume adds as many again
 RESUME_FLAGS = ["--from_resume", "1", "--resume_changes", "max_steps"]  # a longer run than the one saved: on purpose
+# The smoke runs but smoke compile's keep eager layers (--use_compile 0, not the loops' CUDA default): a compile in
+# each would cost the early smoke bf16 phase minutes; the step phases compile the layers (and time it), smoke compile
+# runs them in the loops.
 SMOKE_VARIANTS = {  # phase -> (variant, the loops' flags); build_phases places them in the kit's order
-    "smoke bf16": ("bf16", ["--dtype", "bfloat16"]),
-    "smoke fp16": ("fp16 + GradScaler", ["--dtype", "float16"]),
-    "smoke checkpointing": ("gradient checkpointing", ["--dtype", "bfloat16", "--gradient_checkpointing", "1"]),
+    "smoke bf16": ("bf16", ["--dtype", "bfloat16", "--use_compile", "0"]),
+    "smoke fp16": ("fp16 + GradScaler", ["--dtype", "float16", "--use_compile", "0"]),
+    "smoke checkpointing": ("gradient checkpointing", ["--dtype", "bfloat16", "--gradient_checkpointing", "1",
+                                                       "--use_compile", "0"]),
     "smoke compile": ("compile", ["--dtype", "bfloat16", "--use_compile", "1"]),
 }
 # OPD's own flags in a smoke phase: --use_compile compiles the training layers only, the decode step has its own flag.
@@ -168,8 +179,11 @@ TARGETS = {"generation": {(32, 512): (10_000.0, 5.0)}, "OPD step s": 2.5}
 # thread. A smoke run costs "smoke run" (+ "compile" with --use_compile 1, + "decode compile" for an OPD
 # run whose decode step is compiled: --decode compiled, or auto on CUDA) + its save at
 # DISK_BYTES_PER_S; the first compiled run pays "cold compile" once more (inductor's caches serve the later ones:
-# on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others). "weight sync": when it
-# starts a vLLM server (a guess on CUDA, its compilation and CUDA graphs included; 2-5 minutes on 2 CPU cores).
+# on the CPU, 131 s for the first of the three compiled runs, 12 and 21 s for the others). With compiled layers
+# the SFT step pays a "cold compile" too (the 28-layer model's one layer graph, forward and backward, at its own
+# shapes); the KD step's student reuses its graphs (same shapes), and is given a warm "compile" for the margin.
+# "weight sync": when it starts a vLLM server (a guess on CUDA, its compilation and CUDA graphs included; 2-5
+# minutes on 2 CPU cores).
 COST_S = {
     "full": {"smoke models": 5.0, "smoke run": 8.0, "compile": 15.0, "cold compile": 60.0, "decode compile": 30.0,
              "full models": 30.0,
@@ -202,17 +216,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (what the test runs)")
     p.add_argument("--plan", action="store_true", help="print the plan and exit (no device needed)")
-    p.add_argument("--budget_s", type=float, default=480.0, help="wall-clock seconds; phases that do not fit skip")
+    p.add_argument("--budget_s", type=float, default=550.0, help="wall-clock seconds; phases that do not fit skip")
     p.add_argument("--phase_limit_s", type=phase_limit, action="append", default=[], metavar="[PHASE=]SECONDS",
                    help="stop a phase that runs longer, its row saying so: SECONDS for every phase, PHASE=SECONDS "
                         "for one (repeatable); default: each phase's, max(2 x its estimate, 60 s)")
     p.add_argument("--out", default="bench_gpu.json", help="the JSON; the table (.md) and the loops' log (.log) beside")
     p.add_argument("--peak_tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s, for MFU")
+    p.add_argument("--use_compile", default="auto", choices=COMPILE_CHOICES,
+                   help="the SFT / KD step phases' decoder layers compiled (1) or eager (0); auto: as the loops, 1 on "
+                        "CUDA, 0 elsewhere")
     p.add_argument("--workdir", default=None, help="a new folder for models and runs, removed at the end "
                                                    "(default: a temporary one)")
     p.add_argument("--vllm_python", default=None, help="a Python with vLLM, to start the weight-sync phase's server "
                                                        "(default on CUDA: this one, when it imports vllm)")
     args = p.parse_args(argv)
+    args.use_compile = resolve_use_compile(args.use_compile, args.device)
     args.phase_limit_s = dict(args.phase_limit_s)  # {phase or None (every phase): seconds}; the last one given wins
     return args
 
@@ -297,8 +315,20 @@ def group_bytes(group: list[SmokeRun], save: int) -> int:
 
 def run_estimate(run: SmokeRun, shape: str, save: int) -> float:
     costs = COST_S[shape]
-    return costs["smoke run"] + (costs["compile"] if "--use_compile" in run.flags else 0.0) \
+    return costs["smoke run"] + (costs["compile"] if compiles_layers(run, shape) else 0.0) \
         + (costs["decode compile"] if compiles_decode(run, shape) else 0.0) + save / DISK_BYTES_PER_S[shape]
+
+
+def flag_value(flags: list[str], flag: str) -> str:
+    """The value `flags` give `flag`, or "auto" (the loops' default for --use_compile and --decode)."""
+    return flags[flags.index(flag) + 1] if flag in flags else "auto"
+
+
+def compiles_layers(run: SmokeRun, shape: str) -> bool:
+    """Whether the run compiles its decoder layers: --use_compile 1, or auto (its default) on CUDA, where the full
+    shapes run."""
+    use_compile = flag_value(run.flags, "--use_compile")
+    return use_compile == "1" or (use_compile == "auto" and shape == "full")
 
 
 def compiles_decode(run: SmokeRun, shape: str) -> bool:
@@ -306,23 +336,26 @@ def compiles_decode(run: SmokeRun, shape: str) -> bool:
     where the full shapes run."""
     if run.loop != "opd":
         return False
-    decode = run.flags[run.flags.index("--decode") + 1] if "--decode" in run.flags else "auto"
+    decode = flag_value(run.flags, "--decode")
     return decode == "compiled" or (decode == "auto" and shape == "full")
 
 
-def build_phases(shape: str, sync_server: bool = False) -> list[Phase]:
+def build_phases(shape: str, compiled_steps: bool, sync_server: bool = False) -> list[Phase]:
     """Every phase in priority order with its estimated seconds: the bf16 smoke runs (cheap, and what a broken bf16
     path crashes), the full-shape measurements (steps, the OPD split, generation, the decode step, bf16 against
     fp32, generate against transformers), the other smoke runs, then the weight sync.
+    `compiled_steps`: whether the SFT / KD step phases compile the decoder layers (--use_compile, resolved);
     `sync_server`: whether the weight-sync phase can start a vLLM server (otherwise it only says how to)."""
     costs, sizes, rate = COST_S[shape], disk_sizes(shape), DISK_BYTES_PER_S[shape]
+    sft_compile, kd_compile = (costs["cold compile"], costs["compile"]) if compiled_steps else (0.0, 0.0)
     smoke_phases = {name: smoke_phase(name, shape, sizes["run save"]) for name in SMOKE_VARIANTS}
     sync_estimate = costs["weight sync"] + sizes["sync folder"] / rate if sync_server else 0.0
     return [Phase("smoke models", costs["smoke models"] + sizes["smoke models"] / rate, write_smoke_models),
             smoke_phases["smoke bf16"],
             Phase("full models", costs["full models"], build_full_models),
-            Phase("SFT step", costs["SFT step"], lambda kit: step_throughput(kit, "sft"), "full models"),
-            Phase("KD step", costs["KD step"], lambda kit: step_throughput(kit, "kd"), "full models"),
+            Phase("SFT step", costs["SFT step"] + sft_compile, lambda kit: step_throughput(kit, "sft"),
+                  "full models"),
+            Phase("KD step", costs["KD step"] + kd_compile, lambda kit: step_throughput(kit, "kd"), "full models"),
             Phase("OPD split", costs["OPD split"], opd_split, "full models"),
             Phase("generation", costs["generation"], generation, "full models"),
             Phase("decode compiled", costs["decode compiled"], decode_compiled, "full models"),
@@ -336,8 +369,9 @@ def build_phases(shape: str, sync_server: bool = False) -> list[Phase]:
 def smoke_phase(name: str, shape: str, save: int) -> Phase:
     """A smoke phase: its runs' estimates, and the cold compile for the first compiled one."""
     groups = smoke_groups(name)
+    compiles = any(compiles_layers(run, shape) for group in groups for run in group)
     estimate = sum(run_estimate(run, shape, save) for group in groups for run in group) \
-        + (COST_S[shape]["cold compile"] if "--use_compile" in SMOKE_VARIANTS[name][1] else 0.0)
+        + (COST_S[shape]["cold compile"] if compiles else 0.0)
     return Phase(name, estimate, lambda kit: smoke(kit, groups), "smoke models", groups)
 
 
@@ -347,12 +381,12 @@ def limit_s(phase: Phase, limits: dict[str | None, float]) -> float:
     return limits.get(phase.name, limits.get(None, math.ceil(max(LIMIT_FACTOR * phase.estimate_s, LIMIT_FLOOR_S))))
 
 
-def make_plan(shape: str, budget_s: float, limits: dict[str | None, float] | None = None,
+def make_plan(shape: str, budget_s: float, compiled_steps: bool, limits: dict[str | None, float] | None = None,
               sync_server: bool = False) -> dict:
     """What the kit will do, before it starts: phases with estimates, limits (--phase_limit_s) and expected start,
     smoke runs with their saves, and the peak disk (the smoke models, kept to the end, plus the largest run folder,
     the weight-sync folder or the generate folder, whichever is largest: one of them exists at a time)."""
-    phases, sizes = build_phases(shape, sync_server), disk_sizes(shape)
+    phases, sizes = build_phases(shape, compiled_steps, sync_server), disk_sizes(shape)
     rows, clock, fitting = [], 0.0, set()
     for phase in phases:
         fits = clock + phase.estimate_s <= budget_s and (phase.needs is None or phase.needs in fitting)
@@ -363,7 +397,8 @@ def make_plan(shape: str, budget_s: float, limits: dict[str | None, float] | Non
             clock, fitting = clock + phase.estimate_s, fitting | {phase.name}
     runs = [run for phase in phases for group in phase.groups for run in plan_group(phase.name, group, shape)]
     largest_folder = max(run["folder_bytes"] for run in runs)
-    return {"shape": shape, "budget_s": budget_s, "phases": rows, "expected_s": round(clock, 1), "runs": runs,
+    return {"shape": shape, "budget_s": budget_s, "compiled_steps": compiled_steps, "phases": rows,
+            "expected_s": round(clock, 1), "runs": runs,
             "disk_bytes": {**sizes, "largest run folder": largest_folder,
                            "peak": sizes["smoke models"] + max(largest_folder, sizes["sync folder"],
                                                                sizes["generate folder"])}}
@@ -385,6 +420,9 @@ def print_plan(plan: dict) -> None:
     print(f"plan ({plan['shape']} shapes, budget {plan['budget_s']:.0f} s): phases in priority order, estimated "
           f"seconds and limits; one that does not fit in what is left of the budget is skipped, one that runs past "
           f"its limit is stopped")
+    layers = "compiled (--use_compile 1; the SFT step's first step compiles them)" if plan["compiled_steps"] \
+        else "eager (--use_compile 0)"
+    print(f"the SFT / KD step phases' decoder layers: {layers}")
     for row in plan["phases"]:
         print(f"  {row['expected_start_s']:6.0f} s  {row['name']:<26} ~{row['estimate_s']:5.0f} s  limit "
               f"{row['limit_s']:5g} s" + ("" if row["fits"] else "  (would be skipped if the estimates hold)"))
@@ -640,8 +678,24 @@ def peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
 
+@contextlib.contextmanager
+def compiled_layers(model: Qwen3ForCausalLM, compiled: bool):
+    """The loops' --use_compile for one phase: each decoder layer compiled in place (compile_layers), then given its
+    eager forward back, so that the later phases run what they ran before. Dynamo keeps the graphs: the next phase
+    that compiles the same layers at the same shapes (the KD step after the SFT step) reuses them."""
+    if compiled:
+        model.compile_layers()
+    try:
+        yield
+    finally:
+        for layer in model.model.layers:
+            vars(layer).pop("forward", None)  # compile_layers' instance attribute over the class's forward
+
+
 def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
-    """An SFT or KD step at the workload's shape: tokens/s, MFU, peak memory (its AdamW state included)."""
+    """An SFT or KD step at the workload's shape, with the decoder layers compiled or not (--use_compile): the first
+    step's seconds on their own (the compile's, with compiled layers), then tokens/s, MFU, peak memory (its AdamW
+    state included)."""
     device, shape = kit.args.device, kit.args.shape
     student, teacher = kit.full_models
     optimizer = make_optimizer(student, SimpleNamespace(learning_rate=1e-5, weight_decay=0.0))  # the loops' AdamW
@@ -665,19 +719,24 @@ def step_throughput(kit: Kit, loss: str) -> tuple[str, str]:
 
     model_flops, computed_flops = step_flops(student.config, teacher.config if loss == "kd" else None, ids, labels)
     static = static_memory(student, teacher if loss == "kd" else None)
-    reset_peak(device)
-    seconds = timed_steps(shape, device, step)
+    compiled = bool(kit.args.use_compile)
+    with compiled_layers(student, compiled):
+        first_s = timed_call(device, step)
+        reset_peak(device)
+        seconds = timed_steps(shape, device, step)
     tokens_per_s = ids.numel() / seconds
     peak_tflops = gpu_peak_tflops(kit.args)
     peak = peak_gib(device)
     kit.report["throughput"][loss] = {
+        "compiled_layers": compiled, "first_step_s": first_s,
         "tokens_per_s": tokens_per_s, "step_s": seconds, "flops_per_token": model_flops / ids.numel(),
         "computed_flops_per_token": computed_flops / ids.numel(),
         "mfu": model_flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
         "computed_mfu": computed_flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
         "peak_memory_gib": peak, "memory_gib": {**static, "activations and loss": peak - sum(static.values())
                                                 if peak is not None else None}}
-    return "ok", f"{tokens_per_s:,.0f} tokens/s"
+    layers = f"compiled layers, first step {first_s:.1f} s (their compile)" if compiled else "eager layers"
+    return "ok", f"{tokens_per_s:,.0f} tokens/s; {layers}"
 
 
 def step_flops(student, teacher, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
@@ -1128,15 +1187,17 @@ def report_table(report: dict) -> str:
                          f"{r['seconds']:.0f} |")
     if report["throughput"]:
         batch, length, _ = WORKLOAD[report["shape"]]["sft"]
-        lines += ["", f"| step ({batch} x {length} tokens, bf16 autocast) | tokens/s | MFU (model FLOPs) | "
-                      f"computed FLOPs / peak | peak memory GiB | of which weights / gradients / AdamW / teacher / "
-                      f"activations and loss |", "|---|---|---|---|---|---|"]
+        lines += ["", f"| step ({batch} x {length} tokens, bf16 autocast) | layers | first step s | tokens/s | "
+                      f"MFU (model FLOPs) | computed FLOPs / peak | peak memory GiB | of which weights / gradients / "
+                      f"AdamW / teacher / activations and loss |", "|---|---|---|---|---|---|---|---|"]
         for name, t in report["throughput"].items():
             mfu, computed = (f"{100 * t[key]:.1f}%" if t[key] is not None else "-" for key in ("mfu", "computed_mfu"))
             memory = f"{t['peak_memory_gib']:.1f}" if t["peak_memory_gib"] is not None else "-"
             parts = " / ".join(f"{t['memory_gib'].get(part):.1f}" if t["memory_gib"].get(part) is not None else "-"
                                for part in ("weights", "gradients", "optimizer", "teacher", "activations and loss"))
-            lines.append(f"| {name.upper()} | {t['tokens_per_s']:,.0f} | {mfu} | {computed} | {memory} | {parts} |")
+            layers = "compiled" if t["compiled_layers"] else "eager"
+            lines.append(f"| {name.upper()} | {layers} | {t['first_step_s']:.1f} | {t['tokens_per_s']:,.0f} | {mfu} | "
+                         f"{computed} | {memory} | {parts} |")
     if "bf16_vs_fp32" in report:
         b = report["bf16_vs_fp32"]
         unfused = f"; {' and '.join(b['math_kernel'])} on the math kernel (no fused kernel)" if b["math_kernel"] else ""
@@ -1209,13 +1270,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.shape = "tiny" if args.tiny else "full"
     sync_server = sync_python(args) is not None
-    phases = build_phases(args.shape, sync_server)
+    phases = build_phases(args.shape, bool(args.use_compile), sync_server)
     unknown = set(args.phase_limit_s) - {None} - {phase.name for phase in phases}
     if unknown:
         print(f"error: --phase_limit_s: no phase {', '.join(sorted(unknown))} (the phases: "
               f"{', '.join(phase.name for phase in phases)})", file=sys.stderr)
         return 2
-    plan = make_plan(args.shape, args.budget_s, args.phase_limit_s, sync_server)
+    plan = make_plan(args.shape, args.budget_s, bool(args.use_compile), args.phase_limit_s, sync_server)
     if args.plan:
         print_plan(plan)
         return 0

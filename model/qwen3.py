@@ -369,6 +369,18 @@ class Qwen3ForCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
 
 
+COMPILE_CHOICES = ["auto", "0", "1"]  # the scripts' --use_compile
+
+
+def default_compile(device_type: str) -> int:
+    """--use_compile auto: 1 on CUDA, 0 on a CPU. On CUDA the first GPU run measured SFT at 18.8% MFU with eager
+    layers, whose norms, RoPE and SiLU-mul ran as kernels of their own, the norms keeping fp32 intermediates for the
+    backward; compiled blocks (`compile_layers`) fuse them (what that gains on a GPU is not measured yet:
+    docs/gpu.md). On a CPU a short run would pay inductor's compile (131 s cold for the first compiled run on this
+    project's 2-core machine) for a speed-up nobody measured, and the eager layers are what the tests check."""
+    return 1 if device_type == "cuda" else 0
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The Qwen3ForCausalLM inside a DDP (`.module`) or whole-model torch.compile (`._orig_mod`) wrapper."""
     model = getattr(model, "_orig_mod", model)

@@ -45,7 +45,7 @@ def test_the_plan_prints_without_a_gpu_and_exits_0():
 
 
 def test_the_h200_plan_fits_the_disk_and_keeps_only_the_save_a_resume_reads():
-    plan = bench_gpu.make_plan("full", BUDGET_S)
+    plan = bench_gpu.make_plan("full", BUDGET_S, compiled_steps=True)
     assert plan["disk_bytes"]["peak"] <= 20 * 2**30
     # the smoke student: the 0.6B width and vocabulary, 2 layers; a save is 12 + 4 bytes per parameter + tokenizer
     width, vocab, q, kv, mlp = 1024, 151936, 16 * 128, 8 * 128, 3072
@@ -64,7 +64,7 @@ def test_the_h200_plan_fits_the_disk_and_keeps_only_the_save_a_resume_reads():
 
 
 def test_the_plan_measures_throughput_before_every_smoke_run_but_the_bf16_ones():
-    names = [p["name"] for p in bench_gpu.make_plan("full", BUDGET_S)["phases"]]
+    names = [p["name"] for p in bench_gpu.make_plan("full", BUDGET_S, compiled_steps=True)["phases"]]
     assert names[:2] == ["smoke models", "smoke bf16"]
     throughput = [names.index(name) for name in ("SFT step", "KD step", "OPD split")]
     other_smoke = [names.index(name) for name in bench_gpu.SMOKE_VARIANTS if name != "smoke bf16"]
@@ -79,7 +79,7 @@ def test_the_h200_plan_fits_every_measurement_in_the_default_budget():
     """The estimates fit every measurement in the default budget (the last smoke runs may not fit), each limit past
     its estimate; generate vs transformers (past its 83 s limit at 32 x 512 on the first GPU run) now has room for its
     fitted calls."""
-    plan = bench_gpu.make_plan("full", BUDGET_S)
+    plan = bench_gpu.make_plan("full", BUDGET_S, compiled_steps=True)
     rows = {p["name"]: p for p in plan["phases"]}
     assert plan["expected_s"] <= BUDGET_S
     for name in ("smoke bf16", "SFT step", "KD step", "OPD split", "generation", "decode compiled", "bf16 vs fp32",
@@ -109,6 +109,54 @@ def test_the_opd_smoke_runs_choose_their_decode_step():
     assert extra == bench_gpu.COST_S["full"]["decode compile"]
 
 
+def test_the_step_phases_compile_the_layers_as_the_loops_do_and_the_smoke_runs_keep_them_eager():
+    """--use_compile auto resolves as the loops' (compiled on CUDA); the step phases' estimates then count the
+    compile (cold for the SFT step, whose graphs the KD step reuses). The smoke runs but smoke compile's pass
+    --use_compile 0 (no compile in the early smoke bf16 phase), smoke compile 1, whose first run pays a cold one."""
+    assert bench_gpu.parse_args(["--device", "cuda"]).use_compile == 1
+    assert bench_gpu.parse_args(["--device", "cpu"]).use_compile == 0
+    assert bench_gpu.parse_args(["--device", "cuda", "--use_compile", "0"]).use_compile == 0
+    costs = bench_gpu.COST_S["full"]
+    phases = {compiled: {p.name: p.estimate_s for p in bench_gpu.build_phases("full", compiled)}
+              for compiled in (False, True)}
+    assert phases[True]["SFT step"] - phases[False]["SFT step"] == costs["cold compile"]
+    assert phases[True]["KD step"] - phases[False]["KD step"] == costs["compile"]
+    compiled = {phase: [bench_gpu.compiles_layers(run, "full") for group in bench_gpu.smoke_groups(phase)
+                        for run in group] for phase in bench_gpu.SMOKE_VARIANTS}
+    assert compiled == {"smoke bf16": [False] * 4, "smoke fp16": [False] * 3, "smoke checkpointing": [False] * 3,
+                        "smoke compile": [True] * 3}
+    runs = [run for group in bench_gpu.smoke_groups("smoke compile") for run in group]
+    assert phases[True]["smoke compile"] == pytest.approx(
+        sum(bench_gpu.run_estimate(run, "full", bench_gpu.disk_sizes("full")["run save"]) for run in runs)
+        + costs["cold compile"])
+    sft = bench_gpu.SmokeRun("sft", "sft", "default", [], 2)  # no --use_compile: auto, compiled where CUDA runs
+    assert bench_gpu.compiles_layers(sft, "full") and not bench_gpu.compiles_layers(sft, "tiny")
+
+
+def test_the_step_phase_with_compiled_layers_times_its_first_step_and_gives_the_eager_layers_back(
+        tmp_path, tiny_student, monkeypatch, one_thread):
+    """The SFT step with --use_compile 1: the layers compiled with torch.compile's defaults (inductor; here dynamo's
+    eager backend stands in, inductor's code generation takes a minute on this machine), the first step timed on
+    its own and reported, the table saying so; after the phase each layer has its eager forward back (the later
+    phases run the model as before)."""
+    compile_ = torch.compile
+    options = []
+
+    def recording(function, **given):
+        options.append(given)
+        return compile_(function, backend="eager")
+    monkeypatch.setattr(torch, "compile", recording)
+    kit = tiny_kit(tmp_path, tiny_student)
+    kit.args.use_compile = 1
+    status, note = bench_gpu.step_throughput(kit, "sft")
+    assert status == "ok" and "compiled layers, first step" in note
+    assert options == [{}] * tiny_student.config.num_hidden_layers
+    sft = kit.report["throughput"]["sft"]
+    assert sft["compiled_layers"] and sft["first_step_s"] > 0 and sft["tokens_per_s"] > 0
+    assert all("forward" not in vars(layer) for layer in tiny_student.model.layers)
+    assert "| SFT | compiled |" in bench_gpu.report_table({**kit.report, "seconds": 1.0})
+
+
 def test_a_phase_past_its_limit_is_stopped_its_row_says_so_and_the_next_runs(tmp_path):
     def swallows_errors(kit):
         try:
@@ -133,7 +181,7 @@ def test_a_phase_past_its_limit_is_stopped_its_row_says_so_and_the_next_runs(tmp
 
 def tiny_kit(tmp_path, student=None) -> bench_gpu.Kit:
     args = argparse.Namespace(device="cpu", shape="tiny", budget_s=100.0, out=str(tmp_path / "report.json"),
-                              phase_limit_s={})
+                              phase_limit_s={}, use_compile=0, peak_tflops=None)
     report = {"device_name": "cpu", "torch": torch.__version__, "shape": "tiny", "budget_s": 100.0, "phases": [],
               "smoke": [], "throughput": {}}
     kit = bench_gpu.Kit(args, str(tmp_path), report, time.perf_counter())
@@ -310,7 +358,8 @@ def test_on_cuda_attention_may_take_only_the_fused_kernels():
 def test_a_small_budget_skips_phases_with_a_note_and_leaves_a_valid_json(tmp_path):
     out, temporary = tmp_path / "report.json", tmp_path / "tmp"
     temporary.mkdir()
-    budget = bench_gpu.make_plan("tiny", 0.0)["phases"][0]["estimate_s"] + 1.0  # room for the first phase only
+    # room for the first phase only
+    budget = bench_gpu.make_plan("tiny", 0.0, compiled_steps=False)["phases"][0]["estimate_s"] + 1.0
     result = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--budget_s", str(budget), "--out",
                              str(out)], capture_output=True, text=True, timeout=300,
                             env={**env_one_thread(), "TMPDIR": str(temporary)})

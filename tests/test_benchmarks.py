@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from benchmarks import (bench_data, bench_logit_free, bench_losses, bench_model, bench_opd, bench_rollout, bench_sync,
-                        bench_topk, bench_trl, harness, roofline)
+from benchmarks import (bench_activations, bench_data, bench_logit_free, bench_losses, bench_model, bench_opd,
+                        bench_rollout, bench_sync, bench_topk, bench_trl, harness, roofline)
 from common.errors import FlagError, UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the scripts' --threads 1 is torch's global setting
@@ -28,6 +28,43 @@ def measured(main, argv: list[str], tmp_path) -> dict:
     assert " nproc " in written.pop("machine")  # the date, nproc, the CPU and the commit
     assert written == json.loads(json.dumps(returned))
     return written
+
+
+# -------------------------------------------------------------------------------------------- bench_activations
+
+TINY_LAYER = ["--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--head_dim", "16",
+              "--tokens", "64"]
+
+
+def test_saved_bytes_count_each_storage_once_and_whole():
+    """exp saves its output y (B x T x 64, fp32); sin of a half-width view of y saves that view: y's storage, counted
+    once and whole. The product with a weight's row saves sin's output (B x T x 32) and the row (a parameter's
+    storage: not counted); the product with cos saves cos (not counted either)."""
+    args = bench_activations.parse_args(TINY_LAYER)
+    config = bench_activations.layer_config(args)
+    layer = bench_activations.decoder_layer(config)
+    rope = bench_activations.RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(x, cos, sin, mask):
+        y = x.exp()
+        return y[..., :32].sin() * layer.mlp.down_proj.weight[0, :32] * cos[..., :1]
+    saved = bench_activations.saved_for_backward(forward, layer, rope, 2, 8, 64)
+    assert saved.bytes_by_dtype == {"float32": 2 * 8 * (64 + 32) * 4} and saved.storages == 2
+
+
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_the_compiled_layer_saves_less_than_the_eager_one_whose_bytes_are_the_arithmetic(batch, tmp_path):
+    """Eager: the bytes per token eager_bytes_per_token derives by hand (3,504 at this shape), and fixed bytes (not
+    growing with the tokens) exactly the bf16 copies of the four GEMMs' weights. Compiled with inductor's partition
+    (aot_eager_decomp_partition: the same saved tensors, no code generation): fewer bytes per token, more than 0."""
+    results = measured(bench_activations.main, [*TINY_LAYER, "--batch", batch, "--backend",
+                                                "aot_eager_decomp_partition"], tmp_path)
+    eager, compiled = results["eager"], results["compiled"]
+    assert eager["bytes_per_token"] == results["eager_by_hand"] == 3504
+    H, Q, K, I = 64, 4 * 16, 2 * 16, 128
+    assert eager["fixed_bytes"] == 2 * (H * (Q + 2 * K) + Q * H + 3 * H * I)
+    assert 0 < compiled["bytes_per_token"] < eager["bytes_per_token"]
+    assert results["compiled_over_eager"] == compiled["bytes_per_token"] / eager["bytes_per_token"]
 
 
 # ------------------------------------------------------------------------------------------------- bench_losses

@@ -16,6 +16,7 @@ from common.errors import refuse
 from common.files import check_writable
 from model.generate import DECODE_CHOICES, default_decode
 from model.precision import DTYPE_CHOICES, resolve_precision
+from model.qwen3 import COMPILE_CHOICES, default_compile
 from trainer.skeleton.distributed import DEFAULT_DIST_TIMEOUT, SAVE_WRITE_BYTES_PER_S
 from trainer.skeleton.loading import DEFAULT_MODEL_CONFIG, ROOT
 from trainer.skeleton.resume_checks import check_run_name, resume_change_names
@@ -97,8 +98,9 @@ def add_system_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="autocast dtype over fp32 master weights, on any device (float16 adds a GradScaler); auto: "
                         "bfloat16 on CUDA, float32 (no autocast) elsewhere (model/precision.py)")
-    g.add_argument("--use_compile", type=int, default=0, choices=[0, 1],
-                   help="1: torch.compile each decoder layer (training)")
+    g.add_argument("--use_compile", default="auto", choices=COMPILE_CHOICES,
+                   help="1: torch.compile each decoder layer for training (compiled on the first steps); auto: 1 on "
+                        "CUDA, 0 elsewhere (docs/training.md)")
     g.add_argument("--decode", default="auto", choices=DECODE_CHOICES,
                    help="the built-in engine's decode step (rollouts, held-out evaluation): compiled = torch.compile "
                         "mode reduce-overhead, on CUDA one CUDA-graph replay per token (compiled once per width, "
@@ -173,6 +175,7 @@ def validate_common_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path and not os.path.exists(path):
             refuse(f"--{flag} {path} does not exist")
+    args.use_compile = resolve_use_compile(args.use_compile, args.device)
     args.decode = resolve_decode(args.decode, args.device, bool(args.fsdp))
     if args.fsdp and resolve_precision(args.device, args.dtype).scaled:
         refuse("--fsdp 1 with --dtype float16 needs a sharded gradient scaler, which is not implemented: use "
@@ -184,6 +187,14 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
     check_writable(args.save_dir, "--save_dir")
     check_run_name(args.save_dir, args.save_weight, args.from_resume, args.start_over)
+
+
+def resolve_use_compile(choice: str, device: str) -> int:
+    """--use_compile auto -> the model's default for the device (model/qwen3.py: default_compile); "0" and "1" as
+    given. Resolved before the run records its flags, as --decode is: a resume compares the values the runs used."""
+    if choice == "auto":
+        return default_compile(torch.device(device).type)
+    return int(choice)
 
 
 def resolve_decode(choice: str, device: str, sharded: bool) -> str:

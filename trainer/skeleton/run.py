@@ -128,6 +128,9 @@ class Run:
         print0(f"{self.dist.world_size} rank(s) x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
                f"{self.global_batch} rows/step | {len(self.dataset)} rows | {self.total_steps} steps | "
                f"{self.raw_model.num_parameters() / 1e6:.1f}M params | {self.device}")
+        if args.use_compile:  # one graph serves every layer; dynamo compiles it again, for any width, at a new one
+            print0("decoder layers compiled (--use_compile): the first step compiles them, once more at the first new "
+                   "batch width")
         if args.decode == "compiled":
             print0("decode step compiled (--decode): the first rollout or evaluation of each batch width compiles it, "
                    "once per run (on CUDA it is then one CUDA-graph replay per token)")
