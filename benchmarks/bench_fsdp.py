@@ -284,16 +284,18 @@ def measured_phase(name: str, results: dict, baseline_kib: int):
 
 
 def sft_step(run, tokenizer, flags: argparse.Namespace, window: list) -> None:
-    """One optimizer step of train_sft.py's loop over `window`: forward, chunked loss, backward per micro-batch."""
-    from trainer.losses.chunked import chunked_sft_loss, completion_hidden
+    """One optimizer step of train_sft.py's loop over `window`: forward, fused loss, backward per micro-batch."""
+    from trainer.losses.chunked import completion_hidden
+    from trainer.losses.fused_linear import fused_cross_entropy
     for i, batch in enumerate(window):
         batch = {k: v.to(run.device) for k, v in batch.items()}
         with run.micro_step(i, len(window)):
             with run.autocast():
                 hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
                                                     batch["labels"])
-                loss_sum, num_tokens = chunked_sft_loss(hidden, run.raw_model.lm_head.weight, targets,
-                                                        chunk_size=flags.loss_chunk_size, vocab_size=len(tokenizer))
+                loss_sum, num_tokens = fused_cross_entropy(hidden, run.raw_model.lm_head.weight, targets,
+                                                           chunk_size=flags.loss_chunk_size,
+                                                           vocab_size=len(tokenizer))
             run.backward(loss_sum, num_tokens)
     run.optimizer_step()
 

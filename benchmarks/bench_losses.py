@@ -94,12 +94,13 @@ def jsd_inputs(args: argparse.Namespace, device: torch.device) -> dict:
 
 def rl_values(n: int, device: torch.device) -> torch.Tensor:
     """Per-token values of an on-policy RL step (trainer/losses/policy_gradient.py's columns): advantages of +-1,
-    log pi_old NaN (on-policy), reference and teacher log-probabilities near a sampled token's."""
+    log pi_old NaN (on-policy), reference and teacher log-probabilities near the random student's (log 1/V, about
+    -11.9 for Qwen3's vocabulary)."""
     values = torch.empty(n, 4, device=device)
     values[:, ADVANTAGE] = torch.randint(0, 2, (n,), device=device).float() * 2 - 1
     values[:, OLD_LOGP] = float("nan")
-    values[:, REF_LOGP] = -3.0 + 0.3 * torch.randn(n, device=device)
-    values[:, TEACHER_LOGP] = -3.0 + 0.3 * torch.randn(n, device=device)
+    values[:, REF_LOGP] = -11.9 + 0.3 * torch.randn(n, device=device)
+    values[:, TEACHER_LOGP] = -11.9 + 0.3 * torch.randn(n, device=device)
     return values
 
 

@@ -1,6 +1,7 @@
 # python -m pytest tests/test_fused_losses.py
 """The fused linear-loss driver's other closed forms -- classic KD (trainer/losses/fused_divergences.py), the
-sampled-token reverse KL (same file) and the RL clipped policy-gradient loss (trainer/losses/policy_gradient.py) --
+sampled-token reverse KL (same file), the top-K divergence with a local or a served teacher
+(trainer/losses/topk_divergence.py) and the RL clipped policy-gradient loss (trainer/losses/policy_gradient.py) --
 against their definitions on dense logits in float64 autograd (fp32 inputs: 1e-5; float64 inputs, which the driver
 computes in float64: 1e-10), against the checkpointed path with trainer/losses/closed_forms.py's functions (and
 `policy_loss`) under CPU bf16 autocast, and with garbage at masked positions.
@@ -13,6 +14,7 @@ from trainer.losses.closed_forms import (distillation_loss, sampled_token_kl_fro
                                          sft_loss)
 from trainer.losses.fused_divergences import fused_kd_loss, fused_sampled_kl_loss
 from trainer.losses.fused_linear import fused_cross_entropy
+from trainer.losses.topk_divergence import chunked_topk_divergence, topk_divergence, topk_support
 from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
                                             policy_loss)
 
@@ -73,6 +75,20 @@ def sampled_dense(c, logits, teacher_logits, local, temperature):
     return (k * logp)[keep].sum(), k[keep].sum()
 
 
+def topk_fused(c, h, w, local, beta, temperature, chunk_size=8):
+    teacher = dict(teacher_hidden=c["th"], teacher_weight=c["tw"]) if local else dict(teacher_support=c["support"])
+    loss, _, tail = chunked_topk_divergence(h, w, c["labels"], 4, beta=beta, temperature=temperature,
+                                            chunk_size=chunk_size, vocab_size=VOCAB, **teacher)
+    return loss, tail
+
+
+def topk_dense(c, logits, teacher_logits, local, beta, temperature):
+    """topk_divergence itself on dense logits (it computes in float64 for float64 logits): the support of a local
+    teacher from its logits, a served one's as given."""
+    support = topk_support(teacher_logits, c["labels"], 4, temperature) if local else c["support"]
+    return topk_divergence(logits, *support, c["labels"], beta, temperature, "sum", return_tail=True)
+
+
 POLICY = dict(temperature=0.9, clip_low=0.2, clip_high=0.28, kl_coef=0.05, opd_coef=0.5)
 
 
@@ -92,6 +108,10 @@ def dense_and_fused(name, c, **settings):
     if name == "kd":
         return (lambda h, w: kd_fused(c, h, w, **settings),
                 lambda h, w: kd_dense(c, h @ w[:VOCAB].T, teacher_logits, **settings))
+    if name == "topk":
+        c["support"] = topk_support(teacher_logits, c["labels"], 4, settings["temperature"])  # a server's
+        return (lambda h, w: topk_fused(c, h, w, **settings),
+                lambda h, w: topk_dense(c, h @ w[:VOCAB].T, teacher_logits.to(h.dtype), **settings))
     if name == "sampled_kl":
         return (lambda h, w: sampled_fused(c, h, w, **settings),
                 lambda h, w: sampled_dense(c, h @ w[:VOCAB].T, teacher_logits, **settings))
@@ -103,7 +123,8 @@ def dense_and_fused(name, c, **settings):
 
 CASES = [("kd", dict(alpha=0.3, temperature=1.0)), ("kd", dict(alpha=0.3, temperature=2.0)),
          ("kd", dict(alpha=0.0, temperature=1.5)), ("sampled_kl", dict(local=True, temperature=1.0)),
-         ("sampled_kl", dict(local=False, temperature=1.3)), ("policy", dict(on_policy=True)),
+         ("sampled_kl", dict(local=False, temperature=1.3)), ("topk", dict(local=True, beta=1.0, temperature=1.0)),
+         ("topk", dict(local=False, beta=0.5, temperature=1.5)), ("policy", dict(on_policy=True)),
          ("policy", dict(on_policy=False))]
 IDS = [f"{name}-{'-'.join(f'{k}{v}' for k, v in s.items())}" for name, s in CASES]
 
@@ -133,7 +154,7 @@ def test_values_and_gradients_equal_the_closed_forms_in_float64(name, settings):
         assert relative_error(grad, ref) < 1e-5
     assert torch.equal(grad_w[VOCAB:], torch.zeros_like(grad_w[VOCAB:]))  # the embedding's padding rows
     # in float64 the driver computes in float64: the closed form itself, not its rounding, is what is compared
-    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items()}
+    c64 = {k: v.double() if v.is_floating_point() else v for k, v in c.items() if k != "support"}
     outputs64, grad_h64, grad_w64 = run(dense_and_fused(name, c64, **settings)[0], c64["h"], c64["w"])
     assert outputs64[0].dtype == torch.float64
     torch.testing.assert_close(outputs64[0], ref_outputs[0].double(), rtol=1e-10, atol=1e-10)
@@ -177,6 +198,13 @@ def checkpointed(name, c, settings, h, w):
     if name == "kd":
         return chunked_loss(lambda s, t, y: kd_closed_form(y, s, t, **settings), h, w, labels, c["th"], c["tw"],
                             chunk_size=8, vocab_size=VOCAB)
+    if name == "topk":
+        def loss_fn(s, t, y):
+            ids, logprobs = topk_support(t, y, 4, settings["temperature"]) if settings["local"] else t
+            return topk_divergence(s, ids, logprobs, y, settings["beta"], settings["temperature"], "sum")
+        teacher = dict(teacher_hidden=c["th"], teacher_weight=c["tw"]) if settings["local"] else \
+            dict(teacher_values=c["support"])
+        return chunked_loss(loss_fn, h, w, labels, chunk_size=8, vocab_size=VOCAB, **teacher)
     if name == "sampled_kl":
         if settings["local"]:
             return chunked_loss(lambda s, t, y: sampled_token_kl_loss(s, t, y, settings["temperature"])[0], h, w,

@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 
 from dataset.collators import IGNORE_INDEX
-from trainer.losses.chunked import chunked_loss
+from trainer.losses.chunked import checked_vocab_size
+from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_loss
 
 MAX_CHUNKS = 10     # M: audited chunks per completion, at most
 CHUNK_LEN = 50      # C: tokens per chunk
@@ -280,21 +281,30 @@ def audit_loss_sum(logprob: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
 def chunked_audit_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                        chunk_size: int = 512, vocab_size: int | None = None) -> torch.Tensor:
     """`audit_loss_sum` from the completion hidden states (N, H), the lm_head (V_pad, H), the targets (N,) and the
-    weights (N,), at temperature 1, through `chunked_loss` (checkpointed chunks: no (N, V) logits). Only the
-    positions of non-zero weight are projected (the others contribute exactly 0 to the loss and its gradient), so
-    the head's cost is that of the audited tokens. Returns the loss sum (fp32 scalar); the normaliser is every
-    completion token, not this term's."""
+    weights (N,), at temperature 1, through the fused linear-loss driver (trainer/losses/fused_linear.py: no (N, V)
+    logits, the gradient w (p - onehot(y)) computed with the loss). Only the positions of non-zero weight are
+    projected (the others contribute exactly 0 to the loss and its gradient), so the head's cost is that of the
+    audited tokens. Returns the loss sum (fp32 scalar); the normaliser is every completion token, not this term's."""
     if not (hidden.shape[0] == labels.shape[0] == weights.shape[0]):
         raise ValueError(f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weights "
                          f"{tuple(weights.shape)} must have the same N")
     keep = weights.detach().to(hidden.device) != 0
     weights = weights.detach().to(device=hidden.device, dtype=torch.float32)
+    vocab_size = checked_vocab_size(weight, None, chunk_size, vocab_size)
+    loss_sum, _, _ = fused_linear_loss(AUDIT, hidden[keep], weight, labels[keep], vocab_size, chunk_size,
+                                       values=weights[keep])
+    return loss_sum
 
-    def loss_fn(logits, chunk_weights, chunk_labels):
-        log_p = F.log_softmax(logits.float(), dim=-1).gather(-1, chunk_labels[:, None]).squeeze(-1)
-        return audit_loss_sum(log_p, chunk_weights)
-    return chunked_loss(loss_fn, hidden[keep], weight, labels[keep], chunk_size=chunk_size, vocab_size=vocab_size,
-                        teacher_values=weights[keep])
+
+def _audit_chunk(logits: torch.Tensor, _teacher, _spares, labels: torch.Tensor, weights: torch.Tensor):
+    """-w log p(y) per position and its gradient w (p - onehot(y)), in the logits' buffer."""
+    log_p = torch.log_softmax(logits, dim=-1, out=logits)
+    w = weights.to(log_p.dtype)
+    per_row = -w * log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
+    return per_row, add_at_labels(log_p.exp_().mul_(w[:, None]), labels, -w), ()
+
+
+AUDIT = ChunkLoss(_audit_chunk)
 
 
 def anchor_labels(labels: torch.Tensor, audited: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""The losses of trainer/losses/closed_forms.py from final hidden states, projected through the lm_head a chunk of
-positions at a time and recomputed in the backward, so the (N, V) logits never exist in full; and `completion_hidden`,
-the forward that keeps only the positions that predict a label. (OPD's generalized JSD has a closed-form gradient and
-its own path, trainer/losses/fused_divergences.py, which shares `checked_vocab_size`.)
+"""`completion_hidden`, the forward that keeps only the positions that predict a label; and the generic checkpointed
+path: any loss of trainer/losses/closed_forms.py from final hidden states, projected through the lm_head a chunk of
+positions at a time and recomputed in the backward, so the (N, V) logits never exist in full. The loops train with
+the fused driver instead (trainer/losses/fused_linear.py: every training loss has a closed-form gradient, computed
+with the loss, which shares `checked_vocab_size`); `chunked_loss` is the reference it is tested and benchmarked
+against (tests/test_fused_losses.py, benchmarks/bench_losses.py's "checkpointed" variant), autograd on the closed
+forms themselves.
 
 The wrappers return sums plus token counts: the training skeleton divides by the token count of the whole
 accumulation window and all ranks (docs/architecture.md, "Invariant 1: exact token normalisation"). Under autocast

@@ -7,7 +7,9 @@ recomputes the chunk's head GEMMs and every elementwise step of the loss, and au
 a chunk costs three GEMMs of the student's head -- the projection, then dL/dh = G W and dL/dW += G^T h -- and one of
 the teacher's where the loss has a teacher, and the (C, V) work of the closed form itself. A `ChunkLoss` is the
 closed form: from the chunk's fp32 logits (which it may overwrite) it returns each position's loss and G = dL/dz.
-Its users: the cross entropy here (`fused_cross_entropy`), the generalized JSD (trainer/losses/fused_divergences.py).
+Its users: the cross entropy here (`fused_cross_entropy`), the divergences (trainer/losses/fused_divergences.py:
+generalized JSD, KD, the sampled-token KL), the top-K divergence (trainer/losses/topk_divergence.py) and the RL loss
+(trainer/losses/policy_gradient.py).
 
 Precision as `chunked_loss`: under autocast each projection runs in the autocast dtype with each head cast once per
 call, the chunk's gradient G is cast to it for dL/dh and dL/dW, and dL/dW is summed over chunks in the weight's own
@@ -126,7 +128,7 @@ def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: li
             teacher = views.pop(0)
             _project(torch.where(keep, teacher_hidden[rows], 0.0), heads[1], teacher)
         per_row, g, chunk_extras = loss.fn(student, teacher, views, None if labels is None else labels[rows],
-                                           None if values is None else values[rows])
+                                           _rows(values, rows))
         total += torch.where(keep[:, 0], per_row, 0.0).sum()
         if chunk_extras:
             extras += torch.where(keep, torch.stack(chunk_extras, dim=1), 0.0).sum(dim=0)
@@ -134,6 +136,13 @@ def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: li
             _backward_chunk(g, h, heads[0], loss.grad_scale, grads[0][rows], grads[1][:vocab_size])
             grads[0][rows].masked_fill_(~keep, 0.0)
     return total, extras
+
+
+def _rows(values: torch.Tensor | tuple[torch.Tensor, ...] | None, rows: slice):
+    """The chunk's rows of the per-position values: a tensor, each tensor of a tuple, or None."""
+    if values is None or isinstance(values, torch.Tensor):
+        return None if values is None else values[rows]
+    return tuple(v[rows] for v in values)
 
 
 def _project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -175,14 +184,22 @@ def _add_scaled(total: torch.Tensor, part: torch.Tensor, scale: float) -> None:
 def fused_linear_loss(loss: ChunkLoss, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
                       vocab_size: int, chunk_size: int, teacher_hidden: torch.Tensor | None = None,
                       teacher_weight: torch.Tensor | None = None,
-                      values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      values: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`loss` summed over the positions of `hidden` (N, H) through the first `vocab_size` rows of `weight` (V_pad,
     H) (and of the teacher's head), `chunk_size` positions at a time: (loss_sum, num_tokens, extra_sums), the last
-    one number per `loss.extra_names`. `values` (N, ...) per-position numbers the loss reads (a constant). Gradients
+    one number per `loss.extra_names`. `values` (N, ...) per-position numbers the loss reads (a constant), or a tuple of
+such tensors. Gradients
     reach the student's hidden states and head, never the teacher."""
     return _FusedLinearLoss.apply(hidden, weight, None if teacher_hidden is None else teacher_hidden.detach(),
                                   None if teacher_weight is None else teacher_weight.detach(), labels,
-                                  None if values is None else values.detach(), loss, int(chunk_size), int(vocab_size))
+                                  _detached(values), loss, int(chunk_size), int(vocab_size))
+
+
+def _detached(values: torch.Tensor | tuple[torch.Tensor, ...] | None):
+    if values is None or isinstance(values, torch.Tensor):
+        return None if values is None else values.detach()
+    return tuple(v.detach() for v in values)
 
 
 def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,8 +80,8 @@ def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torc
                 opd_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
     """The per-token loss (module docstring) summed over labels != -100, from the student's logits (n, V) at the
     completion positions and `values` (n, 4): each token's group advantage, log pi_old (NaN: on-policy, pi itself
-    detached), log p_ref and log p_T (read only with kl_coef / opd_coef) -> PolicySums' fields as a tuple (for
-    chunked_loss)."""
+    detached), log p_ref and log p_T (read only with kl_coef / opd_coef) -> PolicySums' fields as a tuple: the
+    reference `fused_policy_loss` is tested against."""
     mask = labels != IGNORE_INDEX
     low = student_logits.dtype in (torch.float16, torch.bfloat16)  # upcast: the loss runs in fp32 (fp64 stays)
     logp_all = torch.log_softmax((student_logits.float() if low else student_logits) / temperature, dim=-1)

@@ -10,7 +10,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer.losses.chunked import chunked_loss, count_tokens
+from dataset.collators import IGNORE_INDEX
+from trainer.losses.chunked import checked_vocab_size
+from trainer.losses.fused_linear import ChunkLoss, fused_linear_loss
 from trainer.losses.closed_forms import _check_args, _loss_mask, _non_negative, _reduce
 
 TAIL_FLOOR = 1e-6  # the least teacher tail mass: fp32 log-probabilities cannot resolve 1 - sum over S any finer
@@ -29,6 +31,41 @@ def _masked_kl(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor) -> t
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp, logq = torch.where(valid, logp, zero), torch.where(valid, logq, zero)
     return torch.where(valid, logp.exp() * (logp - logq), zero).sum(-1)
+
+
+def _buckets(support_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab: int):
+    """The buckets of S: its ids sorted (a repeat next to its first occurrence), the teacher's log-probabilities in
+    that order, which ids are buckets (in the vocabulary, each once; the others set to 0 and masked), and the rows
+    whose S is the whole vocabulary (no tail bucket)."""
+    ids, order = support_ids.long().sort(dim=-1)
+    teacher = teacher_logprobs.detach().gather(-1, order)
+    valid = (ids >= 0) & (ids < vocab)
+    valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    return ids, teacher, valid, valid.sum(-1) == vocab
+
+
+def _teacher_buckets(teacher: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype):
+    """The teacher's bucket log-probabilities (..., M + 1): its log-probs on S, then the tail from their total,
+    floored at TAIL_FLOOR; and the tail alone (..., 1)."""
+    mass = torch.logsumexp(torch.where(valid, teacher.double(), torch.full((), -math.inf, dtype=torch.float64,
+                                                                           device=teacher.device)),
+                           dim=-1, keepdim=True)
+    tail = _log1mexp(mass).clamp_min(math.log(TAIL_FLOOR)).to(dtype)
+    return torch.cat([teacher.to(dtype), tail], dim=-1), tail
+
+
+def _bucket_divergence(logp_s: torch.Tensor, logp_t: torch.Tensor, buckets: torch.Tensor,
+                       beta: float) -> torch.Tensor:
+    """The generalized JSD at `beta` over the valid buckets, per position (as generalized_jsd_loss over tokens)."""
+    if beta == 0.0:
+        return _masked_kl(logp_t, logp_s, buckets)
+    if beta == 1.0:
+        return _masked_kl(logp_s, logp_t, buckets)
+    zero = torch.zeros((), dtype=logp_s.dtype, device=logp_s.device)
+    log_m = torch.logaddexp(torch.where(buckets, logp_s, zero) + math.log(1.0 - beta),
+                            torch.where(buckets, logp_t, zero) + math.log(beta))
+    return beta * _masked_kl(logp_t, log_m, buckets) + (1.0 - beta) * _masked_kl(logp_s, log_m, buckets)
 
 
 def topk_divergence(student_logits: torch.Tensor, support_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -64,48 +101,25 @@ def topk_divergence(student_logits: torch.Tensor, support_ids: torch.Tensor, tea
                          f"{tuple(student_logits.shape[:-1])} + (M,)")
     vocab = student_logits.shape[-1]
     mask = _loss_mask(labels, student_logits.shape[:-1], student_logits.device)
-    # the buckets: valid ids, each once (sorted, so that a repeat sits next to its first occurrence)
-    ids, order = support_ids.long().sort(dim=-1)
-    teacher = teacher_logprobs.detach().gather(-1, order)
-    valid = (ids >= 0) & (ids < vocab)
-    valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]
-    ids = torch.where(valid, ids, torch.zeros_like(ids))
-    full = valid.sum(-1) == vocab  # S is the whole vocabulary: no tail bucket
+    ids, teacher, valid, full = _buckets(support_ids, teacher_logprobs, vocab)
 
     # student: log p_S on S and on the tail, from the chunk's logits (one normalisation)
-    z = student_logits.float()
+    z = student_logits if student_logits.dtype == torch.float64 else student_logits.float()  # float64 stays (tests)
     if temperature != 1.0:
         z = z / temperature
     log_z = torch.logsumexp(z, dim=-1, keepdim=True)
     in_support = torch.zeros(z.shape, dtype=torch.int32, device=z.device).scatter_add_(
         -1, ids, valid.to(torch.int32)) > 0
-    rest = torch.where(in_support | full.unsqueeze(-1), torch.full((), -math.inf, device=z.device), z)
-    rest = torch.where(full.unsqueeze(-1), torch.zeros((), device=z.device), rest)  # keeps logsumexp's grad finite
+    rest = torch.where(in_support | full.unsqueeze(-1), torch.full((), -math.inf, dtype=z.dtype, device=z.device), z)
+    # a zero row keeps logsumexp's gradient finite
+    rest = torch.where(full.unsqueeze(-1), torch.zeros((), dtype=z.dtype, device=z.device), rest)
     student_tail = torch.logsumexp(rest, dim=-1, keepdim=True) - log_z
     student_s = z.gather(-1, ids) - log_z
 
-    # teacher: its log-probs on S, the tail from their total
-    teacher_s = teacher.float()
-    teacher_mass = torch.logsumexp(torch.where(valid, teacher.double(), torch.full((), -math.inf,
-                                                                                     dtype=torch.float64,
-                                                                                     device=z.device)),
-                                   dim=-1, keepdim=True)
-    teacher_tail = _log1mexp(teacher_mass).clamp_min(math.log(TAIL_FLOOR)).float()
-
-    tail_valid = ~full.unsqueeze(-1)
+    logp_t, teacher_tail = _teacher_buckets(teacher, valid, z.dtype)
     logp_s = torch.cat([student_s, student_tail], dim=-1)
-    logp_t = torch.cat([teacher_s, teacher_tail], dim=-1)
-    buckets = torch.cat([valid, tail_valid], dim=-1)
-    if beta == 0.0:
-        per_token = _masked_kl(logp_t, logp_s, buckets)
-    elif beta == 1.0:
-        per_token = _masked_kl(logp_s, logp_t, buckets)
-    else:
-        zero = torch.zeros((), device=z.device)
-        log_m = torch.logaddexp(torch.where(buckets, logp_s, zero) + math.log(1.0 - beta),
-                                torch.where(buckets, logp_t, zero) + math.log(beta))
-        per_token = beta * _masked_kl(logp_t, log_m, buckets) + (1.0 - beta) * _masked_kl(logp_s, log_m, buckets)
-    loss = _reduce(_non_negative(per_token), mask, reduction)
+    buckets = torch.cat([valid, ~full.unsqueeze(-1)], dim=-1)
+    loss = _reduce(_non_negative(_bucket_divergence(logp_s, logp_t, buckets, beta)), mask, reduction)
     if not return_tail:
         return loss
     tail_mass = torch.where(full, torch.zeros((), device=z.device), teacher_tail.squeeze(-1).exp())
@@ -143,12 +157,48 @@ def chunked_topk_divergence(student_hidden: torch.Tensor, student_weight: torch.
     if (teacher_support is None) == (teacher_hidden is None):
         raise ValueError("pass teacher_support (a served teacher's top-k) or teacher_hidden and teacher_weight")
 
-    def loss_fn(logits, teacher_values, chunk_labels):
-        if teacher_support is None:
-            ids, logprobs = topk_support(teacher_values, chunk_labels, k, temperature)
-        else:
-            ids, logprobs = teacher_values
-        loss, tail = topk_divergence(logits, ids, logprobs, chunk_labels, beta, temperature, "sum", return_tail=True)
-        return loss, count_tokens(chunk_labels, logits), tail
-    return chunked_loss(loss_fn, student_hidden, student_weight, labels, teacher_hidden, teacher_weight,
-                        chunk_size=chunk_size, vocab_size=vocab_size, teacher_values=teacher_support)
+    vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
+    chunk = topk_chunk_loss(k, beta, temperature, local=teacher_support is None)
+    loss, tokens, (tail,) = fused_linear_loss(chunk, student_hidden, student_weight, labels, vocab_size, chunk_size,
+                                              teacher_hidden, teacher_weight, values=teacher_support)
+    return loss, tokens, tail
+
+
+def topk_chunk_loss(k: int, beta: float, temperature: float, local: bool) -> ChunkLoss:
+    """`topk_divergence` as the fused driver's closed form. The buckets' log-probabilities are small, (C, M + 1):
+    the divergence's gradient with respect to them, a, comes from autograd on them alone; the gradient with respect
+    to the student's logits z then has a closed form (p = softmax(z / T), P_tail the student's mass outside S):
+
+        dL/dz_v = (a_v [v in S] + a_tail p_v [v not in S] / P_tail - p_v sum_b a_b) / T
+
+    The student's tail is summed from p outside S (no cancellation against the mass on S, as the reference's
+    logsumexp outside S). Extra: the teacher's tail mass ("teacher_tail_mass")."""
+    def fn(student, teacher, spares, labels, values):
+        if local:  # the teacher's top-k and the label, from its logits (what a server returns)
+            values = topk_support(teacher, labels, k, temperature)
+        ids, teacher_logp, valid, full = _buckets(*values, student.shape[1])
+        z = student.div_(temperature) if temperature != 1.0 else student
+        top = z.amax(dim=-1, keepdim=True)
+        e = torch.sub(z, top, out=spares[0]).exp_()         # exp(z - max): each term to fp32's relative rounding
+        total = e.sum(dim=-1, keepdim=True)
+        log_z = top + total.log()
+        e.scatter_add_(1, ids, torch.where(valid, -e.gather(1, ids), 0.0))  # exp(z_v - max) for v not in S
+        outside = e.sum(dim=-1, keepdim=True).clamp_min(_TINY)  # summed directly: no cancellation against S's mass
+        student_s = torch.where(valid, z.gather(1, ids) - log_z, 0.0)
+        with torch.enable_grad():  # the driver's forward runs without a graph: this small one is its own
+            logp_s = torch.cat([student_s, outside.log() - total.log()], dim=-1).requires_grad_()
+            logp_t, teacher_tail = _teacher_buckets(teacher_logp, valid, logp_s.dtype)
+            buckets = torch.cat([valid, ~full[:, None]], dim=-1)
+            per_row = _bucket_divergence(logp_s, logp_t, buckets, beta)
+            (a,) = torch.autograd.grad(per_row.sum(), logp_s)
+        a = torch.where((labels != IGNORE_INDEX)[:, None], a, 0.0)  # a masked row's values may be anything
+        p = torch.sub(z, log_z, out=z).exp_()
+        # p_v [v not in S] / P_tail = e_v / outside
+        g = p.mul_(-a.sum(dim=-1, keepdim=True)).addcmul_(e, torch.where(full, 0.0, a[:, -1])[:, None] / outside)
+        g.scatter_add_(1, ids, torch.where(valid, a[:, :-1], 0.0))
+        tail = torch.where(full, 0.0, teacher_tail.squeeze(1).exp())
+        return per_row.detach().clamp_min(0), g, (tail,)
+    return ChunkLoss(fn, spares=1, grad_scale=1.0 / temperature, extra_names=("teacher_tail_mass",))
+
+
+_TINY = torch.finfo(torch.float32).tiny  # a tail of no mass at all (S holds every token the student gives any)
