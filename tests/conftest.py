@@ -75,6 +75,21 @@ def fresh_compile_cache():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def compile_calls(monkeypatch):
+    """torch.compile recorded: the options of each call (a list, in order), each function then compiled with dynamo's
+    eager backend instead of what was asked (tracing without inductor's code generation, a minute on this
+    machine)."""
+    import torch
+    compile_, calls = torch.compile, []
+
+    def recording(function, **options):
+        calls.append(options)
+        return compile_(function, backend="eager")
+    monkeypatch.setattr(torch, "compile", recording)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one intra-op thread is as fast, and OpenMP's spin-waiting makes 2 threads up to 100x slower

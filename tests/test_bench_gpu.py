@@ -134,23 +134,16 @@ def test_the_step_phases_compile_the_layers_as_the_loops_do_and_the_smoke_runs_k
 
 
 def test_the_step_phase_with_compiled_layers_times_its_first_step_and_gives_the_eager_layers_back(
-        tmp_path, tiny_student, monkeypatch, one_thread):
+        tmp_path, tiny_student, compile_calls, one_thread):
     """The SFT step with --use_compile 1: the layers compiled with torch.compile's defaults (inductor; here dynamo's
     eager backend stands in, inductor's code generation takes a minute on this machine), the first step timed on
     its own and reported, the table saying so; after the phase each layer has its eager forward back (the later
     phases run the model as before)."""
-    compile_ = torch.compile
-    options = []
-
-    def recording(function, **given):
-        options.append(given)
-        return compile_(function, backend="eager")
-    monkeypatch.setattr(torch, "compile", recording)
     kit = tiny_kit(tmp_path, tiny_student)
     kit.args.use_compile = 1
     status, note = bench_gpu.step_throughput(kit, "sft")
     assert status == "ok" and "compiled layers, first step" in note
-    assert options == [{}] * tiny_student.config.num_hidden_layers
+    assert compile_calls == [{}] * tiny_student.config.num_hidden_layers
     sft = kit.report["throughput"]["sft"]
     assert sft["compiled_layers"] and sft["first_step_s"] > 0 and sft["tokens_per_s"] > 0
     assert all("forward" not in vars(layer) for layer in tiny_student.model.layers)

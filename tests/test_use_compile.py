@@ -46,21 +46,14 @@ def test_a_cpu_run_with_the_default_flags_compiles_nothing(tiny_config_path, cha
 
 
 def test_use_compile_1_on_a_cpu_compiles_each_layer_with_torch_compiles_defaults(tiny_config_path, chat_jsonl,
-                                                                                 tmp_path, capsys, monkeypatch,
+                                                                                 tmp_path, capsys, compile_calls,
                                                                                  one_thread):
     """Each layer goes to torch.compile with no option: its default backend, inductor. Here the layers are then
     compiled with the eager backend instead (dynamo's tracing without inductor's code generation, ~1 min on this
     machine: the slow test below runs it)."""
-    compile_ = torch.compile
-    options = []
-
-    def recording(function, **given):
-        options.append(given)
-        return compile_(function, backend="eager")
-    monkeypatch.setattr(torch, "compile", recording)
     before = captured_graphs()
     train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=1, use_compile=1))
-    assert options == [{}, {}]  # the tiny model's 2 layers
+    assert compile_calls == [{}, {}]  # the tiny model's 2 layers
     assert captured_graphs() > before
     assert COMPILE_LINE in capsys.readouterr().out
     assert recorded_use_compile(tmp_path) == 1
