@@ -236,11 +236,18 @@ def sft_chunked(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.
     return fused_cross_entropy(hidden, x["model"].lm_head.weight, targets, chunk_size=args.chunk_size)
 
 
+def sft_packed(x: dict, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` with --packing 1: the rows' real tokens only outside the attention (model/qwen3.py: Packing)."""
+    x["model"].pack_rows = True
+    return sft_chunked(x, args)
+
+
 STEPS = {("jsd", "full"): jsd_full, ("jsd", "checkpointed"): jsd_checkpointed, ("jsd", "chunked"): jsd_chunked,
          ("ce", "full"): ce_full, ("ce", "checkpointed"): ce_checkpointed, ("ce", "chunked"): ce_chunked,
          ("kd", "full"): kd_full, ("kd", "checkpointed"): kd_checkpointed, ("kd", "chunked"): kd_chunked,
          ("rl", "full"): rl_full, ("rl", "checkpointed"): rl_checkpointed, ("rl", "chunked"): rl_chunked,
-         ("sft", "full"): sft_full, ("sft", "checkpointed"): sft_checkpointed, ("sft", "chunked"): sft_chunked}
+         ("sft", "full"): sft_full, ("sft", "checkpointed"): sft_checkpointed, ("sft", "chunked"): sft_chunked,
+         ("sft", "packed"): sft_packed}
 
 
 def weights(x: dict) -> list[torch.Tensor]:
@@ -282,7 +289,7 @@ def measure(args: argparse.Namespace) -> dict:
     peak is its own) -> the results."""
     context = mp.get_context("spawn")
     variants = {}
-    for variant in ("full", "checkpointed", "chunked"):
+    for variant in ("full", "checkpointed", "chunked") + (("packed",) if args.loss == "sft" else ()):
         with harness.environment(harness.FIXED_MMAP_THRESHOLD), context.Pool(1) as pool:
             variants[variant] = pool.apply(run_variant, (args.loss, variant, args))
     full, chunked = variants["full"], variants["chunked"]
@@ -292,7 +299,16 @@ def measure(args: argparse.Namespace) -> dict:
     # the fused loss against the generic checkpointed path it replaced: time (> 1: fused faster) and memory
     results["checkpointed_time_ratio"] = variants["checkpointed"]["seconds"] / chunked["seconds"]
     results["memory_vs_checkpointed"] = chunked["extra_bytes"] / variants["checkpointed"]["extra_bytes"]
+    if "packed" in variants:  # the same step on the rows' real tokens only: > 1, packing is faster
+        results["packed_speedup"] = chunked["seconds"] / variants["packed"]["seconds"]
+        results["padding_share"] = 1.0 - args_real_tokens(args) / (args.batch_size * args.seq_len)
     return results
+
+
+def args_real_tokens(args: argparse.Namespace) -> int:
+    """The real tokens of `sft_batch`'s rows (row r: r x pad_step pads, at least completion + 1 real tokens)."""
+    return sum(args.seq_len - min(r * args.pad_step, args.seq_len - args.completion_len - 1)
+               for r in range(args.batch_size))
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -331,6 +347,9 @@ def print_results(results: dict) -> None:
           f"time ratio {results['time_ratio']:.2f}x; loss difference {results['loss_difference']:.2e}")
     print(f"checkpointed / chunked time: {results['checkpointed_time_ratio']:.2f}x, chunked / checkpointed memory "
           f"{results['memory_vs_checkpointed']:.2f} (the gradient computed with the loss: losses/fused_linear.py)")
+    if "packed_speedup" in results:
+        print(f"packed (--packing 1) / chunked useful tokens per second: {results['packed_speedup']:.2f}x, "
+              f"{results['padding_share']:.1%} of the batch's tokens padding")
 
 
 # ----------------------------------------------------------------------------------------------------- --casts

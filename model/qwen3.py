@@ -186,7 +186,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache: KVCache | None = None):
+    def forward(self, x, cos, sin, attn_mask, kv_cache: KVCache | None = None, packing: "Packing | None" = None):
+        if packing is not None:
+            return self.packed_forward(x, cos, sin, packing)
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
         q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -198,6 +200,20 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)
         out = attention(q, k, v, attn_mask, self.num_heads // self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def packed_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       packing: "Packing") -> torch.Tensor:
+        """x (N, hidden): the real tokens only. Every projection, norm and RoPE runs on them; only the attention
+        itself runs on the rows' padded layout (Packing.pad), where the causal form -- the fused kernel's, with no
+        mask -- keeps every real token to its own row and away from the pads after it."""
+        N = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = apply_rope(self.q_norm(q.view(N, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(N, self.num_kv_heads, self.head_dim)), cos, sin)
+        q, k, v = (packing.pad(t.reshape(N, -1, self.head_dim)) for t in (q, k, v))
+        out = attention(q, k, v, None, self.num_heads // self.num_kv_heads)  # (B, heads, T, D)
+        return self.o_proj(packing.unpad(out.transpose(1, 2)).reshape(N, -1))
 
 
 def attention_form(device_type: str, dtype: torch.dtype, masked: bool, query_len: int, groups: int) -> str:
@@ -255,8 +271,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache)
+    def forward(self, x, cos, sin, attn_mask, kv_cache=None, packing=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -291,6 +307,34 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@dataclass
+class Packing:
+    """Right-padded rows (B, T) reduced to their N real tokens: `index` (N,) their flat positions in B x T, row by
+    row. A packed forward runs embeddings, norms, projections, RoPE and the MLP on the N tokens only -- padding costs
+    nothing there -- and the attention on the padded layout, restored around it (`pad`, `unpad`)."""
+    index: torch.Tensor
+    rows: int
+    length: int
+
+    @staticmethod
+    def of(attention_mask: torch.Tensor) -> "Packing":
+        """From the rows' (B, T) mask, 1 on real tokens, right padded (a data-dependent size: one host sync)."""
+        return Packing(attention_mask.reshape(-1).nonzero().squeeze(1), *attention_mask.shape)
+
+    def positions(self) -> torch.Tensor:
+        """(N,) each real token's position in its row (right padding: its column)."""
+        return self.index % self.length
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, heads, D) -> (B, heads, T, D), zeros at the pads."""
+        padded = x.new_zeros(self.rows * self.length, *x.shape[1:]).index_copy(0, self.index, x)
+        return padded.view(self.rows, self.length, *x.shape[1:]).transpose(1, 2)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, ...): the real tokens' rows."""
+        return x.reshape(self.rows * self.length, *x.shape[2:]).index_select(0, self.index)
+
+
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -298,6 +342,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.pack_rows = False  # completion_hidden runs the packed forward (Packing): the loops' --packing
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -319,10 +364,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, return_hidden: bool = False, logits_to_keep: int = 0,
-                kv_cache: KVCache | None = None) -> CausalLMOutput:
+                kv_cache: KVCache | None = None, packing: Packing | None = None) -> CausalLMOutput:
         """`return_hidden=True` skips the lm_head (losses project chunk by chunk); `logits_to_keep=K` projects only
         the last K positions. With a `kv_cache`, `attention_mask` covers past + new tokens; in the cache's column
-        form (see KVCache) it is the key mask over the whole cache, and `position_ids` are required."""
+        form (see KVCache) it is the key mask over the whole cache, and `position_ids` are required. With `packing`
+        (right-padded rows, no mask, no cache) the outputs are the N real tokens' rows, (N, ...)."""
+        if packing is not None:
+            return self.packed_forward(input_ids, packing, return_hidden)
         # the column form reads no Python int off the cache: one compiled graph for every step of every rollout
         column = kv_cache is not None and kv_cache.column is not None
         past_len = kv_cache.length if kv_cache is not None and not column else 0
@@ -355,6 +403,21 @@ class Qwen3ForCausalLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return CausalLMOutput(logits=self.lm_head(x))
+
+    def packed_forward(self, input_ids: torch.Tensor, packing: Packing, return_hidden: bool) -> CausalLMOutput:
+        """The forward of right-padded rows on their real tokens only (Packing): the numbers of the padded forward's
+        real positions (to the GEMMs' rounding: other shapes), without the pads' share of the work outside the
+        attention."""
+        x = self.model.embed_tokens(input_ids.reshape(-1).index_select(0, packing.index))
+        self.model.rotary_emb.reserve(packing.length)
+        cos, sin = self.model.rotary_emb(packing.positions(), x.dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(layer, x, cos, sin, None, None, packing, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, None, None, packing)
+        x = self.model.norm(x)
+        return CausalLMOutput(hidden_states=x) if return_hidden else CausalLMOutput(logits=self.lm_head(x))
 
     def compile_layers(self, **options) -> None:
         """torch.compile each decoder layer's forward, in place (torchtitan compiles per block too). The module

@@ -74,6 +74,19 @@ def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jso
 
 
 @pytest.mark.slow
+def test_two_sharded_ranks_packed_train_as_one_padded_process(tiny_config_path, chat_jsonl, tmp_path):
+    """--packing 1 on 2 FSDP ranks against one process with the padded batch: the same weights and numbers."""
+    main_flags = dict(batch=2, max_steps=2)
+    train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path / "one", accumulation=2, **main_flags))
+    run_command(torchrun_command(SFT, sharded_args(tiny_config_path, chat_jsonl, tmp_path / "two", packing=1,
+                                                   **main_flags)))
+    assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-5)
+    assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_a_killed_sharded_run_resumes_bit_identically(tiny_config_path, long_chat_jsonl, tmp_path):
     flags = dict(batch=2, accumulation=2, save_interval=1)
     run_command(torchrun_command(SFT, sharded_args(tiny_config_path, long_chat_jsonl, tmp_path / "full", **flags)))

@@ -1,9 +1,9 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
 rows routed by a column) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a
-short tail window), DDP with 2 ranks equals one process, a run killed with SIGKILL right after a checkpoint and
-resumed ends bit-identical to one never interrupted, and resuming across a world-size change that keeps the global
-batch reaches the same weights."""
+short tail window), DDP with 2 ranks equals one process, --packing 1 equals the padded batch, a run killed with
+SIGKILL right after a checkpoint and resumed ends bit-identical to one never interrupted, and resuming across a
+world-size change that keeps the global batch reaches the same weights."""
 import json
 import os
 import sys
@@ -112,6 +112,20 @@ def test_ddp_two_ranks_equal_one_process(loop, chat_jsonl, tmp_path):
     main(args(chat_jsonl, tmp_path / "one", batch=2, accumulation=4))
     assert max_weight_diff(weights(tmp_path / "ddp"), weights(tmp_path / "one")) <= 1e-5
     assert [m["tokens"] for m in metrics(tmp_path / "ddp")] == [m["tokens"] for m in metrics(tmp_path / "one")]
+
+
+def test_packing_computes_what_the_padded_batch_computes(loop, chat_jsonl, tmp_path):
+    """--packing 1 (the student's training forward on the rows' real tokens only) against the right-padded batch:
+    the same loss, gradient norm and weights to rounding. One step: an on-policy loop's next rollouts would sample
+    from weights that differ by rounding."""
+    main, _, args = loop
+    main(args(chat_jsonl, tmp_path / "padded", batch=4, accumulation=2, max_steps=1))
+    main(args(chat_jsonl, tmp_path / "packed", batch=4, accumulation=2, max_steps=1, packing=1))
+    padded, packed = metrics(tmp_path / "padded"), metrics(tmp_path / "packed")
+    assert [m["tokens"] for m in packed] == [m["tokens"] for m in padded]
+    assert [m["loss"] for m in packed] == pytest.approx([m["loss"] for m in padded], rel=1e-5, abs=1e-6)
+    assert [m["grad_norm"] for m in packed] == pytest.approx([m["grad_norm"] for m in padded], rel=1e-5)
+    assert max_weight_diff(weights(tmp_path / "padded"), weights(tmp_path / "packed")) <= 1e-5
 
 
 def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):

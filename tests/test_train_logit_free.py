@@ -86,13 +86,13 @@ def test_the_first_loss_is_the_closed_form_of_its_own_audit(tiny_config_path, ch
     monkeypatch.setattr(logit_free, "frozen_hidden", reference_spy)
     logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path, teacher, max_steps=1, batch=4))
     total, tokens = 0.0, 0
-    for (hidden, head, targets, weights), (ref_hidden, ref_head) in zip(seen, references):
+    for (hidden, head, targets, chunk_weights), (ref_hidden, ref_head) in zip(seen, references):
         logp = torch.log_softmax(hidden @ head.T, -1)
         ref_logp = torch.log_softmax(ref_hidden @ ref_head[:head.shape[0]].T, -1)
         chosen = logp.gather(1, targets[:, None]).squeeze(1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-        audited = weights > 0
-        total += float(-(weights.double() * chosen).sum() + METHOD["anchor_beta"] * kl[~audited].sum())
+        audited = chunk_weights > 0
+        total += float(-(chunk_weights.double() * chosen).sum() + METHOD["anchor_beta"] * kl[~audited].sum())
         tokens += targets.numel()
     assert audited.any() and metrics(tmp_path)[0]["loss"] == pytest.approx(total / tokens, rel=1e-4)
 
@@ -198,6 +198,20 @@ def test_accumulation_and_two_ranks_equal_one_batch(tiny_config_path, chat_jsonl
         assert [m["tokens"] for m in metrics(tmp_path / other)][:steps] == [m["tokens"] for m in big][:steps]
         assert [m["pi_hat"] for m in metrics(tmp_path / other)][:steps] == pytest.approx(
             [m["pi_hat"] for m in big][:steps], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_packing_computes_what_the_padded_batch_computes(tiny_config_path, chat_jsonl, tmp_path, teacher,
+                                                         one_thread):
+    """--packing 1 against the right-padded batch, one step (the next rollouts would sample from weights that differ
+    by rounding): the same loss, gradient norm and weights to rounding."""
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "padded", teacher, batch=4, max_steps=1))
+    logit_free.main(args_for(tiny_config_path, chat_jsonl, tmp_path / "packed", teacher, batch=4, max_steps=1,
+                             packing=1))
+    padded, packed = metrics(tmp_path / "padded"), metrics(tmp_path / "packed")
+    assert [m["loss"] for m in packed] == pytest.approx([m["loss"] for m in padded], rel=1e-5, abs=1e-6)
+    assert [m["grad_norm"] for m in packed] == pytest.approx([m["grad_norm"] for m in padded], rel=1e-5)
+    assert max_weight_diff(weights(tmp_path / "padded"), weights(tmp_path / "packed")) <= 1e-5
 
 
 @pytest.mark.slow

@@ -28,8 +28,8 @@ from trainer.skeleton.resume_checks import check_run_name, resume_change_names
 SHARED_RESUMABLE = frozenset({
     "from_resume", "device", "num_workers", "log_interval", "save_interval", "export_steps", "use_swanlab",
     "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "decode",
-    "gradient_checkpointing", "eval_interval", "eval_rows", "eval_data_path", "eval_max_new_tokens", "save_dir",
-    "start_over", "dist_timeout", "resume_changes"})
+    "gradient_checkpointing", "packing", "eval_interval", "eval_rows", "eval_data_path", "eval_max_new_tokens",
+    "save_dir", "start_over", "dist_timeout", "resume_changes"})
 # where the frozen models live, and a start-up check: not what the run computes
 TEACHER_RESUMABLE = frozenset({"replicate_teacher", "accept_template_difference"})
 
@@ -108,6 +108,9 @@ def add_system_args(parser: argparse.ArgumentParser) -> None:
                         "with --fsdp 1 (docs/generation.md)")
     g.add_argument("--gradient_checkpointing", type=int, default=0, choices=[0, 1],
                    help="1: recompute each decoder layer's activations in the backward (less memory, one more forward)")
+    g.add_argument("--packing", type=int, default=0, choices=[0, 1],
+                   help="1: the student's training forward on each row's real tokens only: projections, norms and "
+                        "MLPs skip the padding, attention stays per row (docs/training.md)")
     g.add_argument("--fsdp", type=int, default=0, choices=[0, 1],
                    help="1: shard parameters, gradients and optimizer state over the ranks (FSDP2) and write "
                         "sharded checkpoints that any world size resumes (docs/architecture.md)")

@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dataset.collators import IGNORE_INDEX
+from model.qwen3 import Packing, unwrap
 from trainer.losses.closed_forms import sft_loss
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, ...]
@@ -178,9 +179,23 @@ def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
         raise ValueError("completion_hidden needs right-padded rows (real tokens first, padding after them): "
                          "collate with SFTCollator or build_sequences")
+    if getattr(unwrap(model), "pack_rows", False):
+        return packed_completion_hidden(model, input_ids, attention_mask, labels)
     has_label = (labels[:, 1:] != IGNORE_INDEX).any(dim=0)
     start = int(has_label.nonzero()[0]) + 1 if bool(has_label.any()) else labels.shape[1] - 1
     hidden = model(input_ids, return_hidden=True).hidden_states
     hidden, targets = hidden[:, start - 1:-1], labels[:, start:]
     keep = targets != IGNORE_INDEX
     return hidden[keep], targets[keep]
+
+
+def packed_completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_hidden` through the packed forward (model/qwen3.py: Packing): the rows' real tokens only, the
+    pads' share of the work spared outside the attention (--packing 1). The same positions in the same order (row
+    by row), the same labels; the hidden states equal the padded forward's to the GEMMs' rounding."""
+    packing = Packing.of(attention_mask)
+    hidden = model(input_ids, return_hidden=True, packing=packing).hidden_states  # (N, H), row by row
+    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    predicting = targets.reshape(-1)[packing.index] != IGNORE_INDEX  # a real token whose next one is a label
+    return hidden[predicting], targets.reshape(-1)[packing.index][predicting]

@@ -76,9 +76,11 @@ class Run:
     # -- start-up -------------------------------------------------------------------------------------------------
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Gradient checkpointing, --use_compile (each layer: DDP / FSDP communication overlaps the backward), and
-        DDP across ranks. With --fsdp 1 the model arrived sharded (loading.build_model): no rank holds it whole."""
+        """Gradient checkpointing, --packing, --use_compile (each layer: DDP / FSDP communication overlaps the
+        backward), and DDP across ranks. With --fsdp 1 the model arrived sharded (loading.build_model): no rank
+        holds it whole."""
         model.gradient_checkpointing = bool(self.args.gradient_checkpointing)
+        model.pack_rows = bool(self.args.packing)  # completion_hidden's packed forward (trainer/losses/chunked.py)
         if self.args.use_compile:
             model.compile_layers()
         if not self.dist.enabled or self.args.fsdp:
