@@ -1,15 +1,15 @@
 """Each rank's GPU memory in one training step, estimated on the CPU with fake tensors (bench_fsdp.py --estimate).
 
-The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen
-teacher's forward without gradients (distillation), the student's forward to its final hidden states, the fused
-loss through `lm_head.weight` (trainer/losses/fused_linear.py: the cross entropy, KD), the backward, the teacher's
-gathered root freed (trainer/skeleton/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients
-scaled by one foreach multiply, clipped by the global norm, AdamW, zero_grad). The models are built on the meta
-device and sharded by trainer/skeleton/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the layers
-gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage -- under a fake process group
-of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts every tensor a rank would
-hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations, gradients, AdamW's moments
-and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
+The step is the loops' own (train_sft.py, train_distillation.py): a window of micro-batches, each the frozen teacher's
+forward without gradients (distillation), the student's forward to its final hidden states, the fused loss through
+`lm_head.weight` (trainer/losses/fused_linear.py: the cross entropy, KD), the backward, the teacher's gathered root
+freed (trainer/skeleton/sharding.reshard_root); then Run.optimizer_step's arithmetic (the gradients scaled by one
+foreach multiply, clipped by the global norm, AdamW, zero_grad). The models are built on the meta device and sharded
+by trainer/skeleton/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, each decoder layer, the root; the
+layers gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage -- under a fake process
+group of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts every tensor a rank
+would hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations, gradients, AdamW's
+moments and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
 
 What stands in for CUDA, and what is left out:
 - autocast: CPU bf16 autocast (this build has no CUDA). For the ops of this model it lowers what CUDA's lowers --
