@@ -1,0 +1,139 @@
+"""LoRA adapters on a Qwen3 model, in plain PyTorch: W x + (alpha / r) B A dropout(x) on each chosen projection, the
+base weight untouched, B zero at the start (a fresh adapter changes nothing).
+
+The projections are HF's -- q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj -- also where this model
+fuses their GEMMs (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`: model/checkpoint_io.py's `fused_blocks`): a
+fused projection carries one adapter per HF block, its delta filling that block's rows of the output, so an adapter
+is PEFT's adapter on the HF module of the same name (`peft_state`, `peft_config`). Each adapted linear keeps its
+`weight` under its own name (checkpoints and HF exports read it as before); the adapters are parameters named
+`<projection>.lora_A.<hf name>` / `lora_B.<hf name>`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.qwen3 import Qwen3ForCausalLM
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Linear):
+    """A linear layer whose output rows are HF blocks [(name, rows), ...]; the blocks named in `adapted` carry an
+    adapter of rank r. `enabled` False: the base layer alone."""
+
+    def __init__(self, base: nn.Linear, blocks: list[tuple[str, int]], adapted: list[str], rank: int, alpha: float,
+                 dropout: float):
+        super().__init__(base.in_features, base.out_features, bias=False, device="meta")
+        self.weight = base.weight  # the same Parameter: its name, its storage and its freezing are the base's
+        self.blocks, self.scaling, self.enabled = blocks, alpha / rank, True
+        self.dropout = nn.Dropout(dropout)
+        device = base.weight.device
+        self.lora_A = nn.ParameterDict({name: nn.Parameter(torch.empty(rank, self.in_features, device=device))
+                                        for name in adapted})
+        self.lora_B = nn.ParameterDict({name: nn.Parameter(torch.zeros(rows, rank, device=device))
+                                        for name, rows in blocks if name in adapted})
+        for a in self.lora_A.values():  # PEFT's initialisation of A (B is zero)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if not self.enabled or not len(self.lora_A):
+            return out
+        h = self.dropout(x)
+        parts = [(F.linear(F.linear(h, self.lora_A[name]), self.lora_B[name]) * self.scaling) if name in self.lora_A
+                 else out.new_zeros(*out.shape[:-1], rows) for name, rows in self.blocks]
+        return out + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+
+    def delta(self) -> torch.Tensor:
+        """The adapters' change to the weight, (out, in): scaling B A per adapted block, zeros elsewhere."""
+        rows = [(self.lora_B[name] @ self.lora_A[name]) * self.scaling if name in self.lora_A
+                else self.weight.new_zeros(count, self.in_features) for name, count in self.blocks]
+        return torch.cat(rows).to(self.weight.dtype)
+
+
+def _projections(model: Qwen3ForCausalLM) -> Iterator[tuple[nn.Module, str, list[tuple[str, int]]]]:
+    """(parent module, attribute, HF blocks) of every projection LoRA may adapt."""
+    config = model.config
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for layer in model.model.layers:
+        yield layer.self_attn, "qkv_proj", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        yield layer.self_attn, "o_proj", [("o_proj", config.hidden_size)]
+        yield layer.mlp, "gate_up_proj", [("gate_proj", config.intermediate_size), ("up_proj",
+                                                                                     config.intermediate_size)]
+        yield layer.mlp, "down_proj", [("down_proj", config.hidden_size)]
+
+
+def add_lora(model: Qwen3ForCausalLM, rank: int = 16, alpha: float = 32.0, dropout: float = 0.0,
+             targets: tuple[str, ...] = TARGETS) -> list[nn.Parameter]:
+    """Adapters on `targets` (HF projection names) of every layer, in place; the base frozen. Returns the adapters'
+    parameters (what an optimizer takes). A fresh adapter's output is the base's exactly (B is zero)."""
+    unknown = set(targets) - set(TARGETS)
+    if unknown or rank < 1:
+        raise ValueError(f"LoRA targets must be among {TARGETS} and the rank >= 1, got {sorted(unknown)}, {rank}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for parent, attribute, blocks in _projections(model):
+        adapted = [name for name, _ in blocks if name in targets]
+        if adapted:
+            setattr(parent, attribute, LoRALinear(getattr(parent, attribute), blocks, adapted, rank, alpha, dropout))
+    model.lora = {"rank": rank, "alpha": alpha, "dropout": dropout, "targets": list(targets)}
+    return [p for name, p in model.named_parameters() if ".lora_" in name]
+
+
+def lora_layers(model: nn.Module) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model within the block (a LoRA student's own reference: no second copy of the weights)."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enabled = True
+
+
+@torch.no_grad()
+def merge(model: nn.Module) -> None:
+    """Fold every adapter into its base weight and drop it: the model is then a plain Qwen3 (its HF export is the
+    merged model)."""
+    for parent in list(model.modules()):
+        for attribute, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                merged = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                merged.weight = nn.Parameter(child.weight + child.delta(), requires_grad=child.weight.requires_grad)
+                setattr(parent, attribute, merged)
+
+
+def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight`), fp32 on the CPU: what PEFT's
+    adapter_model.safetensors holds."""
+    state = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        parent = module_name.rsplit(".", 1)[0]  # model.layers.<i>.self_attn / .mlp
+        for name in module.lora_A:
+            prefix = f"base_model.model.{parent}.{name}"
+            state[f"{prefix}.lora_A.weight"] = module.lora_A[name].detach().float().cpu().contiguous()
+            state[f"{prefix}.lora_B.weight"] = module.lora_B[name].detach().float().cpu().contiguous()
+    return state
+
+
+def peft_config(model: nn.Module, base_model_path: str | None = None) -> dict:
+    """PEFT's adapter_config.json for the adapters `add_lora` put on `model`."""
+    settings = model.lora
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
+            "r": settings["rank"], "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout"],
+            "target_modules": sorted(settings["targets"]), "bias": "none", "fan_in_fan_out": False,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False, "inference_mode": True}
