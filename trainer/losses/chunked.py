@@ -116,7 +116,7 @@ def chunked_loss(loss_fn: Callable[..., LossOutput], student_hidden: torch.Tenso
         args = (loss_fn, student_hidden[start:end], weight, low_weight,
                 None if labels is None else labels[start:end],
                 None if t_hidden is None else t_hidden[start:end], t_weight,
-                None if teacher_values is None else _rows(teacher_values, start, end))
+                None if teacher_values is None else value_rows(teacher_values, start, end))
         part = checkpoint(_chunk_loss, *args, use_reentrant=False) if needs_graph else _chunk_loss(*args)
         total = _add(total, part)
     return total
@@ -140,7 +140,7 @@ def checked_vocab_size(student_weight: torch.Tensor, teacher_weight: torch.Tenso
     return vocab_size
 
 
-def _rows(values: torch.Tensor | tuple[torch.Tensor, ...], start: int, end: int):
+def value_rows(values: torch.Tensor | tuple[torch.Tensor, ...], start: int, end: int):
     """Rows start:end of a teacher-values tensor or of each tensor of a tuple, detached (the teacher is a constant)."""
     if isinstance(values, tuple):
         return tuple(v[start:end].detach() for v in values)

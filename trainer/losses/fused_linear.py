@@ -30,7 +30,7 @@ import torch
 from torch._guards import active_fake_mode
 
 from dataset.collators import IGNORE_INDEX
-from trainer.losses.chunked import checked_vocab_size
+from trainer.losses.chunked import checked_vocab_size, value_rows
 
 # On a CPU the chunk's fp32 (C, V) buffers are kept from call to call: a fresh tensor of that size (above glibc
 # malloc's mmap threshold, at most 32 MB) is mapped anew at every allocation and page-faulted on first touch: on a
@@ -128,7 +128,7 @@ def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: li
             teacher = views.pop(0)
             _project(torch.where(keep, teacher_hidden[rows], 0.0), heads[1], teacher)
         per_row, g, chunk_extras = loss.fn(student, teacher, views, None if labels is None else labels[rows],
-                                           _rows(values, rows))
+                                           None if values is None else value_rows(values, start, start + chunk_size))
         total += torch.where(keep[:, 0], per_row, 0.0).sum()
         if chunk_extras:
             extras += torch.where(keep, torch.stack(chunk_extras, dim=1), 0.0).sum(dim=0)
@@ -136,13 +136,6 @@ def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: li
             _backward_chunk(g, h, heads[0], loss.grad_scale, grads[0][rows], grads[1][:vocab_size])
             grads[0][rows].masked_fill_(~keep, 0.0)
     return total, extras
-
-
-def _rows(values: torch.Tensor | tuple[torch.Tensor, ...] | None, rows: slice):
-    """The chunk's rows of the per-position values: a tensor, each tensor of a tuple, or None."""
-    if values is None or isinstance(values, torch.Tensor):
-        return None if values is None else values[rows]
-    return tuple(v[rows] for v in values)
 
 
 def _project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -193,20 +186,7 @@ such tensors. Gradients
     reach the student's hidden states and head, never the teacher."""
     return _FusedLinearLoss.apply(hidden, weight, None if teacher_hidden is None else teacher_hidden.detach(),
                                   None if teacher_weight is None else teacher_weight.detach(), labels,
-                                  _detached(values), loss, int(chunk_size), int(vocab_size))
-
-
-def _detached(values: torch.Tensor | tuple[torch.Tensor, ...] | None):
-    if values is None or isinstance(values, torch.Tensor):
-        return None if values is None else values.detach()
-    return tuple(v.detach() for v in values)
-
-
-def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log p(label) per position (C,) and p = softmax(logits), in the logits' buffer."""
-    log_p = torch.log_softmax(logits, dim=-1, out=logits)
-    per_row = log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1).neg_()  # a masked label: any column
-    return per_row, log_p.exp_()
+                                  values, loss, int(chunk_size), int(vocab_size))
 
 
 def add_at_labels(g: torch.Tensor, labels: torch.Tensor, value: float | torch.Tensor) -> torch.Tensor:
@@ -219,8 +199,9 @@ def add_at_labels(g: torch.Tensor, labels: torch.Tensor, value: float | torch.Te
 
 def _cross_entropy(logits: torch.Tensor, _teacher, _spare, labels: torch.Tensor, _values):
     """-log p(label) per position and its gradient p - onehot(label), in the logits' buffer."""
-    per_row, p = cross_entropy_rows(logits, labels)
-    return per_row, add_at_labels(p, labels, -1.0), ()
+    log_p = torch.log_softmax(logits, dim=-1, out=logits)
+    per_row = log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1).neg_()  # a masked label: any column
+    return per_row, add_at_labels(log_p.exp_(), labels, -1.0), ()
 
 
 CROSS_ENTROPY = ChunkLoss(_cross_entropy)
