@@ -8,6 +8,8 @@
     python benchmarks/bench_fsdp.py --sizing    # only the sizing table (arithmetic, no run)
     python benchmarks/bench_fsdp.py --estimate  # each rank's GPU memory by phase, real Qwen3 shapes, fake tensors
     python benchmarks/bench_fsdp.py --estimate_check   # that estimate against a real 2-rank CPU run (qwen3-tiny)
+    python benchmarks/bench_fsdp.py --estimate --lora_rank 16   # LoRA students beside full training (LORA_CASES)
+    python benchmarks/bench_fsdp.py --phases --lora_rank 16 --config benchmarks/qwen3-1gb.json  # LoRA vs full, CPU
 
 Measured: one SFT optimizer step over a window of 8 micro-batches of the same model wrapped as Run takes it (DDP, or
 fully_shard per RMSNorm, decoder layer and root), then each rank's bytes of parameters, gradients (the most it held
@@ -36,6 +38,13 @@ peak plus its reducer's fp32 gradient buckets), "yes" within 80 GB less an 8 GB 
 estimate of --config's SFT step against the same step on --nproc real gloo ranks, counted by the CPU allocator
 (torch.profiler's memory events). What the estimate stands in for and leaves out: fsdp_estimate.py's docstring.
 
+--lora_rank R: LoRA students (model/lora.py: the base frozen in bf16, fp32 adapters of rank R on all seven
+projections, only they in AdamW, no gradient of the frozen head) against full training. With --estimate, the cases
+of LORA_CASES (a GPU of 80 or 141 GB, one or several), each estimated at the models' full depths, with the load and
+the save (arithmetic: fsdp_estimate.digest_bytes, export_bytes). With --phases, full training and a LoRA student of
+--config in one process and on --nproc sharded ranks, both under bf16 autocast: each phase's peak resident memory
+(load, forward, backward, optimizer, save) and LoRA / full. With --estimate_check, a LoRA student's step.
+
 The --sizing table is arithmetic from bytes per parameter: a trained student keeps 16 B/parameter (fp32 weights,
 fp32 gradients, AdamW's two fp32 moments) on every GPU with DDP, 16/W with FSDP over W GPUs; a teacher in bf16 keeps
 2 B/parameter, whole on every GPU (replicated) or 2/W (sharded). A pair "fits" when that stays within 80% of an
@@ -52,6 +61,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -129,6 +139,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--estimate_check", action="store_true",
                    help="the estimate of --config's SFT step at --nproc fake ranks against the bytes the same step "
                         "allocates on the CPU in --nproc real gloo ranks")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="LoRA students of this rank against full training: with --estimate the LoRA table "
+                        "(LORA_CASES), with --phases each phase's per-rank peak, with --estimate_check the step of "
+                        "a LoRA student")
     p.add_argument("--estimate_batch", type=int, default=2, help="rows per micro-batch (--estimate)")
     p.add_argument("--estimate_seq", type=int, default=2048, help="tokens per row (--estimate)")
     p.add_argument("--estimate_window", type=int, default=2,
@@ -137,6 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--real_step", help=argparse.SUPPRESS)  # a StepShape as JSON, for --estimate_check's ranks
     p.add_argument("--load_case", choices=["student", "teacher"], help=argparse.SUPPRESS)  # one measured load
     p.add_argument("--phases_case", choices=["one", "sharded", "tokenizer"], help=argparse.SUPPRESS)  # a --phases case
+    p.add_argument("--training_case", choices=["full", "lora"], help=argparse.SUPPRESS)  # --phases --lora_rank's
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)  # set by the launcher for its torchrun ranks
     return p.parse_args(argv)
@@ -276,29 +291,44 @@ class StandInServer:
 @contextlib.contextmanager
 def measured_phase(name: str, results: dict, baseline_kib: int):
     """The phase's peak resident memory (VmHWM, reset to VmRSS when it starts) in bytes above `baseline_kib`, into
-    results[name]. Every rank starts together (a gloo thread could still be freeing the last phase's buffers)."""
+    results[name] (a phase that recurs, a micro-batch's forward: the most over its occurrences). Every rank starts
+    together (a gloo thread could still be freeing the last phase's buffers)."""
     if dist.is_initialized():
         dist.barrier()
     reset_peak_rss()
     yield
-    results[name] = (process_kib("VmHWM") - baseline_kib) * 1024
+    results[name] = max(results.get(name, 0), (process_kib("VmHWM") - baseline_kib) * 1024)
 
 
-def sft_step(run, tokenizer, flags: argparse.Namespace, window: list) -> None:
-    """One optimizer step of train_sft.py's loop over `window`: forward, fused loss, backward per micro-batch."""
+def sft_step(run, tokenizer, flags: argparse.Namespace, window: list,
+             phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()) -> None:
+    """One optimizer step of train_sft.py's loop over `window`: forward, fused loss, backward per micro-batch.
+    `phase(name)`: a context around each forward (with the loss), backward and the optimizer step."""
     from trainer.losses.chunked import completion_hidden
     from trainer.losses.fused_linear import fused_cross_entropy
     for i, batch in enumerate(window):
         batch = {k: v.to(run.device) for k, v in batch.items()}
         with run.micro_step(i, len(window)):
-            with run.autocast():
+            with phase("forward"), run.autocast():
                 hidden, targets = completion_hidden(run.model, batch["input_ids"], batch["attention_mask"],
                                                     batch["labels"])
                 loss_sum, num_tokens = fused_cross_entropy(hidden, run.raw_model.lm_head.weight, targets,
                                                            chunk_size=flags.loss_chunk_size,
                                                            vocab_size=len(tokenizer))
-            run.backward(loss_sum, num_tokens)
-    run.optimizer_step()
+            with phase("backward"):
+                run.backward(loss_sum, num_tokens)
+    with phase("optimizer"):
+        run.optimizer_step()
+
+
+def phases_flags(args, save_dir: str, *extra: str) -> argparse.Namespace:
+    """train_sft.py's flags for a --phases case: --model_dir, the chat rows, 2 micro-batches of one short row per
+    step, 2 steps, --fsdp 1 on the sharded ranks; `extra` flags besides."""
+    from trainer.config.sft import parse_args as sft_args
+    return sft_args(["--device", "cpu", "--model_path", args.model_dir, "--data_path",
+                     os.path.join(args.out, "chat.jsonl"), "--save_dir", save_dir, "--batch_size", "1",
+                     "--accumulation_steps", "2", "--max_length", "32", "--max_prompt_length", "16",
+                     "--max_steps", "2", "--fsdp", str(int(args.phases_case == "sharded")), *extra])
 
 
 def measure_phases(args) -> None:
@@ -311,12 +341,8 @@ def measure_phases(args) -> None:
     from trainer.skeleton.loading import load_sft_data
     from trainer.skeleton.run import Run
     from trainer.config import sft as sft_config
-    from trainer.config.sft import parse_args as sft_args
     save_dir = os.path.join(args.out, args.phases_case)
-    flags = sft_args(["--device", "cpu", "--model_path", args.model_dir, "--data_path",
-                      os.path.join(args.out, "chat.jsonl"), "--save_dir", save_dir, "--batch_size", "1",
-                      "--accumulation_steps", "2", "--max_length", "32", "--max_prompt_length", "16",
-                      "--max_steps", "2", "--fsdp", str(int(args.phases_case == "sharded"))])
+    flags = phases_flags(args, save_dir)
     info = init_distributed_mode(flags.device, flags.dist_timeout)
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(flags)
     peaks, baseline = {}, process_kib("VmRSS")
@@ -335,6 +361,42 @@ def measure_phases(args) -> None:
         run.save()
     with open(os.path.join(args.out, f"phases-{case_name()}.json"), "w") as f:
         json.dump({"peaks": peaks, "sizes": formula_sizes(run.raw_model, info.world_size)}, f)
+    run.finish()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+LORA_PHASE_NAMES = ("load", "forward", "backward", "optimizer", "save")
+
+
+def measure_training_phases(args) -> None:
+    """One case of --phases --lora_rank, in processes of its own: --training_case full or lora (a LoRA student of
+    --lora_rank), in one process or (under torchrun) each rank of --fsdp 1, both with --dtype bfloat16, a GPU's
+    recipe -- a full student's fp32 master weights under bf16 autocast, a LoRA student's base frozen in bf16 beside
+    its fp32 adapters (trainer/skeleton/loading.build_model). As measure_phases: the load, two SFT steps, the save
+    (export: a LoRA student's merged in fp32, and its adapter; resume file), the second step split into its
+    forwards (with the loss), backwards and optimizer step, each phase's peak resident memory above the process's
+    baseline (the most over the window's micro-batches) -> --out/training-TRAINING-CASE.json."""
+    from trainer.config import sft as sft_config
+    from trainer.skeleton.loading import load_sft_data, lora_settings
+    from trainer.skeleton.run import Run
+    rank = args.lora_rank if args.training_case == "lora" else 0
+    flags = phases_flags(args, os.path.join(args.out, f"{args.training_case}-{args.phases_case}"),
+                         "--dtype", "bfloat16", "--lora_rank", str(rank))
+    info = init_distributed_mode(flags.device, flags.dist_timeout)
+    tokenizer_dir, tokenizer, dataset, collator = load_sft_data(flags)
+    peaks, baseline = {}, process_kib("VmRSS")
+    with measured_phase("load", peaks, baseline):
+        model = build_model(flags, info.device, path=flags.model_path, lora=lora_settings(flags))
+    run = Run(flags, info, model, dataset, collator, tokenizer_dir, sft_config.RESUMABLE)
+    windows = run.windows()
+    sft_step(run, tokenizer, flags, next(windows)[1])  # the first: AdamW's moments are created at its end
+    sft_step(run, tokenizer, flags, next(windows)[1], lambda name: measured_phase(name, peaks, baseline))
+    with measured_phase("save", peaks, baseline):
+        run.save()
+    with open(os.path.join(args.out, f"training-{args.training_case}-{case_name()}.json"), "w") as f:
+        json.dump({"peaks": peaks, "trained": sum(p.numel() for p in run.raw_model.parameters() if p.requires_grad)},
+                  f)
     run.finish()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -397,9 +459,7 @@ def run_phases_benchmark(config_path: str, nproc: int, malloc_default: bool) -> 
     unsharded process, `nproc` sharded ranks, and the tokenizer's term; prints each phase's peak against the
     formula -> {"cases": {"unsharded" / "rank-R": {"peaks", "sizes"}}, "tokenizer": bytes}."""
     with tempfile.TemporaryDirectory() as tmp:
-        folder = os.path.join(tmp, "model")
-        save_pretrained(create_model(Qwen3Config.from_json(config_path), seed=0), folder)
-        write_chat_rows(os.path.join(tmp, "chat.jsonl"), 16)
+        folder = write_phases_inputs(tmp, config_path)
         env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if malloc_default else FIXED_MMAP_THRESHOLD)}
         case = [os.path.abspath(__file__), "--model_dir", folder, "--out", tmp, "--phases_case"]
         subprocess.run([sys.executable, *case, "tokenizer"], check=True, env=env)
@@ -411,6 +471,46 @@ def run_phases_benchmark(config_path: str, nproc: int, malloc_default: bool) -> 
         tokenizer = read_json(os.path.join(tmp, "phases-tokenizer.json"))["tokenizer"]
     print_phases_table(config_path, cases, tokenizer, malloc_default)
     return {"cases": cases, "tokenizer": tokenizer}
+
+
+def run_lora_phases_benchmark(config_path: str, nproc: int, lora_rank: int, malloc_default: bool) -> dict:
+    """--phases --lora_rank: an HF folder of `config_path`'s random model, then full training and a LoRA student of
+    `lora_rank` (`measure_training_phases`), each in one process and on `nproc` sharded ranks, each case in
+    processes of its own; prints each phase's per-rank peak, LoRA against full -> {"full" / "lora": {"unsharded" /
+    "rank-R": {"peaks", "trained"}}}."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_phases_inputs(tmp, config_path)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if malloc_default else FIXED_MMAP_THRESHOLD)}
+        for training in ("full", "lora"):
+            case = [os.path.abspath(__file__), "--model_dir", folder, "--out", tmp, "--training_case", training,
+                    "--lora_rank", str(lora_rank), "--phases_case"]
+            subprocess.run([sys.executable, *case, "one"], check=True, env=env)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                            "--standalone", *case, "sharded"], check=True, env=env)
+            results[training] = {name: read_json(os.path.join(tmp, f"training-{training}-{name}.json"))
+                                 for name in ["unsharded", *(f"rank-{r}" for r in range(nproc))]}
+    print_lora_phases_table(config_path, results, lora_rank)
+    return results
+
+
+def print_lora_phases_table(config_path: str, results: dict, lora_rank: int) -> None:
+    """Per phase, side by side for one process and each sharded rank: full training's peak, LoRA's, LoRA / full."""
+    full, lora = results["full"], results["lora"]
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    ranks = len(full) - 1
+    names = {name: "one process" if name == "unsharded" else f"rank {name.removeprefix('rank-')} of {ranks}"
+             for name in full}
+    print(f"\n{os.path.basename(config_path)}, SFT under bf16 autocast (--dtype bfloat16), CPU/gloo: each phase's "
+          f"peak resident memory above the process's start, MiB, full training ({full['unsharded']['trained']:,} "
+          f"trained parameters, fp32 master weights) against LoRA rank {lora_rank} ({lora['unsharded']['trained']:,}, "
+          f"the base frozen in bf16)\n")
+    print("| phase | " + " | ".join(f"{label}: full | LoRA | LoRA / full" for label in names.values()) + " |")
+    print("|---|" + "---|---|---|" * len(names))
+    for phase in LORA_PHASE_NAMES:
+        cells = [f"{mib(full[name]['peaks'][phase])} | {mib(lora[name]['peaks'][phase])} | "
+                 f"{lora[name]['peaks'][phase] / full[name]['peaks'][phase]:.3f}" for name in names]
+        print(f"| {phase} | " + " | ".join(cells) + " |")
 
 
 def print_phases_table(config_path: str, cases: dict, tokenizer: int, malloc_default: bool) -> None:
@@ -428,6 +528,14 @@ def print_phases_table(config_path: str, cases: dict, tokenizer: int, malloc_def
             measured, formula = result["peaks"][phase], predicted_bytes(result["sizes"], tokenizer)[phase]
             print(f"| {phase} | {name} | {mib(measured)} | {mib(formula)} | {measured / formula:.3f} | "
                   f"{measured / one['peaks'][phase]:.3f} |")
+
+
+def write_phases_inputs(tmp: str, config_path: str) -> str:
+    """Into `tmp`: an HF folder of `config_path`'s random model (-> its path) and the chat rows --phases trains on."""
+    folder = os.path.join(tmp, "model")
+    save_pretrained(create_model(Qwen3Config.from_json(config_path), seed=0), folder)
+    write_chat_rows(os.path.join(tmp, "chat.jsonl"), 16)
+    return folder
 
 
 def write_chat_rows(path: str, rows: int) -> None:
@@ -556,8 +664,8 @@ def run_estimates(shape_args: dict) -> dict:
     return results
 
 
-def state_gb(student: str, teacher: str, world: int) -> float:
-    return (16 * QWEN3_PARAMS[student] + 2 * QWEN3_PARAMS[teacher]) / world / 1e9
+def state_gb(student: str, teacher: str | None, world: int) -> float:
+    return (16 * QWEN3_PARAMS[student] + 2 * QWEN3_PARAMS.get(teacher, 0)) / world / 1e9
 
 
 def estimated_sizing_table(results: dict) -> None:
@@ -582,20 +690,98 @@ def estimated_sizing_table(results: dict) -> None:
         print(f"| {student} / {teacher} | " + " | ".join(cells) + " |")
 
 
-def estimate_check(config_path: str, nproc: int) -> None:
-    """--config's SFT step at `nproc` fake ranks against the same step on `nproc` real gloo ranks (the CPU
-    allocator's own count): per phase and micro-batch, MiB and the ratio. Both under CPU bf16 autocast."""
+# --estimate --lora_rank: (student, teacher -- None: SFT --, GPUs, GB per GPU), each a LoRA student and, for
+# contrast, full training of the same pair on the same GPUs (sharded with FSDP over several)
+LORA_CASES = [("Qwen3-8B", None, 1, 80), ("Qwen3-14B", None, 1, 80), ("Qwen3-32B", None, 1, 80),
+              ("Qwen3-8B", "Qwen3-4B", 1, 141), ("Qwen3-8B", "Qwen3-32B", 1, 141), ("Qwen3-4B", "Qwen3-32B", 1, 141),
+              ("Qwen3-32B", None, 1, 141), ("Qwen3-8B", "Qwen3-32B", 4, 80), ("Qwen3-14B", "Qwen3-32B", 8, 80),
+              ("Qwen3-32B", None, 8, 80)]
+
+
+def run_lora_estimates(shape_args: dict, lora_rank: int) -> dict:
+    """Every case of LORA_CASES, a LoRA student of `lora_rank` and full training, with and without gradient
+    checkpointing: rank 0's bytes per phase -- the step's estimated (fake tensors), the load and the save
+    arithmetic (`lora_case_peaks`) -- printed as they come. Full training whose state alone is over the budget
+    is not run."""
+    print(f"\nOne step per rank, fake tensors on the CPU (benchmarks/fsdp_estimate.py), at the models' full depths: "
+          f"{shape_args['window']} micro-batches of {shape_args['batch']} x {shape_args['seq']} tokens, loss chunk "
+          f"{shape_args['chunk']}; LoRA rank {lora_rank} on all seven projections (base frozen in bf16, fp32 "
+          f"adapters, only they in AdamW); "
+          f"GB (1e9 B) at the peak of each phase, the load and the save arithmetic; fits within the GPU's GB less "
+          f"{fe.RESERVE_GB:.0f}\n", flush=True)
+    print("| student / teacher | GPUs | training | checkpointing | state | load | teacher fwd | forward | backward | "
+          "optimizer | save | peak | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    results = {}
+    for student, teacher, world, gpu_gb in LORA_CASES:
+        for rank in (lora_rank, 0):
+            if not rank and state_gb(student, teacher, world) > gpu_gb - fe.RESERVE_GB:
+                continue
+            for checkpointing in (True, False):
+                shape = fe.StepShape(**shape_args, gradient_checkpointing=checkpointing)
+                peaks = lora_case_peaks(student, teacher, world, shape, rank)
+                results[student, teacher, world, rank, checkpointing] = peaks
+                peak = max(peaks.values()) / 1e9
+                cells = " | ".join(f"{peaks[phase] / 1e9:.1f}" if phase in peaks else "-"  # SFT: no teacher
+                                   for phase in LORA_TABLE_PHASES)
+                print(f"| {student} / {teacher or 'none (SFT)'} | {gpus(world, gpu_gb)} | "
+                      f"{f'LoRA r{rank}' if rank else 'full'} | {'on' if checkpointing else 'off'} | {cells} | "
+                      f"{peak:.1f} | {'yes' if peak <= gpu_gb - fe.RESERVE_GB else 'no'} |", flush=True)
+    return results
+
+
+LORA_TABLE_PHASES = ("state", "load", "teacher", "forward", "backward", "optimizer", "save")
+
+
+def lora_case_peaks(student: str, teacher: str | None, world: int, shape: fe.StepShape, lora_rank: int) -> dict:
+    """One case of the LoRA table: the estimate's state and peaks at the full depths (`fe.full_depth`: sharded, a
+    LoRA student's peak moves between shallow depths, which `fe.by_depth` would take for a slope), with the load and
+    the save. The load holds the state but AdamW's moments (created by the first step), and a LoRA student's base
+    digest (fe.digest_bytes); the save holds the state (the step freed the gradients) and the export's rows on rank
+    0 (fe.export_bytes). AdamW's moments: 8 bytes per trained parameter (a LoRA student's adapters), over W."""
+    config = fe.qwen3_config(student)
+    result = fe.full_depth(config, teacher and fe.qwen3_config(teacher), world, shape, lora_rank)
+    state = result["state"]
+    trained = fe.adapter_parameter_count(config, lora_rank) if lora_rank else fe.parameter_count(config)
+    return {"state": state, "load": state - 8 * trained // world + fe.digest_bytes(config, world, lora_rank),
+            **result["peaks"], "save": state + fe.export_bytes(config, world, lora_rank)}
+
+
+def lora_sizing_table(results: dict, lora_rank: int) -> None:
+    """The LoRA table's summary: per case the peak over all phases, LoRA and full, checkpointing on / off."""
+    print(f"\nGB per GPU at the peak of the load, the accumulation window and the save, gradient checkpointing on / "
+          f"off; yes: within the GPU's GB less {fe.RESERVE_GB:.0f}\n")
+    print(f"| student / teacher | GPUs | LoRA r{lora_rank} | full training |\n|---|---|---|---|")
+    for student, teacher, world, gpu_gb in LORA_CASES:
+        cells = []
+        for rank in (lora_rank, 0):
+            if (student, teacher, world, rank, True) not in results:
+                cells.append(f"> {state_gb(student, teacher, world):.0f} no")
+                continue
+            gbs = [max(results[student, teacher, world, rank, gc].values()) / 1e9 for gc in (True, False)]
+            cells.append(" / ".join(f"{gb:.0f} {'yes' if gb <= gpu_gb - fe.RESERVE_GB else 'no'}" for gb in gbs))
+        print(f"| {student} / {teacher or 'none (SFT)'} | {gpus(world, gpu_gb)} | " + " | ".join(cells) + " |")
+
+
+def gpus(world: int, gpu_gb: int) -> str:
+    return f"{world} x {gpu_gb} GB" + (" FSDP" if world > 1 else "")
+
+
+def estimate_check(config_path: str, nproc: int, lora_rank: int = 0) -> None:
+    """--config's SFT step (of a LoRA student with `lora_rank`) at `nproc` fake ranks against the same step on
+    `nproc` real gloo ranks (the CPU allocator's own count): per phase and micro-batch, MiB and the ratio. Both
+    under CPU bf16 autocast."""
     shape = fe.StepShape(batch=2, seq=128, window=4, chunk=64)
     config = Qwen3Config.from_json(config_path)
-    fake = fe.estimate(config, None, nproc, shape)
+    fake = fe.estimate(config, None, nproc, shape, lora_rank)
     with tempfile.TemporaryDirectory() as out:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-                        os.path.abspath(__file__), "--config", config_path, "--out", out,
-                        "--real_step", json.dumps(dataclasses.asdict(shape))],
+                        os.path.abspath(__file__), "--config", config_path, "--out", out, "--lora_rank",
+                        str(lora_rank), "--real_step", json.dumps(dataclasses.asdict(shape))],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         real = [read_json(os.path.join(out, f"real-{rank}.json")) for rank in range(nproc)]
-    print(f"\n{os.path.basename(config_path)}, one SFT step of {shape.window} micro-batches of {shape.batch} x "
-          f"{shape.seq}, {nproc} ranks, CPU bf16 autocast: MiB at each phase's peak, the fake estimate (rank 0) "
+    lora = f", LoRA rank {lora_rank}" if lora_rank else ""
+    print(f"\n{os.path.basename(config_path)}{lora}, one SFT step of {shape.window} micro-batches of {shape.batch} "
+          f"x {shape.seq}, {nproc} ranks, CPU bf16 autocast: MiB at each phase's peak, the fake estimate (rank 0) "
           f"against what the CPU allocator counted on each real rank\n")
     print("| phase | occurrence | estimate | " + " | ".join(f"rank {r}" for r in range(nproc))
           + " | estimate / largest rank |\n|---|---|---|" + "---|" * nproc + "---|")
@@ -612,7 +798,8 @@ def estimate_check(config_path: str, nproc: int) -> None:
 def measure_real_step(args) -> None:
     """One rank of --estimate_check: the step on real tensors; writes its peaks to --out/real-RANK.json."""
     dist.init_process_group("gloo")
-    result = fe.measured_step(Qwen3Config.from_json(args.config), fe.StepShape(**json.loads(args.real_step)))
+    result = fe.measured_step(Qwen3Config.from_json(args.config), fe.StepShape(**json.loads(args.real_step)),
+                              args.lora_rank)
     with open(os.path.join(args.out, f"real-{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -627,8 +814,11 @@ def main(argv=None) -> None:
         # machine, none with this exit in 10; the loops' own runs, tested throughout, never did)
         sys.stdout.flush()
         os._exit(0)
+    if args.phases_case == "tokenizer":
+        measure_tokenizer(args)
+        return
     if args.phases_case:
-        measure_tokenizer(args) if args.phases_case == "tokenizer" else measure_phases(args)
+        measure_training_phases(args) if args.training_case else measure_phases(args)
         return
     if args.real_step:
         measure_real_step(args)
@@ -637,15 +827,21 @@ def main(argv=None) -> None:
         measure_precision(args) if args.precision else measure(args)
         return
     if args.estimate_check:
-        estimate_check(args.config, args.nproc)
+        estimate_check(args.config, args.nproc, args.lora_rank)
         return
     if args.estimate:
         shape = {"batch": args.estimate_batch, "seq": args.estimate_seq, "window": args.estimate_window,
                  "chunk": 512}
-        estimated_sizing_table(run_estimates(shape))
+        if args.lora_rank:
+            lora_sizing_table(run_lora_estimates(shape, args.lora_rank), args.lora_rank)
+        else:
+            estimated_sizing_table(run_estimates(shape))
         return
     if args.load:
         run_load_benchmark(args.config, args.nproc)
+        return
+    if args.phases and args.lora_rank:
+        run_lora_phases_benchmark(args.config, args.nproc, args.lora_rank, args.malloc_default)
         return
     if args.phases:
         run_phases_benchmark(args.config, args.nproc, args.malloc_default)

@@ -63,6 +63,7 @@ if ROOT not in sys.path:
 
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
+from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 
 SAVE_DIR = "checkpoints/demo"
 TEACHER_PORT = 8001  # the teacher served by vLLM, a background process of the demo
@@ -736,6 +737,8 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
         folder = move_aside(save_dir, existing)
         print(f"moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)
     os.makedirs(save_dir, exist_ok=True)
+    # the commands name the data files (the teacher's --eval_data_path): on a fresh checkout they are written first
+    ensure_demo_data(os.path.join(root, "dataset", "demo"))
     start, where = time.perf_counter(), machine()
     runs, extra = run_all(rows, first, root, runner, teachers or {"vllm": ServedTeacher(), "rule": RuleTeacher()})
     if args.sweep:

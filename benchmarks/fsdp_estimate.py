@@ -9,7 +9,9 @@ by trainer/skeleton/sharding.shard exactly as `--fsdp 1` does it (each RMSNorm, 
 layers gathered in bf16), then materialised as fake tensors -- shapes and dtypes, no storage -- under a fake process
 group of W ranks, so that the real Qwen3 shapes run on a laptop. torch's FSDPMemTracker counts every tensor a rank
 would hold (its shards, the gathered units, all-gather and reduce-scatter buffers, activations, gradients, AdamW's
-moments and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase.
+moments and the foreach temporaries) and `PhasePeaks` keeps the most of it per phase. The student is fully trained,
+or a LoRA student (`lora_rank`: its base frozen in bf16, fp32 adapters, they alone in AdamW, no gradient of its
+frozen head).
 
 What stands in for CUDA, and what is left out:
 - autocast: CPU bf16 autocast (this build has no CUDA). For the ops of this model it lowers what CUDA's lowers --
@@ -38,12 +40,14 @@ import torch
 import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from model import Qwen3Config, Qwen3ForCausalLM
+from model.checkpoint_io import hf_layout
+from model.lora import TARGETS, adapter_count, add_lora
 from trainer.skeleton.sharding import reshard_root, shard
 from trainer.losses.fused_divergences import fused_kd_loss
-from trainer.losses.fused_linear import fused_cross_entropy
+from trainer.losses.fused_linear import fused_cross_entropy, release_workspace
 
 # The public config.json of each Qwen/Qwen3-* model (huggingface.co/Qwen): hidden, intermediate, layers, attention
 # heads, key/value heads, tied embeddings; all have head_dim 128 and the 151,936-row vocabulary.
@@ -75,16 +79,21 @@ class StepShape:
     gradient_checkpointing: bool = False
 
 
-def build(config: Qwen3Config, world: int, trained: bool) -> Qwen3ForCausalLM:
+def build(config: Qwen3Config, world: int, trained: bool, lora_rank: int = 0) -> Qwen3ForCausalLM:
     """The model as the loops hold it on a GPU, on the meta device: sharded over `world` ranks (not for one rank),
-    a student with fp32 master weights, a teacher stored in bf16 and frozen (read_teacher on CUDA). `materialise`
-    then gives it this rank's tensors."""
+    a student with fp32 master weights, a teacher stored in bf16 and frozen (read_teacher on CUDA). `lora_rank`: a
+    LoRA student as trainer/skeleton/loading.build_model builds it -- its base frozen in bf16 (the compute dtype),
+    fp32 adapters of that rank on all seven projections of every layer, added before sharding. `materialise` then
+    gives it this rank's tensors."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     if not trained:
-        # frozen as load_teacher freezes it, but for requires_grad: MemTracker's module hooks put a gradient hook
-        # on every parameter a forward uses and refuse frozen ones; under no_grad no graph, no byte, differs
+        # frozen as load_teacher freezes it, but for requires_grad (torch's MemTracker refuses a frozen parameter a
+        # forward uses; ours below take it): under no_grad no graph, no byte, differs
         model.to(torch.bfloat16).eval()
+    if lora_rank:
+        model.to(torch.bfloat16)
+        add_lora(model, rank=lora_rank, seed=None)  # on the meta device: filled by `materialise`'s caller
     if world > 1:
         shard(model, "cpu", torch.bfloat16)
     return model
@@ -96,10 +105,11 @@ def materialise(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    """Run.make_optimizer's AdamW, foreach in place of fused (the module's docstring says why); its moments
-    created by one step of zero gradients (a later step's forward already holds them)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
-    for p in model.parameters():
+    """Run.make_optimizer's AdamW over the parameters that train, foreach in place of fused (the module's docstring
+    says why); its moments created by one step of zero gradients (a later step's forward already holds them)."""
+    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA student's adapters alone
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    for p in trained:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -140,6 +150,21 @@ class _RunningPeak:
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
             self._peak_mem[dev] = max(self._peak_mem.get(dev, 0), snap["Total"])
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                         install_grad_hooks: bool = True) -> tuple[int, int]:
+        """The trackers' own, but a gradient hook only on a parameter that trains: register_hook refuses a frozen
+        one (a LoRA student's base), which never has a gradient to count. Every parameter's bytes are counted."""
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        for param in module.parameters() if install_grad_hooks else ():
+            if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(self._count_gradient),
+                    param.register_post_accumulate_grad_hook(lambda p: self._count_gradient(p.grad)))
+        return memory
+
+    def _count_gradient(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
 
 class RunningPeakFSDPTracker(_RunningPeak, FSDPMemTracker):
@@ -230,15 +255,17 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
 
 
 def estimate(student_config: Qwen3Config, teacher_config: Qwen3Config | list[Qwen3Config] | None, world: int,
-             shape: StepShape) -> dict:
+             shape: StepShape, lora_rank: int = 0) -> dict:
     """One step at `world` fake ranks (rank 0's view; every rank holds the same) with no teacher, one, or a list
-    of them (--teachers) -> {"peaks": {phase: [bytes per occurrence]}, "state": bytes held before the step (shards
-    and AdamW's moments)}. Needs no process group: a fake one is started, and destroyed afterwards."""
+    of them (--teachers), of a fully trained student or a LoRA one (`lora_rank`: `build`) -> {"peaks": {phase:
+    [bytes per occurrence]}, "state": bytes held before the step (shards and AdamW's moments)}. Needs no process
+    group: a fake one is started, and destroyed afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        student = build(student_config, world, trained=True)  # the mesh is made from real tensors: outside
+        # the mesh is made from real tensors: outside
+        student = build(student_config, world, trained=True, lora_rank=lora_rank)
         configs = teacher_config if isinstance(teacher_config, list) else [teacher_config] if teacher_config else []
         teachers = [build(config, world, trained=False) for config in configs]
         # meta tensors (the modules as built) are copied into fake ones by to_empty: hence non-fake inputs
@@ -264,6 +291,55 @@ def parameter_count(config: Qwen3Config) -> int:
         return sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
 
 
+def adapter_parameter_count(config: Qwen3Config, lora_rank: int) -> int:
+    """Elements of the LoRA adapters `build` puts on a student of `config` (all seven projections of every layer)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    add_lora(model, rank=lora_rank, seed=None)
+    return adapter_count(model)
+
+
+def hf_tensors(config: Qwen3Config) -> list[tuple[str, int, int, int]]:
+    """(HF name, rows, columns, rows of the parameter it is a block of) of every tensor of the export, a fused
+    parameter's blocks each on their own (model/checkpoint_io.py: hf_layout)."""
+    with torch.device("meta"):
+        parameters = dict(Qwen3ForCausalLM(config).named_parameters())
+    return [(name, len(block.rows), parameters[block.parameter][0].numel(), parameters[block.parameter].shape[0])
+            for name, block in hf_layout(parameters, config).items()]
+
+
+def export_bytes(config: Qwen3Config, world: int, lora_rank: int = 0) -> int:
+    """What the save's HF export adds on rank 0, which writes it tensor by tensor (model/checkpoint_io.py:
+    `_rows_in_order`), beyond the state the optimizer step leaves (its gradients freed): the most, over the HF
+    tensors, of what rank 0 holds of one at once on the device. Sharded, the rows one other rank sends (its share
+    of the parameter: at most ceil(rows / W)), two of them at the turn to the next rank (the previous still bound
+    while the next is allocated); one GPU, none (a tensor goes to the host from its own memory). A LoRA student's
+    adapted projection is written merged, W + scaling B A in fp32, on the device: the rows cast to fp32, the delta
+    and the sum, 12 bytes per element (beside the received bf16 rows), and its factors gathered whole; its other
+    tensors go to the host in bf16 and are cast there (a blocking copy converts on the host)."""
+    element = 2 if lora_rank else 4  # the student's weights: a LoRA student's base in bf16, else fp32
+    most = 0
+    for name, rows, columns, parameter_rows in hf_tensors(config):
+        held = min(rows, -(-parameter_rows // world)) if world > 1 else rows
+        received = held * columns * element if world > 1 else 0
+        if lora_rank and name.endswith(tuple(f"{target}.weight" for target in TARGETS)):
+            factors = 4 * lora_rank * (2 * rows + columns)  # B gathered, scaling B, A: fp32
+            most = max(most, received + 12 * held * columns + factors)
+        else:
+            most = max(most, 2 * received)
+    return most
+
+
+def digest_bytes(config: Qwen3Config, world: int, lora_rank: int) -> int:
+    """What a LoRA student's start-up adds on every rank beyond its shards: the sha256 of its frozen base
+    (model/lora.py: base_digest, taken by Run and by a resume) all-gathers each base tensor whole, in bf16, one at a
+    time -- the largest, the embedding (or the head). Nothing without LoRA or on one GPU."""
+    if not lora_rank or world == 1:
+        return 0
+    with torch.device("meta"):
+        return 2 * max(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+
+
 def extra_teacher_bytes(student_config: Qwen3Config, teacher_config: Qwen3Config, world: int,
                         replicated: bool = False) -> int:
     """What one more teacher (--teachers) adds to a rank's peak, at the forward's end: its bf16 weights (2 bytes per
@@ -286,8 +362,11 @@ def by_depth(student_config: Qwen3Config, teacher_config: Qwen3Config | None, wo
     are linear in each model's number of layers -- base and base + 1 layers of the student, then of the teacher,
     give the slopes. The tracker's cost grows with the number of modules (a 64-layer teacher takes minutes per
     estimate here); a depth extrapolated this way equals a direct estimate to the byte (tests/test_fsdp_estimate.py,
-    and 6 layers of 8B / 32B predicted from 2 and 3). -> {"peaks": {phase: the most over its occurrences},
-    "state"}."""
+    and 6 layers of 8B / 32B predicted from 2 and 3) -- while a phase's peak is at the same moment at both shallow
+    depths and the full one. Where it moves, it is low: sharded without checkpointing, the backward's peak at 2
+    layers is its end (the root's whole gradient), from 4 on its start (every layer's activations) -- Qwen3-14B's SFT
+    on 8 ranks, 73.8 GB extrapolated, 92.1 direct; `full_depth` estimates the full depth itself. -> {"peaks": {phase:
+    the most over its occurrences}, "state"}."""
     def at(student_layers: int, teacher_layers: int) -> dict[str, int]:
         result = estimate(dataclasses.replace(student_config, num_hidden_layers=student_layers),
                           teacher_config and dataclasses.replace(teacher_config, num_hidden_layers=teacher_layers),
@@ -302,18 +381,32 @@ def by_depth(student_config: Qwen3Config, teacher_config: Qwen3Config | None, wo
     return {"state": full.pop("state"), "peaks": full}
 
 
-def measured_step(config: Qwen3Config, shape: StepShape) -> dict:
-    """The same step on real tensors, in this process (of a gloo group under torchrun: sharded over its ranks): -> the same {"peaks", "state"}, counted by the CPU allocator itself -- torch.profiler's memory events,
-    every allocation and free the allocator makes, kernels' own buffers included -- on top of the bytes of the
-    tensors alive when the step starts (parameters, AdamW's moments, RoPE's buffer)."""
+def full_depth(student_config: Qwen3Config, teacher_config: Qwen3Config | None, world: int, shape: StepShape,
+               lora_rank: int = 0) -> dict:
+    """`estimate` at the models' own depths, no extrapolation (`by_depth` says when that is low), in by_depth's
+    form: {"peaks": {phase: the most over its occurrences}, "state"}. A minute or two for a 64-layer model here."""
+    result = estimate(student_config, teacher_config, world, shape, lora_rank)
+    return {"state": result["state"], "peaks": {phase: max(values) for phase, values in result["peaks"].items()}}
+
+
+def measured_step(config: Qwen3Config, shape: StepShape, lora_rank: int = 0) -> dict:
+    """The same step on real tensors, in this process (of a gloo group under torchrun: sharded over its ranks), of
+    a fully trained student or a LoRA one (`lora_rank`) -> the same {"peaks", "state"}, counted by the CPU allocator
+    itself -- torch.profiler's memory events, every allocation and free the allocator makes, kernels' own buffers
+    included -- on top of the bytes of the tensors alive when the step starts (parameters, AdamW's moments, RoPE's
+    buffer)."""
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
-    student = materialise(build(config, dist.get_world_size() if dist.is_initialized() else 1, trained=True))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    student = materialise(build(config, world, trained=True, lora_rank=lora_rank))
     with torch.no_grad():
         for p in student.parameters():
             p.normal_(0.0, 0.02)  # to_empty leaves whatever the memory held: NaNs would be fine for bytes, not here
     optimizer = adamw(student)
     state = live_bytes(student, optimizer)
+    # the fused loss's CPU workspace, kept from call to call for speed, where a GPU's (and the estimate's) lives only
+    # within the loss: one an earlier call left would be freed in the step, never having been counted
+    release_workspace()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         phases = PhasePeaks(lambda: 0, lambda: 0, lambda name: None)
         phases.phase = marked_phase  # marks only; the peaks are read from the trace
@@ -330,6 +423,8 @@ def marked_phase(name: str) -> Iterator[None]:
         dist.barrier()
     with record_function(name):
         yield
+        if name == "forward":  # within the range: a free between ranges would count in the next one's start
+            release_workspace()
 
 
 def live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

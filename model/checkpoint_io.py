@@ -31,6 +31,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from common.files import atomic_directory
 from model.config import ModelFileError, Qwen3Config, read_json
+from model.lora import LoRALinear, factors, is_adapter
 from model.qwen3 import Qwen3ForCausalLM, unwrap
 from model.tokenizer import load_tokenizer
 
@@ -77,9 +78,11 @@ def hf_layout(parameters: dict[str, torch.Tensor], config: Qwen3Config) -> dict[
 @dataclass(frozen=True)
 class RowBlock:
     """An HF tensor of a model: rows `rows` of one of its parameters, `tensor` -- the model's own (a DTensor when
-    sharded), nothing copied -- all of them unless the parameter is fused."""
+    sharded), nothing copied -- all of them unless the parameter is fused. `adapter`: (LoRA layer, HF block name)
+    when a LoRA adapter is on it: the tensor is then written merged, W + scaling B A, in at least fp32."""
     tensor: torch.Tensor
     rows: range
+    adapter: tuple | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,7 +90,8 @@ class RowBlock:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
+        # a merged weight is computed in fp32: a bf16 base plus an fp32 delta is not a bf16 number
+        return torch.promote_types(self.tensor.dtype, torch.float32) if self.adapter else self.tensor.dtype
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -222,7 +226,8 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
         shard(model)
     model.to_empty(device=device)  # recomputes RoPE's buffer on `device` (RotaryEmbedding._apply)
     model.tie_weights()
-    parameters = dict(model.named_parameters())  # a tied head is the embedding: named once
+    # a tied head is the embedding: named once; LoRA adapters (added by `shard`) are not in the file
+    parameters = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
     by_file: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
     for name, block in hf_layout(parameters, config).items():
         by_file.setdefault(shapes[name][0], {})[name] = local_rows(parameters[block.parameter], block.rows)
@@ -243,11 +248,20 @@ def hf_weights(model: Qwen3ForCausalLM) -> dict[str, RowBlock]:
     sharded model's DTensors, with the whole tensors' shapes; a fused parameter as its HF tensors (`hf_layout`).
     (A sharded model's state_dict also frees a root left gathered by a forward without backward: FSDP2's hook.)"""
     model = unwrap(model)
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items() if not is_adapter(name)}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return {name: RowBlock(state[block.parameter], block.rows)
+    return {name: RowBlock(state[block.parameter], block.rows, _adapter(model, name, block.parameter))
             for name, block in hf_layout(state, model.config).items()}
+
+
+def _adapter(model: Qwen3ForCausalLM, hf_name: str, parameter: str) -> tuple | None:
+    """(LoRA layer, HF block name) when a LoRA adapter is on this HF tensor and switched on (model/lora.py: the
+    export is what the model computes), else None."""
+    layer = model.get_submodule(parameter.rsplit(".", 1)[0]) if parameter.endswith(".weight") else None
+    block = hf_name.rsplit(".", 2)[-2]  # model.layers.N.self_attn.q_proj.weight -> q_proj
+    adapted = isinstance(layer, LoRALinear) and layer.enabled and block in layer.lora_A
+    return (layer, block) if adapted else None
 
 
 def _nbytes(block: RowBlock, dtype: torch.dtype | None) -> int:
@@ -291,22 +305,32 @@ def _rows_in_order(block: RowBlock) -> Iterator[torch.Tensor]:
     splits dim 0 over the ranks as torch.chunk does, the last ranks holding fewer rows or none) rank 0's own rows
     of it, then each other rank's, which it sends to rank 0 when rank 0 is ready for them -- of a fused parameter
     only the rows of this block, so no rank gathers the parameter; a rank other than 0 yields nothing."""
-    tensor = block.tensor
+    tensor, merged = block.tensor, _merge(block)
     if not isinstance(tensor, DTensor):
-        yield tensor[block.rows.start:block.rows.stop]
+        yield merged(tensor[block.rows.start:block.rows.stop], 0)
         return
-    group, (local, _) = tensor.device_mesh.get_group(), local_rows(tensor, block.rows)
+    group, (local, start) = tensor.device_mesh.get_group(), local_rows(tensor, block.rows)
     if dist.get_rank(group) != 0:
         if local.numel():
             dist.send(local.contiguous(), group_dst=0, group=group)
         return
-    yield local
+    yield merged(local, start)
     for source, held in enumerate(_rank_rows(tensor.shape[0], dist.get_world_size(group))[1:], 1):
-        count = min(block.rows.stop, held.stop) - max(block.rows.start, held.start)  # its rows of the block
+        first = max(block.rows.start, held.start)
+        count = min(block.rows.stop, held.stop) - first  # its rows of the block
         if count > 0:
             rows = torch.empty((count, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
             dist.recv(rows, group_src=source, group=group)
-            yield rows
+            yield merged(rows, first - block.rows.start)
+
+
+def _merge(block: RowBlock) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """rows, index of the first within the block -> the rows as written: with a LoRA adapter on the block, merged
+    (W + scaling B A, in fp32 at least) -- its factors, small, are gathered whole first (every rank, in step)."""
+    if block.adapter is None:
+        return lambda rows, first: rows
+    scaled_b, a = factors(*block.adapter)
+    return lambda rows, first: rows.to(block.dtype) + (scaled_b[first:first + rows.shape[0]] @ a).to(rows.device)
 
 
 def _export_files(state: dict[str, RowBlock], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:

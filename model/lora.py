@@ -11,13 +11,20 @@ is PEFT's adapter on the HF module of the same name (`peft_state`, `peft_config`
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
+import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
+from common.files import atomic_directory
 from model.qwen3 import Qwen3ForCausalLM
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -33,13 +40,11 @@ class LoRALinear(nn.Linear):
         self.weight = base.weight  # the same Parameter: its name, its storage and its freezing are the base's
         self.blocks, self.scaling, self.enabled = blocks, alpha / rank, True
         self.dropout = nn.Dropout(dropout)
-        device = base.weight.device
+        device = base.weight.device  # the meta device too (a model sharded before it is filled): `init_adapters`
         self.lora_A = nn.ParameterDict({name: nn.Parameter(torch.empty(rank, self.in_features, device=device))
                                         for name in adapted})
-        self.lora_B = nn.ParameterDict({name: nn.Parameter(torch.zeros(rows, rank, device=device))
+        self.lora_B = nn.ParameterDict({name: nn.Parameter(torch.empty(rows, rank, device=device))
                                         for name, rows in blocks if name in adapted})
-        for a in self.lora_A.values():  # PEFT's initialisation of A (B is zero)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
@@ -70,9 +75,11 @@ def _projections(model: Qwen3ForCausalLM) -> Iterator[tuple[nn.Module, str, list
 
 
 def add_lora(model: Qwen3ForCausalLM, rank: int = 16, alpha: float = 32.0, dropout: float = 0.0,
-             targets: tuple[str, ...] = TARGETS) -> list[nn.Parameter]:
-    """Adapters on `targets` (HF projection names) of every layer, in place; the base frozen. Returns the adapters'
-    parameters (what an optimizer takes). A fresh adapter's output is the base's exactly (B is zero)."""
+             targets: tuple[str, ...] = TARGETS, seed: int | None = 0) -> list[nn.Parameter]:
+    """Adapters on `targets` (HF projection names) of every layer, in place, in fp32; the base frozen. Returns the
+    adapters' parameters (what an optimizer takes). A fresh adapter's output is the base's exactly (B is zero).
+    `seed`: the adapters' initialisation (`init_adapters`); None leaves them unfilled, for a model on the meta
+    device that is sharded and filled afterwards."""
     unknown = set(targets) - set(TARGETS)
     if unknown or rank < 1:
         raise ValueError(f"LoRA targets must be among {TARGETS} and the rank >= 1, got {sorted(unknown)}, {rank}")
@@ -83,7 +90,48 @@ def add_lora(model: Qwen3ForCausalLM, rank: int = 16, alpha: float = 32.0, dropo
         if adapted:
             setattr(parent, attribute, LoRALinear(getattr(parent, attribute), blocks, adapted, rank, alpha, dropout))
     model.lora = {"rank": rank, "alpha": alpha, "dropout": dropout, "targets": list(targets)}
-    return [p for name, p in model.named_parameters() if ".lora_" in name]
+    if seed is not None:
+        init_adapters(model, seed)
+    return adapter_parameters(model)
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for name, p in model.named_parameters() if is_adapter(name)]
+
+
+def is_adapter(name: str) -> bool:
+    """A parameter or state-dict name of an adapter (`<projection>.lora_A.<hf name>`)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's initialisation: A kaiming-uniform (a = sqrt 5), B zero. Each A is drawn whole on the CPU from one
+    generator, in the model's order, then copied in -- into a sharded adapter only its rows (DTensor's implicit
+    replication) -- so every world size, sharded or not, starts from the same adapters."""
+    generator = torch.Generator().manual_seed(seed)
+    with implicit_replication():
+        for layer in lora_layers(model):
+            for a in layer.lora_A.values():
+                drawn = torch.empty(a.shape)
+                nn.init.kaiming_uniform_(drawn, a=math.sqrt(5), generator=generator)
+                a.copy_(drawn)
+            for b in layer.lora_B.values():
+                b.zero_()
+
+
+def base_digest(model: nn.Module) -> str:
+    """sha256 of the frozen base: every parameter but the adapters, in name order, its bytes as stored (a sharded
+    one gathered tensor by tensor: every rank calls this and gets the same digest). A resume file keeps it, so a
+    resume onto another base is refused."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            continue
+        tensor = whole(p).contiguous().cpu()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def lora_layers(model: nn.Module) -> list[LoRALinear]:
@@ -117,7 +165,7 @@ def merge(model: nn.Module) -> None:
 
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's names (`base_model.model.<HF module>.lora_A.weight`), fp32 on the CPU: what PEFT's
-    adapter_model.safetensors holds."""
+    adapter_model.safetensors holds. A sharded model's adapters are gathered: every rank calls this."""
     state = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, LoRALinear):
@@ -125,9 +173,21 @@ def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
         parent = module_name.rsplit(".", 1)[0]  # model.layers.<i>.self_attn / .mlp
         for name in module.lora_A:
             prefix = f"base_model.model.{parent}.{name}"
-            state[f"{prefix}.lora_A.weight"] = module.lora_A[name].detach().float().cpu().contiguous()
-            state[f"{prefix}.lora_B.weight"] = module.lora_B[name].detach().float().cpu().contiguous()
+            state[f"{prefix}.lora_A.weight"] = whole(module.lora_A[name]).float().cpu().contiguous()
+            state[f"{prefix}.lora_B.weight"] = whole(module.lora_B[name]).float().cpu().contiguous()
     return state
+
+
+def whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value, detached (a sharded one all-gathered: a collective)."""
+    p = p.detach()
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def factors(layer: LoRALinear, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scaling B, A) of the adapter of HF block `name`, whole and fp32: its delta's rows i..j are
+    (scaling B)[i:j] @ A (a sharded adapter gathered: every rank calls this)."""
+    return whole(layer.lora_B[name]).float() * layer.scaling, whole(layer.lora_A[name]).float()
 
 
 def peft_config(model: nn.Module, base_model_path: str | None = None) -> dict:
@@ -137,3 +197,22 @@ def peft_config(model: nn.Module, base_model_path: str | None = None) -> dict:
             "r": settings["rank"], "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout"],
             "target_modules": sorted(settings["targets"]), "bias": "none", "fan_in_fan_out": False,
             "init_lora_weights": True, "use_rslora": False, "use_dora": False, "inference_mode": True}
+
+
+def save_peft_adapter(model: nn.Module, out_dir: str, base_model_path: str | None, write: bool = True) -> None:
+    """The adapters alone as PEFT's folder -- adapter_config.json and adapter_model.safetensors (`peft_state`'s
+    names) -- which `PeftModel.from_pretrained(base, out_dir)` loads onto the base. Every rank calls this (a
+    sharded model's adapters are gathered); rank 0, with `write`, writes, atomically."""
+    state, config = peft_state(model), peft_config(model, base_model_path)
+    if not write:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with atomic_directory(out_dir) as tmp_dir:
+        save_file(state, os.path.join(tmp_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp_dir, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+
+
+def adapter_count(model: nn.Module) -> int:
+    """Elements of the adapters (0 without LoRA)."""
+    return sum(p.numel() for p in adapter_parameters(model))

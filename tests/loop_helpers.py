@@ -38,7 +38,12 @@ def without_timing(rows: list[dict]) -> list[dict]:
 
 
 def weights(save_dir, name="run") -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(str(save_dir), name, "model.safetensors"))
+    """The export's weights; a LoRA student's adapters too (NAME_adapter/, PEFT's format), prefixed "adapter:"."""
+    merged = load_file(os.path.join(str(save_dir), name, "model.safetensors"))
+    adapter = os.path.join(str(save_dir), f"{name}_adapter", "adapter_model.safetensors")
+    if not os.path.exists(adapter):
+        return merged
+    return {**merged, **{f"adapter:{k}": v for k, v in load_file(adapter).items()}}
 
 
 def max_weight_diff(a: dict, b: dict) -> float:

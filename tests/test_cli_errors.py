@@ -103,7 +103,7 @@ def test_help_shows_the_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert stopped.value.code == 0
     assert "rows per micro-batch per device (default: 16)" in out and "(default: 2e-3)" not in out
-    assert "(default: 0.002)" in out
+    assert "auto: 0.002, 10x that with --lora_rank" in out and "(default: auto)" in out
 
 
 def test_a_refused_value_names_only_the_flag_that_is_wrong(capsys):

@@ -301,6 +301,20 @@ def test_ddp_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, dtype)
     assert_trained(tmp_path, dtype)
 
 
+@pytest.mark.parametrize("dtype, fsdp", [("bfloat16", 1), ("float16", 0)], ids=["bf16-fsdp", "fp16"])
+def test_a_lora_student_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype, fsdp):
+    """KD with a LoRA student: its base held in the recipe's dtype (bf16 gathered as it is stored on 2 sharded ranks;
+    fp16 under the GradScaler), its fp32 adapters alone trained, resumed and in AdamW."""
+    args = recipe_args(files, "kd", tmp_path, dtype, lora_rank=4, fsdp=fsdp, **EVAL)
+    if fsdp:
+        run_command(torchrun_command(LOOPS["kd"][1], args))
+    else:
+        LOOPS["kd"][0](args)
+    assert_trained(tmp_path, dtype)
+    checkpoint = torch.load(tmp_path / "run_resume.pt", map_location="cpu", weights_only=False)
+    assert checkpoint["base_sha256"] and (fsdp or all(".lora_" in name for name in checkpoint["model"]))
+
+
 @pytest.mark.parametrize("loop, flags", [("sft", {"use_compile": 1}), ("kd", {"gradient_checkpointing": 1})],
                          ids=["sft-use_compile", "kd-gradient_checkpointing"])
 def test_fsdp_trains_under_the_recipe(files, tmp_path, loop, flags):

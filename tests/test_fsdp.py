@@ -24,6 +24,9 @@ from trainer.train_opd import main as train_opd
 from trainer.train_rl import main as train_rl
 from trainer.train_sft import main as train_sft
 from vllm_servers import free_port
+from torch.distributed.checkpoint import FileSystemReader
+
+LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}  # as tests/test_loop_invariants.py's LoRA loops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SFT = os.path.join(ROOT, "trainer", "train_sft.py")
@@ -44,10 +47,13 @@ def sharded_args(config, data, save_dir, **flags) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["sft", "kd"])
+@pytest.mark.parametrize("loop", ["sft", "kd", "sft_lora"])
 def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
-    script, main = {"sft": (SFT, train_sft), "kd": (KD, train_distillation)}[loop]
+    """sft_lora: the adapters sharded with their base, and only they in the shard folder and the optimizer."""
+    script, main = {"sft": (SFT, train_sft), "kd": (KD, train_distillation), "sft_lora": (SFT, train_sft)}[loop]
     extra = {"teacher_path": teacher_dir, "alpha": 0.3, "temperature": 2.0} if loop == "kd" else {}
+    if loop == "sft_lora":
+        extra.update(LORA)
     # with the held-out evaluation: every sharded rank evaluates in step, rank 0 logs the numbers of one process
     extra.update(eval_interval=3, eval_rows=4, eval_max_new_tokens=8)
     extra.update(export_steps="1,3")  # a snapshot's export gathers the shards as the run's own save does
@@ -67,10 +73,19 @@ def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jso
     one, two = [m for m in one if "loss" in m], [m for m in two if "loss" in m]
     assert [m["loss"] for m in one] == pytest.approx([m["loss"] for m in two], abs=1e-5)
     assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
-    # the resume file names the shard folder; nothing else is left beside it
-    assert sorted(os.listdir(tmp_path / "two"))[:3] == ["run", "run_metrics.jsonl", "run_resume.pt"]
-    assert sorted(os.listdir(tmp_path / "two"))[-2:] == ["run_step1", "run_step3"]
-    assert len([f for f in os.listdir(tmp_path / "two") if ".shards-" in f]) == 1
+    # the resume file names the shard folder; nothing else is left beside it (a LoRA run: each export's adapter)
+    adapters = loop == "sft_lora"
+    files = sorted(f for f in os.listdir(tmp_path / "two") if not f.endswith("_adapter") or not adapters)
+    assert files[:3] == ["run", "run_metrics.jsonl", "run_resume.pt"]
+    assert files[-2:] == ["run_step1", "run_step3"]
+    assert adapters == all(os.path.isdir(tmp_path / "two" / f"{name}_adapter") for name in ("run", "run_step1",
+                                                                                           "run_step3"))
+    shards = [f for f in os.listdir(tmp_path / "two") if ".shards-" in f]
+    assert len(shards) == 1
+    if adapters:  # the model's part of the shard folder: the adapters alone, as their AdamW state
+        saved = FileSystemReader(str(tmp_path / "two" / shards[0])).read_metadata().state_dict_metadata
+        assert {key.split(".", 1)[0] for key in saved} == {"model", "optimizer"}
+        assert all(".lora_" in key for key in saved if key.startswith(("model.", "optimizer.state.")))
 
 
 @pytest.mark.slow
@@ -162,12 +177,14 @@ def test_opd_with_a_sharded_student_needs_a_rollout_server(tiny_config_path, cha
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["opd", "rl", "logit_free"])
+@pytest.mark.parametrize("loop", ["opd", "rl", "logit_free", "rl_lora"])
 def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, black_box_stub, tmp_path):
     """A sharded student cannot decode on its own (every rank holds a part of every layer): it samples on the
     rollout server, rank 0 pushing the weights gathered from the shards; the sharded frozen models (OPD's teacher,
     RL's reference and teacher, the logit-free anchor's reference) score on all ranks; the student's head is read
-    where the forward has gathered it. 2 sharded ranks train as one process does."""
+    where the forward has gathered it. 2 sharded ranks train as one process does. rl_lora: a LoRA student, its
+    adapters sharded with its base, the merged weights pushed (each adapter gathered whole, small), its reference
+    its own base."""
     config = tmp_path / "served_config.json"
     config.write_text(json.dumps(SERVED_CONFIG))
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
@@ -175,6 +192,8 @@ def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, bla
         "opd": (OPD, train_opd, dict(teacher_path=vllm_servers.teacher_dir)),
         "rl": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0,
                                   teacher_path=vllm_servers.teacher_dir)),
+        "rl_lora": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0,
+                                       teacher_path=vllm_servers.teacher_dir, **LORA)),
         # one step: this random-init student's entropy is 11.9166 at every position, its peaks 1e-5 above the
         # mean, so after a step the weights of 2 ranks and of 2 micro-batches (rounding apart) audit other peaks
         # and sample other tokens (measured: equal after step 1, step 2's pi_hat 0.0846 vs 0.0727)

@@ -1,5 +1,6 @@
 """bench_fsdp.py --estimate's fake-tensor estimate of a rank's memory against what the same step allocates for real."""
 import pytest
+import torch
 import torch.distributed as dist
 
 from benchmarks import fsdp_estimate as fe
@@ -8,16 +9,18 @@ from model import Qwen3Config
 MARGIN = 0.10  # the estimate within 10% of the CPU allocator's count, phase by phase
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
 def test_one_unsharded_rank_estimated_with_fake_tensors_allocates_what_the_real_step_does(tiny_config_path,
-                                                                                          one_thread):
+                                                                                          one_thread, lora_rank):
     """One rank (no sharding, MemTracker): the fake estimate of an SFT step of 3 micro-batches against the same
     step on real tensors in this process, counted by the CPU allocator (torch.profiler's memory events), phase by
     phase; and from the second micro-batch on each micro-batch's peak repeats (why --estimate's window of 2 stands
-    for any)."""
+    for any). Full training, and a LoRA student (--estimate --lora_rank: its base frozen in bf16, fp32 adapters,
+    only they in AdamW, no gradient of the frozen head)."""
     if dist.is_initialized():
         pytest.skip("needs a process without a process group: the estimate starts a fake one")
     config, shape = Qwen3Config.from_json(tiny_config_path), fe.StepShape(batch=2, seq=64, window=3, chunk=32)
-    fake, real = fe.estimate(config, None, 1, shape), fe.measured_step(config, shape)
+    fake, real = fe.estimate(config, None, 1, shape, lora_rank), fe.measured_step(config, shape, lora_rank)
     assert abs(fake["state"] / real["state"] - 1.0) <= MARGIN, (fake["state"], real["state"])
     assert fake["peaks"].keys() == real["peaks"].keys() == {"forward", "backward", "optimizer"}
     for phase, values in fake["peaks"].items():
@@ -66,3 +69,27 @@ def test_one_more_teacher_adds_what_the_sizing_formula_says(tiny_config_path, on
     assert abs(grown / fe.extra_teacher_bytes(student, teacher, world) - 1.0) <= 0.02, grown
     held = two["state"] - one["state"] - 2 * fe.parameter_count(teacher) // world
     assert 0 <= held <= 1024, held  # and its RoPE buffer (48 bytes)
+
+
+def test_the_estimates_lora_student_is_the_one_the_loops_build(tiny_config_path):
+    """--estimate --lora_rank's student, tensor by tensor, is what trainer/skeleton/loading.build_model builds for
+    --lora_rank under bf16 autocast: the same names, shapes and dtypes (the base in bf16, the adapters in fp32), the
+    same parameters trained (the adapters alone)."""
+    import argparse
+    from model.lora import TARGETS
+    from trainer.skeleton.loading import build_model
+    lora = {"rank": 4, "alpha": 32.0, "dropout": 0.0, "targets": TARGETS}
+    loops = build_model(argparse.Namespace(fsdp=0, dtype="bfloat16", seed=0), "cpu", config_path=tiny_config_path,
+                        lora=lora)
+    ours = fe.materialise(fe.build(Qwen3Config.from_json(tiny_config_path), 1, trained=True, lora_rank=4))
+    (held, trained), theirs = tensors(ours), tensors(loops)
+    assert (held, trained) == theirs
+    assert trained and all(".lora_" in name for name in trained)
+    assert {dtype for name, (_, dtype) in held.items() if name in trained} == {torch.float32}
+    assert {dtype for name, (_, dtype) in held.items() if name not in trained} == {torch.bfloat16}
+
+
+def tensors(model: torch.nn.Module) -> tuple[dict, set]:
+    """({state-dict name: (shape, dtype)}, the names of the parameters that train)."""
+    held = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    return held, {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}

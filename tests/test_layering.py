@@ -104,7 +104,7 @@ def test_every_trainer_module_is_in_a_room_that_imports_downwards():
     ("guard", {"common.errors", "common.files", "trainer.skeleton.distributed"}),
     ("run_state", set()),
     ("resume_checks", {"common.errors", "model.precision", "trainer.skeleton.distributed", "trainer.skeleton.guard"}),
-    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.checkpoint_io",
+    ("checkpoint", {"common.errors", "common.files", "common.seeds", "model", "model.checkpoint_io", "model.lora",
                     "model.precision", "trainer.skeleton.distributed", "trainer.skeleton.resume_checks",
                     "trainer.skeleton.run_state", "trainer.skeleton.sharding"}),
 ])

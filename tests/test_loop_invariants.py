@@ -1,9 +1,9 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
-rows routed by a column) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a
-short tail window), DDP with 2 ranks equals one process, --packing 1 equals the padded batch, a run killed with
-SIGKILL right after a checkpoint and resumed ends bit-identical to one never interrupted, and resuming across a
-world-size change that keeps the global batch reaches the same weights."""
+rows routed by a column; SFT and RL with a LoRA student) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
+accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
+padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
+interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights."""
 import json
 import os
 import sys
@@ -34,6 +34,10 @@ LOOPS = {
     # a rank has no row for one of them
     "kd_teachers": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
     "opd_teachers": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
+    # LoRA students (the base frozen, the adapters alone trained and resumed): SFT, and RL, whose KL reference is
+    # then the student's own base with its adapters switched off
+    "sft_lora": (train_sft, os.path.join(ROOT, "trainer", "train_sft.py")),
+    "rl_lora": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
@@ -45,6 +49,9 @@ LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
               "rl": {"max_new_tokens": 8, "num_generations": 3, "kl_coef": 0.1, "opd_coef": 0.5,
                      "clip_eps_high": 0.28}}
 LOOP_FLAGS["kd_teachers"], LOOP_FLAGS["opd_teachers"] = LOOP_FLAGS["kd"], LOOP_FLAGS["opd"]
+# a LoRA learning rate (the adapters move: B starts at zero), adapters compared besides the merged weights (weights())
+LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
+LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA}
 
 
 @pytest.fixture
@@ -78,7 +85,7 @@ def loop(request, tiny_config_path, teacher_dir, teachers_file):
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
     teacher = {"teachers": teachers_file} if several else {"teacher_path": teacher_dir}
-    extra = {**LOOP_FLAGS[request.param], **(teacher if request.param != "sft" else {})}
+    extra = {**LOOP_FLAGS[request.param], **(teacher if not request.param.startswith("sft") else {})}
 
     def args(data, save_dir, **flags):
         return loop_args(tiny_config_path, routed(data) if several else data, save_dir, **{**extra, **flags})
@@ -143,7 +150,7 @@ def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):
         "every step logged once, same numbers"
 
 
-@pytest.mark.parametrize("loop", ["sft", "rl"], indirect=True)  # the data position; RL: groups across ranks
+@pytest.mark.parametrize("loop", ["sft", "rl", "sft_lora"], indirect=True)  # the data; RL: groups across ranks
 def test_resume_across_world_size_change(loop, long_chat_jsonl, tmp_path):
     main, script, args = loop
     # 24 rows, global batch 8: 3 optimizer steps, a checkpoint after each

@@ -312,7 +312,9 @@ def test_wrong_key_stops_the_run(teacher, monkeypatch):
         with pytest.raises(RequestError, match="HTTP 401") as info:
             client.run(chats([f"p{i}" for i in range(20)]))
     assert info.value.fatal and "sk-wrong" not in str(info.value)
-    assert len(teacher.log) <= 2 + 2       # the first in flight, maybe one more submitted; never all 20
+    # the first two in flight, maybe a few more submitted before the first 401 returns (6 on a loaded 2-core
+    # machine); never all 20
+    assert len(teacher.log) <= 8
 
 
 def test_a_server_that_is_not_up_is_refused_by_one_probe(no_proxy):

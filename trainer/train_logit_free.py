@@ -108,7 +108,7 @@ def train(args: argparse.Namespace) -> None:
     # held-out evaluation's white-box teacher (--eval_teacher_path): the reverse KL to it, which the table reports
     eval_teachers = open_evaluation_teacher(args, args.eval_teacher_path, tokenizer, dataset, info.device)
     student = build_student(args, info.device, tokenizer)
-    reference = load_reference(args, tokenizer, info.device)  # the anchor's p_ref, frozen
+    reference = load_reference(args, tokenizer, info.device, student)  # the anchor's p_ref, frozen
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
     decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)

@@ -129,7 +129,7 @@ def train(args: argparse.Namespace) -> None:
                              training=lambda t: SAMPLED_KL,
                              evaluation=lambda t: evaluation_divergence(1.0, t.model is not None))
     student = build_student(args, info.device, tokenizer)
-    reference = load_reference(args, tokenizer, info.device) if args.kl_coef else None
+    reference = load_reference(args, tokenizer, info.device, student) if args.kl_coef else None
     run = Run(args, info, student, dataset, GroupCollator(collator, args.num_generations), tokenizer_dir,
               config.RESUMABLE)
     decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations

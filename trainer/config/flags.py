@@ -15,6 +15,7 @@ from common.checks import check_device, check_model_dir
 from common.errors import refuse
 from common.files import check_writable
 from model.generate import DECODE_CHOICES, default_decode
+from model.lora import TARGETS as LORA_TARGETS
 from model.precision import DTYPE_CHOICES, resolve_precision
 from model.qwen3 import COMPILE_CHOICES, default_compile
 from trainer.skeleton.distributed import DEFAULT_DIST_TIMEOUT, SAVE_WRITE_BYTES_PER_S
@@ -30,6 +31,10 @@ SHARED_RESUMABLE = frozenset({
     "swanlab_mode", "swanlab_project", "batch_size", "accumulation_steps", "use_compile", "decode",
     "gradient_checkpointing", "packing", "eval_interval", "eval_rows", "eval_data_path", "eval_max_new_tokens",
     "save_dir", "start_over", "dist_timeout", "resume_changes"})
+FULL_LEARNING_RATE = 2e-3  # --learning_rate's default: tuned on the demo's tiny models
+# LoRA's best learning rate is about 10x full fine-tuning's ("LoRA without regret", Thinking Machines 2025: rank-
+# independent at alpha 32, all layers adapted): --learning_rate's default with --lora_rank
+LORA_LR_FACTOR = 10
 # where the frozen models live, and a start-up check: not what the run computes
 TEACHER_RESUMABLE = frozenset({"replicate_teacher", "accept_template_difference"})
 
@@ -45,10 +50,21 @@ def step_list(text: str) -> tuple[int, ...]:
     return steps
 
 
+def rate_or_auto(text: str) -> float | str:
+    """--learning_rate: a number, or "auto" (resolved by validate_common_args)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or auto, got {text!r}") from None
+
+
 def add_common_args(parser: argparse.ArgumentParser, save_weight: str) -> None:
     """The flags every loop shares (docs/training.md, "Flags shared by the loops"), group by group; each
     script adds its own algorithm's flags."""
     add_model_and_data_args(parser)
+    add_lora_args(parser)
     add_optimisation_and_evaluation_args(parser)
     add_system_args(parser)
     add_checkpoint_and_logging_args(parser, save_weight)
@@ -70,13 +86,25 @@ def add_model_and_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader workers")
 
 
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA student (model/lora.py; docs/training.md, \"LoRA students\")")
+    g.add_argument("--lora_rank", type=int, default=0,
+                   help="rank of the adapters; 0: full fine-tuning. With a rank the base is frozen (in the autocast "
+                        "dtype: bf16 on CUDA), only the fp32 adapters train")
+    g.add_argument("--lora_alpha", type=float, default=32.0, help="the adapters' scale is alpha / rank")
+    g.add_argument("--lora_dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--lora_targets", default=",".join(LORA_TARGETS),
+                   help="comma-separated HF projections that get an adapter (default: all of attention and MLP)")
+
+
 def add_optimisation_and_evaluation_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training rows")
     g.add_argument("--batch_size", type=int, default=16, help="rows per micro-batch per device")
     g.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--learning_rate", type=float, default=2e-3,
-                   help="peak learning rate (AdamW); the default suits the tiny demo models, Qwen3-0.6B wants ~1e-5")
+    g.add_argument("--learning_rate", type=rate_or_auto, default="auto",
+                   help=f"peak learning rate (AdamW); auto: {FULL_LEARNING_RATE:g}, {LORA_LR_FACTOR}x that with "
+                        f"--lora_rank. auto suits the tiny demo models; Qwen3-0.6B wants ~1e-5 (LoRA ~1e-4)")
     g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
     g.add_argument("--warmup_ratio", type=float, default=0.0, help="share of optimizer steps of linear warm-up")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
@@ -162,8 +190,11 @@ def validate_common_args(args: argparse.Namespace) -> None:
                f"({args.max_length}) so that completion tokens fit")
     if not 0.0 <= args.warmup_ratio < 1.0:
         refuse(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    if args.learning_rate == "auto":  # resolved here: the run records, and a resume compares, the rate used
+        args.learning_rate = FULL_LEARNING_RATE * (LORA_LR_FACTOR if args.lora_rank else 1)
     if args.learning_rate <= 0:
         refuse(f"--learning_rate must be > 0, got {args.learning_rate}")
+    validate_lora_args(args)
     if args.eval_interval < 0 or args.eval_rows < 1 or args.eval_max_new_tokens < 1:
         refuse("--eval_interval must be >= 0, --eval_rows and --eval_max_new_tokens >= 1")
     for name in ("max_steps", "grad_clip"):
@@ -190,6 +221,19 @@ def validate_common_args(args: argparse.Namespace) -> None:
         refuse("--from_resume 1 continues the run, --start_over 1 sets it aside and starts anew: pass one of them")
     check_writable(args.save_dir, "--save_dir")
     check_run_name(args.save_dir, args.save_weight, args.from_resume, args.start_over)
+
+
+def validate_lora_args(args: argparse.Namespace) -> None:
+    """--lora_*: a rank >= 0, alpha > 0, dropout in [0, 1), targets among HF's projections (stored as a list)."""
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] \
+        if isinstance(args.lora_targets, str) else list(args.lora_targets)
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if args.lora_rank < 0 or not args.lora_alpha > 0 or not 0.0 <= args.lora_dropout < 1.0:
+        refuse(f"--lora_rank must be >= 0, --lora_alpha > 0 and --lora_dropout in [0, 1), got {args.lora_rank}, "
+               f"{args.lora_alpha}, {args.lora_dropout}")
+    if unknown or not targets:
+        refuse(f"--lora_targets {args.lora_targets!r}: each must be one of {','.join(LORA_TARGETS)}")
+    args.lora_targets = ",".join(t for t in LORA_TARGETS if t in targets)  # one spelling: a resume compares it
 
 
 def resolve_use_compile(choice: str, device: str) -> int:

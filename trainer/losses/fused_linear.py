@@ -39,6 +39,12 @@ from trainer.losses.chunked import checked_vocab_size, value_rows
 _workspace = threading.local()
 
 
+def release_workspace() -> None:
+    """Free this thread's CPU workspace (the next fused loss allocates it again): for a measurement of what a step
+    holds as a GPU's would, where the buffers live only within the loss."""
+    _workspace.buffers = []
+
+
 @dataclass(frozen=True)
 class ChunkLoss:
     """A loss's closed form on one chunk: `fn(student, teacher, spares, labels, values)` -> (per-position loss (C,),
@@ -78,8 +84,9 @@ class _FusedLinearLoss(torch.autograd.Function):
         low = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         mask = torch.ones(len(hidden), dtype=torch.bool, device=device) if labels is None else labels != IGNORE_INDEX
         grads = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            grads = torch.zeros_like(hidden), torch.zeros(weight.shape, dtype=weight.dtype, device=device)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:  # a frozen head (a LoRA student's): no dL/dW
+            grads = torch.zeros_like(hidden), (torch.zeros(weight.shape, dtype=weight.dtype, device=device)
+                                               if ctx.needs_input_grad[1] else None)
         with torch.autocast(device.type, enabled=False):  # the casts below are autocast's, made once
             heads = [None if w is None else w[:vocab_size] if low is None else w[:vocab_size].to(low)
                      for w in (weight, teacher_weight)]
@@ -133,7 +140,8 @@ def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: li
         if chunk_extras:
             extras += torch.where(keep, torch.stack(chunk_extras, dim=1), 0.0).sum(dim=0)
         if grads is not None:
-            _backward_chunk(g, h, heads[0], loss.grad_scale, grads[0][rows], grads[1][:vocab_size])
+            _backward_chunk(g, h, heads[0], loss.grad_scale, grads[0][rows],
+                            None if grads[1] is None else grads[1][:vocab_size])
             grads[0][rows].masked_fill_(~keep, 0.0)
     return total, extras
 
@@ -147,15 +155,18 @@ def _project(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> N
 
 
 def _backward_chunk(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, scale: float, grad_h: torch.Tensor,
-                    grad_w: torch.Tensor) -> None:
-    """grad_h = scale G W, grad_w += scale G^T h (G in the projection's dtype; grad_w summed in its own)."""
+                    grad_w: torch.Tensor | None) -> None:
+    """grad_h = scale G W, grad_w += scale G^T h (G in the projection's dtype; grad_w summed in its own; None: a
+    frozen head)."""
     if h.dtype == g.dtype and w.dtype == g.dtype and grad_h.dtype == g.dtype:
         torch.mm(g, w, out=grad_h).mul_(scale)
-        grad_w.addmm_(g.T, h, alpha=scale)
+        if grad_w is not None:
+            grad_w.addmm_(g.T, h, alpha=scale)
         return
     g = g.to(w.dtype)
     grad_h.copy_(torch.mm(g, w)).mul_(scale)  # scaled in grad_h's dtype, not rounded once more in the GEMM's
-    _add_scaled(grad_w, torch.mm(g.T, h.to(w.dtype)), scale)
+    if grad_w is not None:
+        _add_scaled(grad_w, torch.mm(g.T, h.to(w.dtype)), scale)
 
 
 # A CPU's add_ of a bf16 tensor into an fp32 one first converts the whole bf16 operand (an fp32 temporary of the

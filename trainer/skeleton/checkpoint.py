@@ -28,6 +28,7 @@ from common.files import atomic_write, check_free_space, raise_disk_error, remov
 from common.seeds import derived_seed, seed_everything
 from model import save_pretrained
 from model.checkpoint_io import HFBlock, fuse, hf_layout
+from model.lora import adapter_count, is_adapter, save_peft_adapter
 from model.precision import resolve_precision
 from trainer.skeleton.distributed import DistInfo, print0
 from trainer.skeleton.resume_checks import CHECKPOINT_FORMAT, check_run_name, load_checkpoint
@@ -60,14 +61,17 @@ class Checkpoints:
     """One run name's checkpoints (see the module docstring). Every rank holds one; rank 0 writes the files."""
 
     def __init__(self, args: argparse.Namespace, info: DistInfo, tokenizer_dir: str | None,
-                 resumable: set[str], accepted_changes: set[str]):
+                 resumable: set[str], accepted_changes: set[str], base_digest: str | None = None):
         """`resumable`: the flags a resume may change (the loop's config); `accepted_changes`: those --resume_changes
-        lets differ from the checkpoint's besides."""
+        lets differ from the checkpoint's besides; `base_digest`: a LoRA student's frozen base (model/lora.py)."""
         self.args, self.dist, self.tokenizer_dir = args, info, tokenizer_dir
-        self.resumable, self.accepted_changes = resumable, accepted_changes
+        self.resumable, self.accepted_changes, self.base_digest = resumable, accepted_changes, base_digest
         self.prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.prefix}_resume.pt"
         self.metrics_path = f"{self.prefix}_metrics.jsonl"
+        # a LoRA student's export: the merged model in fp32 (a bf16 base plus fp32 adapters is not a bf16 number),
+        # and beside it the adapter alone, in PEFT's format
+        self.export_dtype = torch.float32 if base_digest else None
 
     # -- start-up -------------------------------------------------------------------------------------------------
 
@@ -86,7 +90,7 @@ class Checkpoints:
             raise
         if os.path.exists(self.resume_path) and not self.args.from_resume:
             self.set_aside()
-        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders(), *self.snapshots()):
+        for path in self.run_files():
             for stale in remove_stale_temporaries(path):
                 print0(f"removed {stale}, left half-written by a run that was killed")
         self.remove_uncommitted_shards()
@@ -95,7 +99,7 @@ class Checkpoints:
         """--start_over 1: the previous run's files into SAVE_DIR/NAME.replaced-TIME/."""
         aside = f"{self.prefix}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
         os.makedirs(aside)
-        for path in (self.prefix, self.resume_path, self.metrics_path, *self.shard_folders(), *self.snapshots()):
+        for path in self.run_files():
             if os.path.exists(path):
                 os.replace(path, os.path.join(aside, os.path.basename(path)))
         print0(f"--start_over 1: the previous run's files are in {aside}/")
@@ -111,6 +115,11 @@ class Checkpoints:
             return
         for stale in remove_other_shards(self.prefix + "_resume", keep=committed):
             print0(f"removed {stale}, written by a run that was killed before it committed them")
+
+    def run_files(self) -> list[str]:
+        """Every file and folder of this run name."""
+        return [self.prefix, f"{self.prefix}_adapter", self.resume_path, self.metrics_path, *self.shard_folders(),
+                *self.snapshots()]
 
     def shard_folders(self) -> list[str]:
         """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
@@ -143,7 +152,8 @@ class Checkpoints:
         rng = collect_rng_states(self.dist)
         rollouts = collect_rollouts(state, self.dist)
         # every rank checks (one filesystem): a refusal on rank 0 alone would leave the others in a collective
-        check_free_space(self.args.save_dir, expected_save_bytes(model), f"the checkpoint of step {state.step}")
+        check_free_space(self.args.save_dir, expected_save_bytes(model, self.export_dtype),
+                         f"the checkpoint of step {state.step}")
         shards = None
         if self.args.fsdp:
             shards = save_shards(self.prefix + "_resume", state.step, model, optimizer, self.dist.is_main)
@@ -151,7 +161,7 @@ class Checkpoints:
             checkpoint = self.resume_record(model, optimizer, scaler, state, global_batch, rng, shards, rollouts)
             self.write(model, checkpoint, shards, state.step)
         elif is_sharded(model):  # the export comes tensor by tensor, each rank's rows in turn: every rank sends
-            save_pretrained(model, self.prefix, write=False)
+            self.export(model, self.prefix, write=False)
         if self.dist.enabled:
             dist.barrier()
 
@@ -160,24 +170,34 @@ class Checkpoints:
         (--export_steps), beside the run's own folder, which later saves replace. A run resumed from before this
         step writes it again, the same weights."""
         path = f"{self.prefix}_step{step}"
-        check_free_space(self.args.save_dir, expected_save_bytes(model), f"the export of step {step}")
+        check_free_space(self.args.save_dir, expected_save_bytes(model, self.export_dtype),
+                         f"the export of step {step}")
         if self.dist.is_main:
             try:
-                save_pretrained(model, path, tokenizer_dir=self.tokenizer_dir)
+                self.export(model, path)
             except OSError as error:
                 raise_disk_error(error, f"the export of step {step} to {path}")
             print0(f"exported step {step} to {path}/ (--export_steps)")
         elif is_sharded(model):
-            save_pretrained(model, path, write=False)
+            self.export(model, path, write=False)
         if self.dist.enabled:
             dist.barrier()
+
+    def export(self, model: torch.nn.Module, path: str, write: bool = True) -> None:
+        """The HF folder `path` (a LoRA student's merged), and a LoRA student's adapter alone as `path`_adapter/
+        (PEFT's format). Every rank of a sharded model calls this; rank 0, with `write`, writes."""
+        save_pretrained(model, path, tokenizer_dir=self.tokenizer_dir, dtype=self.export_dtype, write=write)
+        if self.base_digest:
+            save_peft_adapter(model, f"{path}_adapter", self.args.model_path, write=write)
 
     def resume_record(self, model: torch.nn.Module, optimizer, scaler, state: RunState, global_batch: int,
                       rng: list[dict], shards: str | None, rollouts: dict[int, dict]) -> dict:
         """What the resume file holds (docs/architecture.md, "Invariant 3")."""
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": None if shards else {k: v.detach().float().cpu() for k, v in model.state_dict().items()},
+            "model": None if shards else {k: v.detach().float().cpu() for k, v in model.state_dict().items()
+                                          if not self.base_digest or is_adapter(k)},  # LoRA: the adapters alone
+            "base_sha256": self.base_digest,
             "optimizer": None if shards else optimizer.state_dict(),
             "shards": os.path.basename(shards) if shards else None,  # model + optimizer, in that folder
             "model_config": model.config.to_hf_dict(),
@@ -194,7 +214,7 @@ class Checkpoints:
         """Rank 0: the export, then the resume file; a full disk or a read-only folder is one line."""
         what = f"the checkpoint of step {step} to {self.args.save_dir} (the previous checkpoint is intact)"
         try:
-            save_pretrained(model, self.prefix, tokenizer_dir=self.tokenizer_dir)
+            self.export(model, self.prefix)
             with atomic_write(self.resume_path) as f:
                 recorder = WriteRecorder(f)
                 try:
@@ -218,11 +238,12 @@ class Checkpoints:
             return RunState()
         checkpoint = load_checkpoint(self.resume_path, self.args, global_batch, model, self.resumable,
                                      self.accepted_changes)
+        check_base(checkpoint, self.base_digest, self.resume_path)
         if checkpoint.get("shards"):  # every rank reads its part, resharded to this world size
             load_shards(os.path.join(self.args.save_dir, checkpoint["shards"]), model, optimizer)
         else:
             weights, moments = fused_resume_state(checkpoint, model, self.resume_path)
-            model.load_state_dict(weights)
+            load_trained_state(model, weights)
             optimizer.load_state_dict(moments)
         scaler.load_state_dict(checkpoint["scaler"])
         state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
@@ -284,19 +305,49 @@ def _fused_value(values: list[torch.Tensor], what: str, path: str) -> torch.Tens
     return values[0]
 
 
-def expected_save_bytes(model: torch.nn.Module) -> int:
-    """Resume file (fp32 weights and AdamW's two moments) plus the HF export, both held beside the old ones."""
-    weights = sum(p.numel() for p in model.parameters())
-    export = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 3 * 4 * weights + export
+def expected_save_bytes(model: torch.nn.Module, export_dtype: torch.dtype | None = None) -> int:
+    """Resume file (fp32 trained weights and AdamW's two moments: a LoRA student's adapters only) plus the HF export
+    (in `export_dtype`, default each tensor's own; a LoRA student's adapter folder besides), both held beside the
+    old ones."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapters = adapter_count(model)
+    export = sum(p.numel() * (export_dtype or p.dtype).itemsize for name, p in model.named_parameters()
+                 if not is_adapter(name))
+    return 3 * 4 * trained + export + 4 * adapters
 
 
-def rank0_save_bytes(model: torch.nn.Module, sharded: bool) -> int:
+def rank0_save_bytes(model: torch.nn.Module, sharded: bool, export_dtype: torch.dtype | None = None) -> int:
     """What rank 0 writes alone while the other ranks wait at the save's barrier: the resume file and the HF
     export; with --fsdp 1 the export only (every rank writes its own shards, the resume file holds no weights)."""
     if not sharded:
-        return expected_save_bytes(model)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+        return expected_save_bytes(model, export_dtype)
+    return sum(p.numel() * (export_dtype or p.dtype).itemsize for name, p in model.named_parameters()
+               if not is_adapter(name)) + 4 * adapter_count(model)
+
+
+def check_base(checkpoint: dict, digest: str | None, path: str) -> None:
+    """A LoRA student's resume file names the base its adapters were trained on (sha256 of the frozen weights):
+    another base, or a full fine-tuning checkpoint, is refused in one line."""
+    saved = checkpoint.get("base_sha256")
+    if saved == digest:
+        return
+    if digest is None or saved is None:
+        raise UserError(f"{path} was written by a {'LoRA' if saved else 'full fine-tuning'} run: resume with the "
+                        f"same --lora_rank, or use another --save_weight")
+    raise UserError(f"{path} holds adapters trained on another base (its sha256 {saved[:12]}..., this one's "
+                    f"{digest[:12]}...): resume with the same --model_path (or --model_config and --seed) and "
+                    f"--dtype, or use another --save_weight")
+
+
+def load_trained_state(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """A resume file's weights into `model`: all of them, or a LoRA student's adapters alone (its base comes from
+    --model_path, checked by its digest: `check_base`); any other missing or unexpected key is torch's error."""
+    if not any(is_adapter(name) for name in weights):
+        model.load_state_dict(weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any(is_adapter(name) for name in missing):
+        model.load_state_dict(weights)  # torch's own message names the keys
 
 
 def collect_rng_states(info: DistInfo) -> list[dict] | None:

@@ -14,41 +14,60 @@ from common.errors import refuse
 from dataset.collators import PromptCollator, SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model import Qwen3Config, load_pretrained, load_tokenizer
+from model.lora import add_lora, init_adapters
 from model.precision import resolve_precision
 from model.tokenizer import QwenTokenizer
 from trainer.skeleton.distributed import is_main_process, print0
-from trainer.skeleton.sharding import shard, sharded_random_model
+from trainer.skeleton.sharding import random_model, shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
 
 
 def build_model(args: argparse.Namespace, device: str, path: str | None = None,
-                config_path: str | None = None, seed: int | None = None) -> torch.nn.Module:
+                config_path: str | None = None, seed: int | None = None,
+                lora: dict | None = None) -> torch.nn.Module:
     """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed. With
-    --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards."""
+    --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards.
+    `lora` (add_lora's settings): LoRA adapters on the frozen base, which is then held in the autocast dtype (bf16
+    on CUDA: half the bytes, and the matmuls take it as it is); added before sharding, so FSDP shards them too."""
     sharded = sharding_ranks(args)
     precision = resolve_precision(device, args.dtype)
+    dtype, seed = precision.compute if lora else precision.master, args.seed if seed is None else seed
+
+    def adapt_and_shard(model: torch.nn.Module) -> None:
+        if lora:
+            add_lora(model, **lora, seed=None)  # on the meta device: filled once the base is (`init_adapters`)
+        if sharded:
+            shard(model, precision.device_type, precision.compute)
+
     if path:
         print0(f"loading {path} on {device}" + (" (each rank its shards)" if sharded else ""))
-        return load_pretrained(path, dtype=precision.master, device=device,
-                               shard=(lambda m: shard(m, precision.device_type, precision.compute)) if sharded
-                               else None)
-    config_path = config_path or DEFAULT_MODEL_CONFIG
-    print0(f"random weights from {os.path.relpath(config_path)} on {device}")
-    config, seed = Qwen3Config.from_json(config_path), args.seed if seed is None else seed
-    if sharded:
-        return sharded_random_model(config, seed, device, precision.compute)
-    return create_model(config, seed=seed, device=device)
+        model = load_pretrained(path, dtype=dtype, device=device, shard=adapt_and_shard)
+    else:
+        config_path = config_path or DEFAULT_MODEL_CONFIG
+        print0(f"random weights from {os.path.relpath(config_path)} on {device}")
+        model = random_model(Qwen3Config.from_json(config_path), seed, device, adapt_and_shard, dtype)
+    if lora:
+        init_adapters(model, seed)
+    return model
 
 
 def build_student(args: argparse.Namespace, device: str, tokenizer: QwenTokenizer) -> torch.nn.Module:
     """The student: --model_path's weights, or --model_config's random init (`build_model`), with an embedding row
-    for every token of the tokenizer."""
-    student = build_model(args, device, path=args.model_path, config_path=args.model_config)
+    for every token of the tokenizer; with --lora_rank, LoRA adapters on its frozen base."""
+    student = build_model(args, device, path=args.model_path, config_path=args.model_config, lora=lora_settings(args))
     check_embedding(student, tokenizer, "student")
     return student
+
+
+def lora_settings(args: argparse.Namespace) -> dict | None:
+    """--lora_* as add_lora's keywords (model/lora.py); None without --lora_rank."""
+    if not args.lora_rank:
+        return None
+    return {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+            "targets": tuple(args.lora_targets.split(","))}
 
 
 def check_embedding(model: torch.nn.Module, tokenizer: QwenTokenizer, role: str) -> None:

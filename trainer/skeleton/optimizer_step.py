@@ -29,9 +29,10 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0) -> flo
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """AdamW with the fused implementation (one kernel over all parameters, no temporaries; CPU and CUDA alike):
     torch's default is a loop over the parameters on the CPU, a foreach over them on CUDA. Same arithmetic to
-    rounding; on a 2-core AMD EPYC the OPD demo's optimizer phase went from 48 to 15 ms (docs/benchmarks.md)."""
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                             betas=(0.9, 0.95), fused=True)
+    rounding; on a 2-core AMD EPYC the OPD demo's optimizer phase went from 48 to 15 ms (docs/benchmarks.md).
+    Only the parameters that train: a LoRA student's adapters (its base is frozen: no moments, no step)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                             weight_decay=args.weight_decay, betas=(0.9, 0.95), fused=True)
 
 
 def loss_divisor(args: argparse.Namespace) -> float:

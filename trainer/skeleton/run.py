@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, RuntimeFailure, Stopped
 from common.seeds import derived_seed, seed_everything
+from model.lora import adapter_count, base_digest
 from model.precision import resolve_precision
 from trainer.skeleton.checkpoint import Checkpoints, rank0_save_bytes
 from trainer.skeleton.console import format_seconds
@@ -54,9 +55,12 @@ class Run:
         seed_everything(derived_seed(args.seed, info.rank))
         # SFT has no teacher: its --teacher_dtype is the rule's default
         self.precision = resolve_precision(self.device, args.dtype, getattr(args, "teacher_dtype", None))
+        # a LoRA student's frozen base, by its digest: every resume file names it, a resume onto another is refused
+        self.base_digest = base_digest(model) if adapter_count(model) else None
         self.raw_model, self.model = model, self.wrap(model)  # checkpointing, compile, DDP (FSDP: sharded already)
-        self.optimizer, self.scaler = make_optimizer(model, args), self.precision.scaler()
-        self.checkpoints = Checkpoints(args, info, tokenizer_dir, resumable, resume_change_names(args))
+        self.optimizer, self.scaler = make_optimizer(model, args), self.precision.scaler()  # the trained parameters
+        self.checkpoints = Checkpoints(args, info, tokenizer_dir, resumable, resume_change_names(args),
+                                       self.base_digest)
         self.resume_path, self.out_prefix = self.checkpoints.resume_path, self.checkpoints.prefix
         self.stream = DataStream(dataset, collate_fn, args, info)
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
@@ -102,7 +106,8 @@ class Run:
         """Refused before anything is written when rank 0's save could outlast --dist_timeout; then rank 0 takes
         the run lock and prepares the folder (trainer/skeleton/checkpoint.py)."""
         if self.dist.enabled:  # rank 0 saves alone while the others wait
-            check_save_time(rank0_save_bytes(self.raw_model, bool(self.args.fsdp)), self.args.dist_timeout)
+            check_save_time(rank0_save_bytes(self.raw_model, bool(self.args.fsdp), self.checkpoints.export_dtype),
+                            self.args.dist_timeout)
         lock = RunLock(f"{self.out_prefix}.lock") if self.dist.is_main else None
         self.checkpoints.prepare(lock)
         return lock
@@ -130,6 +135,12 @@ class Run:
         print0(f"{self.dist.world_size} rank(s) x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
                f"{self.global_batch} rows/step | {len(self.dataset)} rows | {self.total_steps} steps | "
                f"{self.raw_model.num_parameters() / 1e6:.1f}M params | {self.device}")
+        if self.base_digest:
+            adapters, lora = adapter_count(self.raw_model), self.raw_model.lora
+            print0(f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g} on {','.join(lora['targets'])}: "
+                   f"{adapters / 1e6:.2f}M trained parameters ({adapters / self.raw_model.num_parameters():.2%}), "
+                   f"the base frozen in {next(self.raw_model.parameters()).dtype} (sha256 {self.base_digest[:12]}), "
+                   f"learning rate {args.learning_rate:g}")
         if args.use_compile:  # one graph serves every layer; dynamo compiles it again, for any width, at a new one
             print0("decoder layers compiled (--use_compile): the first step compiles them, once more at the first new "
                    "batch width")

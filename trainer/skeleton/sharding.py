@@ -29,6 +29,7 @@ names; it loads into the fused parameters, each rank reading only its rows of th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 import glob
 import os
 import secrets
@@ -42,8 +43,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, cre
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -53,6 +55,9 @@ from common.files import fsync_directory, temporary_name
 from model import Qwen3Config, Qwen3ForCausalLM
 from model.checkpoint_io import HFBlock, hf_layout, local_rows
 from model.qwen3 import RMSNorm
+
+
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # strict: DCP's load already names a missing key
 
 
 def shard(model: Qwen3ForCausalLM, device_type: str, compute_dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
@@ -80,14 +85,23 @@ def shard(model: Qwen3ForCausalLM, device_type: str, compute_dtype: torch.dtype 
 
 def sharded_random_model(config: Qwen3Config, seed: int, device: str,
                          compute_dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
-    """The seeded random model `create_model(config, seed)` gives, sharded, each rank holding only its shards: built
-    on the meta device, sharded, then initialised in create_model's order -- each tensor drawn whole on the CPU
-    (so the numbers are the same), one at a time, and only this rank's rows kept (DTensor's implicit replication:
-    a plain tensor copied into a sharded one is sliced)."""
+    """The seeded random model `create_model(config, seed)` gives, sharded, each rank holding only its shards
+    (`random_model`)."""
+    return random_model(config, seed, device, lambda model: shard(model, torch.device(device).type, compute_dtype))
+
+
+def random_model(config: Qwen3Config, seed: int, device: str, prepare: Callable[[Qwen3ForCausalLM], None],
+                 dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """The seeded random model `create_model(config, seed)` gives, in `dtype`: built on the meta device, `prepare`d
+    there (sharded -- each rank then holds only its shards --, LoRA adapters added: trainer/skeleton/loading.py),
+    then initialised in create_model's order -- each tensor drawn whole in fp32 on the CPU (so the numbers are the
+    same), one at a time, and only this rank's rows kept (DTensor's implicit replication: a plain tensor copied
+    into a sharded one is sliced)."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    shard(model, torch.device(device).type, compute_dtype)
+        model = Qwen3ForCausalLM(config).to(dtype)
+    prepare(model)
     model.to_empty(device=device)  # recomputes RoPE's buffer on `device`
+    model.tie_weights()  # to_empty gives an unsharded tied head its own storage: the embedding's again
     with torch.no_grad(), implicit_replication():
         model.init_weights(seed)
     return model
@@ -108,8 +122,11 @@ def reshard_root(model: torch.nn.Module) -> None:
 
 
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The model's and the optimizer's state, each rank its own shards (what DCP writes and reads)."""
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    """The model's trained weights (a LoRA student's adapters: its frozen base is loaded from its source) and the
+    optimizer's state, each rank its own shards (what DCP writes and reads)."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}  # a tied head: its embedding's name
+    weights = {name: value for name, value in get_model_state_dict(model, options=TRAINED).items() if name in trained}
+    return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def save_shards(prefix: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -169,7 +186,7 @@ def load_shards(folder: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     with single_process_quietly():
         dcp.load(state, checkpoint_id=folder, planner=planner)
     planner.check_steps(folder)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=TRAINED)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 

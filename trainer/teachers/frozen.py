@@ -11,6 +11,7 @@ import torch
 
 from common.errors import refuse
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer
+from model.lora import adapter_count, adapters_disabled
 from model.precision import resolve_precision
 from trainer.losses.chunked import completion_hidden
 from trainer.skeleton.distributed import print0
@@ -53,6 +54,23 @@ def read_frozen(args: argparse.Namespace, path: str, device: str, role: str = "t
                            shard=(lambda m: shard(m, precision.device_type, dtype)) if sharded else None)
 
 
+class BaseOf:
+    """A LoRA student's frozen base as a reference model: its forward is the student's with the adapters switched off
+    (model/lora.py) and without gradients; its head is the student's (frozen). The student's own module, not a copy:
+    no weight is held twice."""
+
+    def __init__(self, student: torch.nn.Module):
+        self.student, self.lm_head, self.config = student, student.lm_head, student.config
+
+    def __call__(self, *args, **kwargs):
+        with torch.no_grad(), adapters_disabled(self.student):
+            return self.student(*args, **kwargs)
+
+    @property
+    def pack_rows(self) -> bool:  # completion_hidden's packed forward, as the student runs it
+        return self.student.pack_rows
+
+
 @torch.no_grad()
 def frozen_hidden(model: torch.nn.Module, autocast, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   labels: torch.Tensor) -> torch.Tensor:
@@ -63,10 +81,13 @@ def frozen_hidden(model: torch.nn.Module, autocast, input_ids: torch.Tensor, att
         return completion_hidden(model, input_ids, attention_mask, labels)[0]
 
 
-def load_reference(args: argparse.Namespace, tokenizer, device: str) -> torch.nn.Module:
+def load_reference(args: argparse.Namespace, tokenizer, device: str, student: torch.nn.Module) -> torch.nn.Module:
     """The frozen starting model a KL anchor holds the student to: --reference_path, else the student's own
-    starting point -- its --model_path, or with --model_config the same random init (the config and --seed), built
-    again and frozen."""
+    starting point -- a LoRA student's own base, its adapters switched off (`BaseOf`: no second copy); its
+    --model_path; or with --model_config the same random init (the config and --seed), built again and frozen."""
+    if adapter_count(student) and not args.reference_path:
+        print0("the reference: the LoRA student's own base, its adapters switched off (no second copy)")
+        return BaseOf(student)
     path = args.reference_path or args.model_path
     if path:
         return load_frozen(args, path, tokenizer, device, role="reference")
