@@ -137,10 +137,11 @@ class Run:
                f"{self.raw_model.num_parameters() / 1e6:.1f}M params | {self.device}")
         if self.base_digest:
             adapters, lora = adapter_count(self.raw_model), self.raw_model.lora
-            print0(f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g} on {','.join(lora['targets'])}: "
-                   f"{adapters / 1e6:.2f}M trained parameters ({adapters / self.raw_model.num_parameters():.2%}), "
-                   f"the base frozen in {next(self.raw_model.parameters()).dtype} (sha256 {self.base_digest[:12]}), "
-                   f"learning rate {args.learning_rate:g}")
+            targets = ",".join(t.removesuffix("_proj") for t in lora["targets"])
+            dtype = str(next(self.raw_model.parameters()).dtype).removeprefix("torch.")
+            print0(f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g} on {targets}: {adapters / 1e6:.2f}M trained "
+                   f"({adapters / self.raw_model.num_parameters():.2%}), base frozen in {dtype}, lr "
+                   f"{args.learning_rate:g}")
         if args.use_compile:  # one graph serves every layer; dynamo compiles it again, for any width, at a new one
             print0("decoder layers compiled (--use_compile): the first step compiles them, once more at the first new "
                    "batch width")
