@@ -22,6 +22,7 @@ root, exactly as printed (its leading `python` is this interpreter), writing int
             teacher served by vLLM: the baseline the OPD papers compare against)
   kd        classic KD (CE + T^2 KL) on the worked solutions, the teacher's logits
   opd       white-box on-policy distillation (reverse KL over the full vocabulary)
+  opd_lora  the same with a LoRA student (--lora_rank 16: the base frozen, only the adapters trained)
   lf_vllm   logit-free OPD, the teacher served by vLLM as a black box (text only)
   lf_rule   logit-free OPD from benchmarks/rule_teacher.py: a rule-based solver behind an OpenAI-compatible endpoint,
             a stand-in for an API better than any local model
@@ -115,7 +116,7 @@ class Method:
 
 # The learning rates: `--sweep` at this budget, graded on the val problems (the student: 41.5%), seed 1 (docs and the
 # README say what each rate gave); sft_data takes KD's (both are cross entropy on 16 rows of answers), lf_vllm
-# lf_rule's (the same loss). Logit-free OPD compares a chunk exactly (`--similarity exact`: one wrong digit is a wrong
+# lf_rule's (the same loss); opd_lora's sweep is LoRA's rule, 10x OPD's and its neighbours. Logit-free OPD compares a chunk exactly (`--similarity exact`: one wrong digit is a wrong
 # chunk; Levenshtein gives "8=14" 3/4 of "8=15") with the advantage weight, the loop's default (docs/logit_free.md).
 LOGIT_FREE = "--similarity exact --chunk_len 4 --audit_chunks 4 --continuations 4"
 METHODS = (
@@ -124,6 +125,8 @@ METHODS = (
     Method("kd", "KD (CE + KL to the teacher's logits)", "trainer/train_distillation.py",
            "--teacher_path {teacher}", 3e-4),
     Method("opd", "white-box OPD (reverse KL)", "trainer/train_opd.py", "--teacher_path {teacher}", 3e-4),
+    Method("opd_lora", "white-box OPD, a LoRA student (rank 16)", "trainer/train_opd.py",
+           "--teacher_path {teacher} --lora_rank 16", 3e-3),
     Method("lf_vllm", "logit-free OPD, the teacher served as a black box", "trainer/train_logit_free.py",
            "--teacher_url {url} --teacher_form chat --teacher_probe request " + LOGIT_FREE, 1e-4, needs="vllm"),
     Method("lf_rule", "logit-free OPD, the rule-based black-box teacher", "trainer/train_logit_free.py",
