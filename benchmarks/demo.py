@@ -116,8 +116,9 @@ class Method:
 
 # The learning rates: `--sweep` at this budget, graded on the val problems (the student: 41.5%), seed 1 (docs and the
 # README say what each rate gave); sft_data takes KD's (both are cross entropy on 16 rows of answers), lf_vllm
-# lf_rule's (the same loss); opd_lora's sweep is LoRA's rule, 10x OPD's and its neighbours. Logit-free OPD compares a chunk exactly (`--similarity exact`: one wrong digit is a wrong
-# chunk; Levenshtein gives "8=14" 3/4 of "8=15") with the advantage weight, the loop's default (docs/logit_free.md).
+# lf_rule's (the same loss); opd_lora's sweep was LoRA's rule, 10x OPD's, and its neighbours. Logit-free OPD
+# compares a chunk exactly (`--similarity exact`: one wrong digit is a wrong chunk; Levenshtein gives "8=14" 3/4 of
+# "8=15") with the advantage weight, the loop's default (docs/logit_free.md).
 LOGIT_FREE = "--similarity exact --chunk_len 4 --audit_chunks 4 --continuations 4"
 METHODS = (
     Method("sft_data", "SFT on the teacher's sampled answers", "trainer/train_sft.py",
