@@ -224,9 +224,8 @@ def validate_common_args(args: argparse.Namespace) -> None:
 
 
 def validate_lora_args(args: argparse.Namespace) -> None:
-    """--lora_*: a rank >= 0, alpha > 0, dropout in [0, 1), targets among HF's projections (stored as a list)."""
-    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] \
-        if isinstance(args.lora_targets, str) else list(args.lora_targets)
+    """--lora_*: a rank >= 0, alpha > 0, dropout in [0, 1), targets among HF's projections (stored in HF's order)."""
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     unknown = sorted(set(targets) - set(LORA_TARGETS))
     if args.lora_rank < 0 or not args.lora_alpha > 0 or not 0.0 <= args.lora_dropout < 1.0:
         refuse(f"--lora_rank must be >= 0, --lora_alpha > 0 and --lora_dropout in [0, 1), got {args.lora_rank}, "

@@ -310,10 +310,13 @@ def expected_save_bytes(model: torch.nn.Module, export_dtype: torch.dtype | None
     (in `export_dtype`, default each tensor's own; a LoRA student's adapter folder besides), both held beside the
     old ones."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    adapters = adapter_count(model)
-    export = sum(p.numel() * (export_dtype or p.dtype).itemsize for name, p in model.named_parameters()
-                 if not is_adapter(name))
-    return 3 * 4 * trained + export + 4 * adapters
+    return 3 * 4 * trained + export_bytes(model, export_dtype)
+
+
+def export_bytes(model: torch.nn.Module, export_dtype: torch.dtype | None = None) -> int:
+    """The HF export (in `export_dtype`, default each tensor's own), and a LoRA student's adapter folder (fp32)."""
+    return sum(p.numel() * (export_dtype or p.dtype).itemsize for name, p in model.named_parameters()
+               if not is_adapter(name)) + 4 * adapter_count(model)
 
 
 def rank0_save_bytes(model: torch.nn.Module, sharded: bool, export_dtype: torch.dtype | None = None) -> int:
@@ -321,8 +324,7 @@ def rank0_save_bytes(model: torch.nn.Module, sharded: bool, export_dtype: torch.
     export; with --fsdp 1 the export only (every rank writes its own shards, the resume file holds no weights)."""
     if not sharded:
         return expected_save_bytes(model, export_dtype)
-    return sum(p.numel() * (export_dtype or p.dtype).itemsize for name, p in model.named_parameters()
-               if not is_adapter(name)) + 4 * adapter_count(model)
+    return export_bytes(model, export_dtype)
 
 
 def check_base(checkpoint: dict, digest: str | None, path: str) -> None:
