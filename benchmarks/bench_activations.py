@@ -180,7 +180,7 @@ def measure(args: argparse.Namespace) -> dict:
     rope = RotaryEmbedding(config.head_dim, config.rope_theta)
     eager = per_token(layer, layer, rope, args)
     # static graphs, one per length: what a run's first step compiles (compile_layers, --use_compile 1)
-    compiled = per_token(torch.compile(layer.forward, dynamic=False, backend=args.backend), layer, rope, args)
+    compiled = per_token(torch.compile(layer.block, dynamic=False, backend=args.backend), layer, rope, args)
     return {"shape": {"hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
                       "kv_heads": args.kv_heads, "head_dim": args.head_dim},
             "batch": args.batch, "tokens": args.tokens, "backend": args.backend, "torch": torch.__version__,

@@ -270,8 +270,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.compiled_block = None  # `block` under torch.compile (Qwen3ForCausalLM.compile_layers)
 
     def forward(self, x, cos, sin, attn_mask, kv_cache=None, packing=None):
+        if kv_cache is None and self.compiled_block is not None:
+            return self.compiled_block(x, cos, sin, attn_mask, None, packing)
+        return self.block(x, cos, sin, attn_mask, kv_cache, packing)
+
+    def block(self, x, cos, sin, attn_mask, kv_cache=None, packing=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache, packing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -420,13 +426,19 @@ class Qwen3ForCausalLM(nn.Module):
         return CausalLMOutput(hidden_states=x) if return_hidden else CausalLMOutput(logits=self.lm_head(x))
 
     def compile_layers(self, **options) -> None:
-        """torch.compile each decoder layer's forward, in place (torchtitan compiles per block too). The module
-        tree and its parameter names stay as they are, and whatever wraps a layer from outside -- FSDP2's
-        per-layer all-gather hooks, DDP's gradient hooks, activation checkpointing -- runs between compiled blocks:
-        DDP can reduce a layer's gradients while the backward of the layers below still computes, which it cannot
-        when the whole model is one compiled graph whose backward hands over every gradient at its end."""
+        """torch.compile each decoder layer's forward without a KV cache -- training's, the held-out scoring's and
+        the teachers' -- in place (torchtitan compiles per block too). The module tree and its parameter names stay
+        as they are, and whatever wraps a layer from outside -- FSDP2's per-layer all-gather hooks, DDP's gradient
+        hooks, activation checkpointing -- runs between compiled blocks: DDP can reduce a layer's gradients while the
+        backward of the layers below still computes, which it cannot when the whole model is one compiled graph whose
+        backward hands over every gradient at its end.
+
+        The KV-cache path (generation's prefill and decode steps) stays eager here: it reads the layer's index, an
+        integer dynamo specialises, so each layer and cache shape would be a graph of its own, and one rollout would
+        reach dynamo's recompile limit (8 graphs per code object), after which every layer -- training's too -- runs
+        eager. A compiled decode step (model/generate.py, Decoder) traces the eager path into its own graph."""
         for layer in self.model.layers:
-            layer.forward = torch.compile(layer.forward, **options)
+            layer.compiled_block = torch.compile(layer.block, **options)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
