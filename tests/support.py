@@ -1,9 +1,12 @@
-"""What the tests share that is not a fixture: the repository root, a tiny Qwen3 config with the real vocabulary and
-chat data with very different completion lengths. Test modules import it directly (conftest is pytest's, not a
-module to import)."""
+"""What the tests share that is not a fixture: the repository root, a tiny Qwen3 config with the real vocabulary,
+chat data with very different completion lengths and a recorder of the tensors a computation allocates. Test modules
+import it directly (conftest is pytest's, not a module to import)."""
 import json
 import os
 import random
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,8 +51,6 @@ def reference_divergence(p_teacher, q_student, beta: float):
     """Generalized JSD by its definition, in probability space (no log-space tricks): beta 0 forward KL(p || q), 1
     reverse KL(q || p), between beta KL(p || m) + (1 - beta) KL(q || m) with m = beta p + (1 - beta) q. Zero
     probabilities contribute nothing (0 log 0 = 0). The losses' tests compare against it."""
-    import torch
-
     def kl(a, b):
         return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
     if beta == 0.0:
@@ -58,3 +59,19 @@ def reference_divergence(p_teacher, q_student, beta: float):
         return kl(q_student, p_teacher)
     m = (1 - beta) * q_student + beta * p_teacher
     return beta * kl(p_teacher, m) + (1 - beta) * kl(q_student, m)
+
+
+class Allocations(TorchDispatchMode):
+    """While active, records in `shapes` the shape of every tensor an aten op creates: each output of an op none of
+    whose outputs aliases an input (a view, an in-place or an out= result creates nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(ret.alias_info is None for ret in func._schema.returns):
+            self.shapes += [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
+                            if isinstance(t, torch.Tensor)]
+        return out

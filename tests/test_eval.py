@@ -1,6 +1,6 @@
 # python -m pytest tests/test_eval.py
 """eval/eval_math.py and eval/chat.py on a tiny random Qwen3 (untied head, so greedy text depends on the prompt)
-and a small DAPO-shaped parquet written here."""
+and a small DAPO-shaped parquet written here; the training loops' held-out evaluation allocates no gradient."""
 import io
 import json
 import math
@@ -13,12 +13,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import UserError
-from support import ROOT, TINY_CONFIG
+from dataset.collators import PromptCollator
+from support import ROOT, TINY_CONFIG, Allocations
 from dataset.sources import RowDataset
 from eval import chat, eval_math
 from eval.eval_math import Completion, evaluate_math, pass_at_k
 from model import Qwen3Config, create_model, load_tokenizer, save_pretrained
 from common.seeds import derived_seed
+from trainer.evaluation.heldout import heldout_sums
+from trainer.losses.divergences import evaluation_divergence
+from trainer.teachers.teacher_set import EvalTeacher
 
 # (question, ground truth); prompt lengths differ, so the length sort really reorders the rows
 PROBLEMS = [("What is 2 + 3?", "5"),
@@ -238,3 +242,18 @@ def test_chat_interactive_keeps_history_over_two_turns(setup, monkeypatch, capsy
     assert len(prompts) == 2 and "Be brief." in prompts[1] and "What is 2 + 3?" in prompts[1]
     assert history[2]["content"].strip() in prompts[1]  # the first answer is part of the second turn's context
     assert capsys.readouterr().out == history[2]["content"] + "\n" + history[4]["content"] + "\n"
+
+
+# ------------------------------------------------------------------------------------------- held-out evaluation
+
+def test_the_held_out_divergence_allocates_no_gradient_of_the_students_head(setup):
+    """heldout_sums passes the student's lm_head.weight, a Parameter, to the fused loss under no_grad: no dL/dW of
+    the head's shape (V, H) is allocated (622 MB of fp32 at Qwen3-0.6B), so the evaluation's peak is a forward's."""
+    student, tokenizer = setup["model"], setup["tokenizer"]
+    batch = PromptCollator(tokenizer, 64, enable_thinking=False)(rows_of(setup["data"])[:2])
+    teachers = [EvalTeacher("teacher", evaluation_divergence(1.0, local_teacher=True), model=student)]
+    head = tuple(student.lm_head.weight.shape)
+    with Allocations() as allocated:
+        sums = heldout_sums(student, tokenizer, [batch], 3, teachers)
+    assert sums["kl_tokens/teacher"] > 0
+    assert head not in allocated.shapes

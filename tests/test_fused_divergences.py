@@ -1,15 +1,16 @@
 # python -m pytest tests/test_fused_divergences.py
 """trainer/losses/fused_divergences.py: the generalized JSD whose gradient is computed with the loss, against the definition in
 float64 autograd, against the generic checkpointed path under CPU bf16 autocast, and its edge cases (masked
-positions with non-finite logits, the incoming gradient, no_grad, buffers reused between calls)."""
+positions with non-finite logits, the incoming gradient, no_grad, buffers reused between calls, no (C, V) tensor
+allocated in a chunk's closed form)."""
 import pytest
 import torch
 
 from benchmarks.bench_losses import CountWeightCasts
-from support import reference_divergence
+from support import Allocations, reference_divergence
 from trainer.losses.chunked import chunked_loss
 import trainer.losses.fused_linear as fused_linear
-from trainer.losses.fused_divergences import chunked_generalized_jsd_loss
+from trainer.losses.fused_divergences import chunked_generalized_jsd_loss, jsd_chunk_loss
 from trainer.losses.closed_forms import generalized_jsd_loss
 
 
@@ -89,6 +90,20 @@ def test_the_incoming_gradient_scales_and_no_grad_computes_only_the_loss():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="cannot run twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_a_chunks_closed_form_allocates_no_chunk_sized_tensor(beta):
+    """Every (C, V) step of the divergence is written into the chunk's logits or the driver's spare buffers: between
+    the two KLs, log m, p and q too."""
+    c, v = 6, 40
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(c, v, generator=g), torch.randn(c, v, generator=g)
+    chunk = jsd_chunk_loss(beta, 1.7)
+    spares = [torch.empty(c, v) for _ in range(chunk.spares)]
+    with Allocations() as allocated:
+        chunk.fn(student, teacher, spares, None, None)
+    assert (c, v) not in allocated.shapes
 
 
 def test_buffers_kept_between_calls_change_nothing():

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import trainer.losses.fused_linear as fused_linear
 from benchmarks.bench_losses import CountWeightCasts
+from support import Allocations
 from trainer.losses.chunked import chunked_sft_loss
 from trainer.losses.fused_linear import fused_cross_entropy
 
@@ -73,6 +75,21 @@ def test_the_incoming_gradient_scales_and_no_grad_computes_only_the_loss():
     with torch.no_grad():
         loss_ng, _ = fused_cross_entropy(hh, ww, labels, chunk_size=8, vocab_size=50)
     assert not loss_ng.requires_grad and torch.equal(loss_ng, loss.detach())
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_only_a_loss_autograd_will_differentiate_computes_gradients(monkeypatch, grad):
+    """A held-out evaluation passes the student's head, a Parameter, under no_grad: each chunk then runs its
+    projection and closed form alone -- no dL/dh or dL/dW GEMMs, no (N, H) or (V, H) gradient allocated."""
+    calls = []
+    backward_chunk = fused_linear._backward_chunk
+    monkeypatch.setattr(fused_linear, "_backward_chunk", lambda *args: calls.append(1) or backward_chunk(*args))
+    h, w, labels = case(3, n=40)
+    h, w = torch.nn.Parameter(h), torch.nn.Parameter(w)
+    with torch.set_grad_enabled(grad), Allocations() as allocated:
+        fused_cross_entropy(h, w, labels, chunk_size=8, vocab_size=50)
+    assert len(calls) == (5 if grad else 0)  # one per chunk of 8
+    assert (tuple(h.shape) in allocated.shapes, tuple(w.shape) in allocated.shapes) == (grad, grad)
 
 
 def test_it_is_the_checkpointed_paths_loss_in_fp32_and_under_bf16_autocast():

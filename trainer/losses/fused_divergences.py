@@ -46,10 +46,10 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _divergence_and_grad(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float,
-                         spare: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         spares: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row divergence (C,) and T x its gradient with respect to the student's logits (C, V), from the chunk's
-    fp32 logits `student` and `teacher`, which it overwrites (the gradient is returned in one of them); `spare` a
-    third (C, V) buffer (needed for beta < 1)."""
+    fp32 logits `student` and `teacher`, which it overwrites (the gradient is returned in one of them); `spares`
+    more (C, V) buffers: none for beta = 1, one for beta = 0, two between."""
     log_p = _log_softmax_(student, temperature)
     log_q = _log_softmax_(teacher, temperature)
     if beta == 1.0:
@@ -59,14 +59,17 @@ def _divergence_and_grad(student: torch.Tensor, teacher: torch.Tensor, beta: flo
         kl = p_d.sum(dim=-1)
         return kl, p_d.addcmul_(p, kl[:, None], value=-1.0)  # p (d - KL)
     if beta == 0.0:
-        q = torch.exp(log_q, out=spare)
+        q = torch.exp(log_q, out=spares[0])
         d = torch.sub(log_q, log_p, out=log_q)
         kl = _row_dot(q, d)
         return kl, log_p.exp_().sub_(q)
-    log_m = torch.logaddexp(log_p + math.log(1.0 - beta), log_q + math.log(beta))
-    p, q = log_p.exp(), torch.exp(log_q, out=spare)
+    log_m = torch.logaddexp(torch.add(log_p, math.log(1.0 - beta), out=spares[0]),
+                            torch.add(log_q, math.log(beta), out=spares[1]), out=spares[0])
+    p = torch.exp(log_p, out=spares[1])
     g = torch.sub(log_p, log_m, out=log_p)                      # log p - log m
-    kl_p, kl_q = _row_dot(p, g), _row_dot(q, log_q.sub_(log_m))
+    d_q = torch.sub(log_q, log_m, out=log_m)                    # log q - log m
+    q = log_q.exp_()
+    kl_p, kl_q = _row_dot(p, g), _row_dot(q, d_q)
     per_row = beta * kl_q + (1.0 - beta) * kl_p
     return per_row, g.sub_(kl_p[:, None]).mul_(p).mul_(1.0 - beta)
 
@@ -75,9 +78,9 @@ def jsd_chunk_loss(beta: float, temperature: float) -> ChunkLoss:
     """The generalized JSD as the driver's closed form: per-row divergence (clamped at 0, gradient unclamped) and
     T x its gradient, which the driver scales by 1 / T after the GEMMs."""
     def fn(student, teacher, spares, _labels, _values):
-        per_row, g = _divergence_and_grad(student, teacher, beta, temperature, spares[0] if spares else None)
+        per_row, g = _divergence_and_grad(student, teacher, beta, temperature, spares)
         return per_row.clamp_min(0), g, ()
-    return ChunkLoss(fn, spares=0 if beta == 1.0 else 1, grad_scale=1.0 / temperature)
+    return ChunkLoss(fn, spares=0 if beta == 1.0 else 1 if beta == 0.0 else 2, grad_scale=1.0 / temperature)
 
 
 def kd_chunk_loss(alpha: float, temperature: float) -> ChunkLoss:

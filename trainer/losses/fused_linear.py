@@ -75,18 +75,19 @@ def buffers(count: int, rows: int, cols: int, device: torch.device,
 
 
 class _FusedLinearLoss(torch.autograd.Function):
-    """Forward: (loss_sum, num_tokens, extra_sums), with dL/dh and dL/dW computed on the way. Backward: those,
-    scaled."""
+    """Forward: (loss_sum, num_tokens, extra_sums), with dL/dh and dL/dW computed on the way where `needs_grad`
+    (hidden's, weight's) asks for them. Backward: those, scaled."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, labels, values, loss, chunk_size, vocab_size):
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, labels, values, loss, chunk_size, vocab_size,
+                needs_grad):
         device = hidden.device
         low = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         mask = torch.ones(len(hidden), dtype=torch.bool, device=device) if labels is None else labels != IGNORE_INDEX
         grads = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:  # a frozen head (a LoRA student's): no dL/dW
+        if any(needs_grad):  # a frozen head (a LoRA student's): no dL/dW
             grads = torch.zeros_like(hidden), (torch.zeros(weight.shape, dtype=weight.dtype, device=device)
-                                               if ctx.needs_input_grad[1] else None)
+                                               if needs_grad[1] else None)
         with torch.autocast(device.type, enabled=False):  # the casts below are autocast's, made once
             heads = [None if w is None else w[:vocab_size] if low is None else w[:vocab_size].to(low)
                      for w in (weight, teacher_weight)]
@@ -105,7 +106,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                                "(retain_graph=True)")
         grads, ctx.grads = ctx.grads, None
         grad_h, grad_w = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def _chunks(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, heads: list[torch.Tensor | None],
@@ -192,12 +193,16 @@ def fused_linear_loss(loss: ChunkLoss, hidden: torch.Tensor, weight: torch.Tenso
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`loss` summed over the positions of `hidden` (N, H) through the first `vocab_size` rows of `weight` (V_pad,
     H) (and of the teacher's head), `chunk_size` positions at a time: (loss_sum, num_tokens, extra_sums), the last
-    one number per `loss.extra_names`. `values` (N, ...) per-position numbers the loss reads (a constant), or a tuple of
-such tensors. Gradients
-    reach the student's hidden states and head, never the teacher."""
+    one number per `loss.extra_names`. `values` (N, ...) per-position numbers the loss reads (a constant), or a
+    tuple of such tensors. Gradients reach the student's hidden states and head, never the teacher; under no_grad
+    (a held-out evaluation's, whose head is a Parameter) none is computed: each chunk costs its projections and its
+    closed form."""
+    # decided here: inside the Function, ctx.needs_input_grad is an input's requires_grad even under no_grad
+    grad_enabled = torch.is_grad_enabled()
+    needs_grad = grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad
     return _FusedLinearLoss.apply(hidden, weight, None if teacher_hidden is None else teacher_hidden.detach(),
                                   None if teacher_weight is None else teacher_weight.detach(), labels,
-                                  values, loss, int(chunk_size), int(vocab_size))
+                                  values, loss, int(chunk_size), int(vocab_size), needs_grad)
 
 
 def add_at_labels(g: torch.Tensor, labels: torch.Tensor, value: float | torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dataset.collators import IGNORE_INDEX
 from trainer.losses.chunked import checked_vocab_size
+from trainer.losses.fused_divergences import _log_softmax_
 from trainer.losses.fused_linear import ChunkLoss, fused_linear_loss
 from trainer.losses.closed_forms import _check_args, _loss_mask, _non_negative, _reduce
 
@@ -133,7 +134,11 @@ def topk_support(teacher_logits: torch.Tensor, labels: torch.Tensor, k: int,
     (`topk_divergence` drops the label's column where it is already in the top-k, or is IGNORE_INDEX)."""
     logits = teacher_logits.detach()
     logits = logits if logits.dtype == torch.float64 else logits.float()  # float64 stays float64 (the tests')
-    logp = F.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    return _top_k_and_label(F.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1), labels, k)
+
+
+def _top_k_and_label(logp: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_support` from the teacher's log-probabilities `logp` (..., V)."""
     top = logp.topk(min(k, logp.shape[-1]), dim=-1)
     label = labels.clamp_min(0).unsqueeze(-1)
     ids = torch.cat([top.indices, torch.where(labels.unsqueeze(-1) < 0, -1, label)], dim=-1)
@@ -174,8 +179,8 @@ def topk_chunk_loss(k: int, beta: float, temperature: float, local: bool) -> Chu
     The student's tail is summed from p outside S (no cancellation against the mass on S, as the reference's
     logsumexp outside S). Extra: the teacher's tail mass ("teacher_tail_mass")."""
     def fn(student, teacher, spares, labels, values):
-        if local:  # the teacher's top-k and the label, from its logits (what a server returns)
-            values = topk_support(teacher, labels, k, temperature)
+        if local:  # the teacher's top-k and the label (what a server returns), its log-softmax over its logits
+            values = _top_k_and_label(_log_softmax_(teacher, temperature), labels, k)
         ids, teacher_logp, valid, full = _buckets(*values, student.shape[1])
         z = student.div_(temperature) if temperature != 1.0 else student
         top = z.amax(dim=-1, keepdim=True)
