@@ -331,12 +331,12 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
     models = {name: teacher_model(seed) for name, seed in SEEDS.items()}
     teachers = Teachers([Teacher(name, model, None, 0, Divergence("sampled_kl")) for name, model in models.items()],
                         Routing(list(SEEDS), "teacher", None))
-    run = types.SimpleNamespace(device="cpu", teacher_autocast=contextlib.nullcontext, metrics=WindowMetrics("cpu"))
-    args = types.SimpleNamespace(loss_chunk_size=16, gen_temperature=1.0)
+    metrics = WindowMetrics("cpu")
     scores = teachers.score({"rows": rows}, batch["input_ids"], batch["attention_mask"], batch["labels"],
                             contextlib.nullcontext)
-    values = token_values(args, run, torch.zeros(4), batch["labels"], None, teachers, scores, batch["input_ids"],
-                          batch["attention_mask"], len(tokenizer))
+    values = token_values(torch.zeros(4), batch["labels"], batch["input_ids"], batch["attention_mask"], None,
+                          teachers, scores, temperature=1.0, chunk=16, vocab=len(tokenizer),
+                          autocast=contextlib.nullcontext, metrics=metrics)
     expected = []
     for i, row in enumerate(rows):
         with torch.no_grad():
@@ -345,7 +345,7 @@ def test_the_rl_opd_term_reads_each_rows_teacher(two_teachers):
         keep = targets != -100
         expected.append(F.log_softmax(logits[keep].double(), dim=-1).gather(-1, targets[keep][:, None])[:, 0])
     assert torch.allclose(values[:, TEACHER_LOGP].double(), torch.cat(expected), atol=1e-4)
-    sums, _ = run.metrics.reduce(types.SimpleNamespace(enabled=False, world_size=1))
+    sums, _ = metrics.reduce(types.SimpleNamespace(enabled=False, world_size=1))
     assert sums["teacher/math/rows"] == sums["teacher/code/rows"] == 2
 
 

@@ -65,8 +65,8 @@ def test_the_first_loss_is_the_closed_form_of_its_groups(tiny_config_path, chat_
     seen = []
     token_values = train_rl.token_values
 
-    def spy(args, run, advantages, labels, *rest):
-        values = token_values(args, run, advantages, labels, *rest)
+    def spy(advantages, labels, *rest, **settings):
+        values = token_values(advantages, labels, *rest, **settings)
         seen.append((labels.clone(), values[:, ADVANTAGE].clone()))
         return values
     rewards_seen = []

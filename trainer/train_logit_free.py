@@ -41,7 +41,6 @@ import torch
 from common.errors import run_script
 from dataset.collators import IGNORE_INDEX
 from eval.grader import grade_batch
-from model import Decoder
 from trainer.config import logit_free as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.logit_free.agreement import agreement
@@ -110,12 +109,9 @@ def train(args: argparse.Namespace) -> None:
     student = build_student(args, info.device, tokenizer)
     reference = load_reference(args, tokenizer, info.device, student)  # the anchor's p_ref, frozen
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
-    decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations
-    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
+    rollouts = Rollouts(run, tokenizer, server, lambda epoch, step: True)  # every save keeps the rollouts sampled ahead
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder,  # each rank its share
                                  **eval_teachers.for_evaluation())
-    rollouts = Rollouts(args, tokenizer, server, decoder, lambda epoch, step: True, run.raw_model, run.autocast,
-                        run.precision.compute, run.fail_together, run.state.rollouts)
-    run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args, teacher_topk=None)
     vocab = len(tokenizer)
     thinking_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")

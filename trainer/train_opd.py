@@ -43,7 +43,6 @@ import torch
 from common.errors import run_script
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX
-from model import Decoder
 from trainer.config import opd as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.losses.chunked import completion_hidden
@@ -90,12 +89,10 @@ def train(args: argparse.Namespace) -> None:
                              evaluation=lambda t: evaluation_divergence(args.beta, t.model is not None, t.topk))
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
-    decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations
-    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
+    # every save keeps the rollouts sampled ahead; step 1's coin decides which steps sample
+    rollouts = Rollouts(run, tokenizer, server, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s))
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder,  # each rank its share
                                  **teachers.for_evaluation())
-    rollouts = Rollouts(args, tokenizer, server, decoder, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s),
-                        run.raw_model, run.autocast, run.precision.compute, run.fail_together, run.state.rollouts)
-    run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args, args.teacher_topk)
     vocab, chunk = len(tokenizer), args.loss_chunk_size
 

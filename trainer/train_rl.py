@@ -39,7 +39,6 @@ import torch
 
 from common.errors import run_script
 from dataset.collators import IGNORE_INDEX
-from model import Decoder
 from trainer.config import rl as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.losses.chunked import completion_hidden
@@ -70,25 +69,24 @@ def sampled_rewards(tokenizer, batch: dict, input_ids: torch.Tensor, labels: tor
     return reward_of(texts, [row.get("ground_truth") for row in batch["rows"]], reward, format_reward)
 
 
-def token_values(args: argparse.Namespace, run: Run, advantages: torch.Tensor, labels: torch.Tensor, reference,
-                 teachers: Teachers, scores: list[Part], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 vocab: int) -> torch.Tensor:
+def token_values(advantages: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, reference, teachers: Teachers, scores: list[Part], *, temperature: float,
+                 chunk: int, vocab: int, autocast, metrics) -> torch.Tensor:
     """Step 3: per completion token (in completion_hidden's order) its group's advantage, log pi_old (NaN: the
-    weights being trained), the reference's and the row's teacher's log-probabilities of the sampled token (0 when
-    not read; several teachers: each from its own rows' `scores`) -> (n, 4)."""
+    weights being trained), the reference's and the row's teacher's log-probabilities of the sampled token at
+    `temperature` (0 when not read; several teachers: each from its own rows' `scores`) -> (n, 4). `autocast`: the
+    frozen models' forward context (Run.teacher_autocast); `metrics`: where the teachers count their rows."""
     completion = labels != IGNORE_INDEX
     n = int(completion.sum())
-    values = torch.zeros(n, 4, device=run.device)
-    values[:, ADVANTAGE] = advantages.to(run.device)[:, None].expand_as(labels)[completion]
+    values = torch.zeros(n, 4, device=labels.device)
+    values[:, ADVANTAGE] = advantages.to(labels.device)[:, None].expand_as(labels)[completion]
     values[:, OLD_LOGP] = float("nan")
     targets = labels[completion]
     if reference is not None:
-        hidden = frozen_hidden(reference, run.teacher_autocast, input_ids, attention_mask, labels)
-        with run.teacher_autocast():
-            values[:, REF_LOGP] = token_logprobs(hidden, reference.lm_head.weight, targets, args.loss_chunk_size,
-                                                 vocab, args.gen_temperature)
-    teachers.token_logprobs(scores, targets, values[:, TEACHER_LOGP], args.gen_temperature, args.loss_chunk_size,
-                            vocab, run.teacher_autocast, run.metrics)
+        hidden = frozen_hidden(reference, autocast, input_ids, attention_mask, labels)
+        with autocast():
+            values[:, REF_LOGP] = token_logprobs(hidden, reference.lm_head.weight, targets, chunk, vocab, temperature)
+    teachers.token_logprobs(scores, targets, values[:, TEACHER_LOGP], temperature, chunk, vocab, autocast, metrics)
     return values
 
 
@@ -132,12 +130,9 @@ def train(args: argparse.Namespace) -> None:
     reference = load_reference(args, tokenizer, info.device, student) if args.kl_coef else None
     run = Run(args, info, student, dataset, GroupCollator(collator, args.num_generations), tokenizer_dir,
               config.RESUMABLE)
-    decoder = Decoder(compiled=args.decode == "compiled")  # the decode step of the rollouts and evaluations
-    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, decoder,  # each rank its share (--fsdp 1: all)
+    rollouts = Rollouts(run, tokenizer, server, lambda epoch, step: True)  # every save keeps the rollouts sampled ahead
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder,  # each rank its share
                                  **teachers.for_evaluation())
-    rollouts = Rollouts(args, tokenizer, server, decoder, lambda epoch, step: True, run.raw_model, run.autocast,
-                        run.precision.compute, run.fail_together, run.state.rollouts)
-    run.keep_rollouts(rollouts.kept)  # every save keeps the rollouts sampled ahead for coming steps
     say_servers(args)
     print0(f"groups of {args.num_generations}: each prompt sampled {args.num_generations} times, "
            f"{args.batch_size * args.num_generations} completions per micro-batch; reward {args.reward}"
@@ -160,8 +155,9 @@ def train(args: argparse.Namespace) -> None:
                 advantages = group_advantages(rewards, g, args.advantage)
             with clock("teacher"), run.fail_together(teachers.served):  # 3. the frozen models
                 scores = teachers.score(batch, input_ids, attention_mask, labels, run.teacher_autocast)
-                values = token_values(args, run, advantages, labels, reference, teachers, scores, input_ids,
-                                      attention_mask, vocab)
+                values = token_values(advantages, labels, input_ids, attention_mask, reference, teachers, scores,
+                                      temperature=args.gen_temperature, chunk=args.loss_chunk_size, vocab=vocab,
+                                      autocast=run.teacher_autocast, metrics=run.metrics)
             with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)

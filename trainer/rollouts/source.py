@@ -3,8 +3,8 @@
 pushed and verified before the rollouts they sample, and with --max_staleness S sampled S steps ahead in the
 background (trainer/rollouts/queue.py) -- and, for micro-batches that are not on-policy, the rows' own completions.
 
-    rollouts = Rollouts(args, tokenizer, server, decoder, on_policy, run.raw_model, run.autocast, ...)
-    run.keep_rollouts(rollouts.kept)                          # every save keeps the rollouts sampled ahead
+    rollouts = Rollouts(run, tokenizer, server, on_policy)    # every save keeps the rollouts sampled ahead
+    evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder, ...)  # one decode step for both
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
         rollouts.before_step(run.step, epoch, window, coming, clock)  # served: drain, push + verify, sample ahead
         for batch in window:
@@ -33,31 +33,35 @@ from serving.weight_sync import WeightSync
 from trainer.rollouts.queue import RolloutQueue
 from trainer.skeleton.distributed import is_main_process, print0
 from trainer.skeleton.loading import sft_collator
+from trainer.skeleton.run import Run
 from trainer.skeleton.window_metrics import WindowMetrics
 
 Sequences = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention_mask, labels (completion only)
 
 
 class Rollouts:
-    def __init__(self, args: argparse.Namespace, tokenizer, server: CompletionServer | None, decoder: Decoder | None,
-                 on_policy: Callable[[int, int], bool], student: torch.nn.Module, autocast: Callable,
-                 dtype: torch.dtype, fail_together: Callable, resumed: dict[int, dict]):
-        """`on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
-        `decoder`: the built-in engine's decode step (--decode: compiled by default on CUDA). `student`: the model
-        being trained (unwrapped), which samples or whose weights the server gets; `autocast` its forward context,
-        `dtype` the one it computes in. `fail_together`: the run's failure protocol (Run.fail_together), around
-        every request to the server. `resumed`: the rollouts a resumed run's checkpoint kept ({} at a start)."""
-        self.args, self.tokenizer, self.server, self.decoder = args, tokenizer, server, decoder
-        self.on_policy, self.student, self.autocast, self.fail_together = on_policy, student, autocast, fail_together
-        self.device = str(next(student.parameters()).device)
+    def __init__(self, run: Run, tokenizer, server: CompletionServer | None, on_policy: Callable[[int, int], bool]):
+        """The rollouts of `run`'s student (`run.raw_model`, unwrapped: it samples, or the server gets its weights,
+        under the run's autocast and compute dtype; every request to the server inside the run's failure protocol,
+        Run.fail_together), which every save of the run keeps (the ones sampled ahead, resumed from its checkpoint).
+        `on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
+        `decoder`: the built-in engine's decode step (--decode: compiled by default on CUDA), which the loop's
+        held-out evaluation shares (one compiled step, one held cache)."""
+        args = run.args
+        self.args, self.tokenizer, self.server = args, tokenizer, server
+        self.decoder = Decoder(compiled=args.decode == "compiled")
+        self.on_policy, self.student, self.autocast = on_policy, run.raw_model, run.autocast
+        self.fail_together = run.fail_together
+        self.device = str(next(self.student.parameters()).device)
         self.data_collator = sft_collator(args, tokenizer)  # steps that are not on-policy: the rows' completions
         self.stats = WindowMetrics(self.device)  # this step's numbers, until the loop takes them (`add_to`)
         self.weight_sync = self.queue = None
         if server is not None:
-            self.weight_sync = WeightSync(server, rollout_weights_path(args), probe_token_ids(tokenizer), dtype,
-                                          active=is_main_process(), say=print0)
-            sample = served_sampler(server, args, tokenizer, student.config.vocab_size)
-            self.queue = RolloutQueue(sample, resumed, args.max_staleness, overlap=bool(args.overlap))
+            self.weight_sync = WeightSync(server, rollout_weights_path(args), probe_token_ids(tokenizer),
+                                          run.precision.compute, active=is_main_process(), say=print0)
+            sample = served_sampler(server, args, tokenizer, self.student.config.vocab_size)
+            self.queue = RolloutQueue(sample, run.state.rollouts, args.max_staleness, overlap=bool(args.overlap))
+        run.keep_rollouts(self.kept)  # every save keeps the rollouts sampled ahead for coming steps
 
     def before_step(self, step: int, epoch: int, window: list[dict], coming: list, clock) -> None:
         """Served rollouts, before optimizer step `step` (the count done): the steps whose rollouts come from the
