@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from model.lora import LoRALinear
 from model.precision import cache_dtype
 from model.qwen3 import KVCache, Qwen3ForCausalLM, positions_from_mask
 
@@ -322,10 +323,16 @@ def empty_state(batch_size: int, length: int, new_tokens: int, sampled: bool, de
 
 def low_precision_twin(model: Qwen3ForCausalLM, dtype: torch.dtype) -> Qwen3ForCausalLM:
     """A frozen Qwen3ForCausalLM whose linear layers hold copies of `model`'s weights in `dtype` and whose
-    embedding, norms and RoPE buffers are `model`'s own tensors (nothing else is allocated)."""
+    embedding, norms, RoPE buffers and LoRA adapters are `model`'s own tensors (nothing else is allocated): a LoRA
+    layer's twin is a LoRA layer on the copy of its base weight, so the twin computes what autocast computes."""
     with torch.device("meta"):
         twin = Qwen3ForCausalLM(model.config)
-    for twin_module, module in zip(twin.modules(), model.modules()):
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            twin.set_submodule(name, module.sharing_adapters(twin.get_submodule(name)))
+    twin_modules = dict(twin.named_modules())  # paired by name: a LoRA layer's children shift positions
+    for name, module in model.named_modules():
+        twin_module = twin_modules[name]
         if isinstance(module, torch.nn.Linear):  # the head too: tied or not, its own copy in `dtype`
             twin_module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
         elif hasattr(module, "weight"):  # embedding and RMSNorms: shared, in their stored dtype
@@ -335,8 +342,11 @@ def low_precision_twin(model: Qwen3ForCausalLM, dtype: torch.dtype) -> Qwen3ForC
     return twin.eval()
 
 
-def linear_pairs(twin: Qwen3ForCausalLM, model: Qwen3ForCausalLM):
-    return [(a, b) for a, b in zip(twin.modules(), model.modules()) if isinstance(b, torch.nn.Linear)]
+def linear_pairs(twin: Qwen3ForCausalLM, model: Qwen3ForCausalLM) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:
+    """(the twin's linear layer, `model`'s of the same name), for every linear layer of `model`."""
+    twin_modules = dict(twin.named_modules())
+    return [(twin_modules[name], module) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)]
 
 
 @torch.no_grad()

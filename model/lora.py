@@ -3,10 +3,10 @@ base weight untouched, B zero at the start (a fresh adapter changes nothing).
 
 The projections are HF's -- q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj -- also where this model
 fuses their GEMMs (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`: model/checkpoint_io.py's `fused_blocks`): a
-fused projection carries one adapter per HF block, its delta filling that block's rows of the output, so an adapter
-is PEFT's adapter on the HF module of the same name (`peft_state`, `peft_config`). Each adapted linear keeps its
-`weight` under its own name (checkpoints and HF exports read it as before); the adapters are parameters named
-`<projection>.lora_A.<hf name>` / `lora_B.<hf name>`.
+fused projection carries one adapter per HF block, with its own dropout draw, its delta filling that block's rows of
+the output, so an adapter is PEFT's adapter on the HF module of the same name (`peft_state`, `peft_config`). Each
+adapted linear keeps its `weight` under its own name (checkpoints and HF exports read it as before); the adapters
+are parameters named `<projection>.lora_A.<hf name>` / `lora_B.<hf name>`.
 """
 from __future__ import annotations
 
@@ -48,18 +48,23 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        if not self.enabled or not len(self.lora_A):
+        if not self.enabled:
             return out
-        h = self.dropout(x)
-        parts = [(F.linear(F.linear(h, self.lora_A[name]), self.lora_B[name]) * self.scaling) if name in self.lora_A
-                 else out.new_zeros(*out.shape[:-1], rows) for name, rows in self.blocks]
-        return out + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        start = 0
+        for name, rows in self.blocks:
+            if name in self.lora_A:  # a dropout draw per adapter, as PEFT's per HF module
+                delta = F.linear(F.linear(self.dropout(x), self.lora_A[name]), self.lora_B[name]) * self.scaling
+                out[..., start:start + rows].add_(delta)  # `out` is fresh and saved by no backward: in place is safe
+            start += rows
+        return out
 
-    def delta(self) -> torch.Tensor:
-        """The adapters' change to the weight, (out, in): scaling B A per adapted block, zeros elsewhere."""
-        rows = [(self.lora_B[name] @ self.lora_A[name]) * self.scaling if name in self.lora_A
-                else self.weight.new_zeros(count, self.in_features) for name, count in self.blocks]
-        return torch.cat(rows).to(self.weight.dtype)
+    def sharing_adapters(self, base: nn.Linear) -> LoRALinear:
+        """A layer on `base` with this one's blocks, scaling and adapters -- the same Parameters, in modules of its
+        own -- and no dropout: a frozen low-precision twin's (model/generate.py), holding its own base weight."""
+        layer = LoRALinear(base, self.blocks, [], rank=1, alpha=self.scaling, dropout=0.0)
+        layer.lora_A, layer.lora_B = nn.ParameterDict(self.lora_A), nn.ParameterDict(self.lora_B)
+        layer.enabled = self.enabled
+        return layer
 
 
 def _projections(model: Qwen3ForCausalLM) -> Iterator[tuple[nn.Module, str, list[tuple[str, int]]]]:
@@ -140,27 +145,44 @@ def lora_layers(model: nn.Module) -> list[LoRALinear]:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model within the block (a LoRA student's own reference: no second copy of the weights)."""
+    """The base model within the block (a LoRA student's own reference: no second copy of the weights); after it,
+    each layer's adapters as they were before it (so blocks nest)."""
     layers = lora_layers(model)
+    before = [layer.enabled for layer in layers]
     for layer in layers:
         layer.enabled = False
     try:
         yield
     finally:
-        for layer in layers:
-            layer.enabled = True
+        for layer, enabled in zip(layers, before):
+            layer.enabled = enabled
 
 
 @torch.no_grad()
 def merge(model: nn.Module) -> None:
-    """Fold every adapter into its base weight and drop it: the model is then a plain Qwen3 (its HF export is the
-    merged model)."""
+    """Fold every adapter into its base weight (`merged_weight`) and drop it: the model is then a plain Qwen3 whose
+    merged linears are fp32, as the HF export writes them."""
     for parent in list(model.modules()):
         for attribute, child in list(parent.named_children()):
             if isinstance(child, LoRALinear):
                 merged = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                merged.weight = nn.Parameter(child.weight + child.delta(), requires_grad=child.weight.requires_grad)
+                merged.weight = nn.Parameter(merged_weight(child), requires_grad=child.weight.requires_grad)
                 setattr(parent, attribute, merged)
+
+
+@torch.no_grad()
+def merged_weight(layer: LoRALinear) -> torch.Tensor:
+    """W + scaling B A on each adapted block, whole, in fp32 at least (a bf16 base plus an fp32 delta is not a bf16
+    number): the export's merge (model/checkpoint_io.py's `_merge`, from the same `factors`), bit for bit."""
+    weight = whole(layer.weight)
+    weight = weight.to(torch.promote_types(weight.dtype, torch.float32), copy=True)
+    start = 0
+    for name, rows in layer.blocks:
+        if name in layer.lora_A:
+            scaled_b, a = factors(layer, name)
+            weight[start:start + rows] += scaled_b @ a
+        start += rows
+    return weight
 
 
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:

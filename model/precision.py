@@ -15,8 +15,10 @@ the rule decides, for a device and the --dtype / --teacher_dtype flags:
   * the scaler: enabled for fp16 only;
   * the teacher's dtype: it needs no master copy, so it is loaded in the compute dtype -- except under fp16, where
     a real Qwen3's activations can overflow fp16's range (max 65,504) without the fp32 weights and residual stream
-    the student keeps: then bf16 where the device has it, fp32 otherwise; --teacher_dtype overrides;
-    its forwards compute in that dtype too (`teacher_autocast`), not under the student's autocast;
+    the student keeps: then bf16 where the device has it, fp32 otherwise (`frozen_dtype`); --teacher_dtype
+    overrides; its forwards compute in that dtype too (`teacher_autocast`), not under the student's autocast;
+  * a LoRA student's frozen base (and so the reference that is the base with its adapters off): the same
+    `frozen_dtype`, without --teacher_dtype (the base is the student's); its adapters are fp32 master weights;
   * generation's KV-cache dtype (`cache_dtype`): the autocast dtype when autocast is on, else the weights'.
 """
 from __future__ import annotations
@@ -78,11 +80,17 @@ def resolve_precision(device: str, dtype_name: str = "auto", teacher_dtype_name:
     compute = DTYPES[dtype_name]
     if teacher_dtype_name not in (None, "auto"):
         teacher = DTYPES[teacher_dtype_name]
-    elif compute == torch.float16:
-        teacher = torch.bfloat16 if has_bf16(device_type) else torch.float32
     else:
-        teacher = compute
+        teacher = frozen_dtype(device_type, compute)
     return Precision(device_type, compute, teacher)
+
+
+def frozen_dtype(device_type: str, compute: torch.dtype) -> torch.dtype:
+    """The weights' dtype of a frozen model (a teacher without --teacher_dtype, a LoRA student's base) on
+    `device_type` for forwards in `compute`: that dtype, but bf16 under fp16 where the device has it, else fp32."""
+    if compute == torch.float16:
+        return torch.bfloat16 if has_bf16(device_type) else torch.float32
+    return compute
 
 
 def has_bf16(device_type: str) -> bool:

@@ -3,6 +3,7 @@
 differently, the student's entropy and log-probabilities against dense float64, the agreement and its weight against
 closed forms, the loss, its gradient and the KL anchor against dense autograd, the Monte Carlo estimator against its
 expectation, and the white-box reverse-KL signal the bounded weight replaces."""
+import contextlib
 import math
 import random
 from types import SimpleNamespace
@@ -12,8 +13,11 @@ import torch
 
 from dataset.collators import IGNORE_INDEX
 from trainer.logit_free.agreement import TEXT_CAP, agreement, similarity
+from model import Qwen3Config, create_model
+from model.lora import add_lora, lora_layers
+from support import TINY_CONFIG
 from trainer.logit_free.audit import (CHUNK_LEN, MAX_CHUNKS, Chunk, anchor_labels, anchors_outside_thinking,
-                                      audit_loss_sum, choose_chunks, chunk_weights, chunked_audit_loss,
+                                      audit_loss_sum, audit_stats, choose_chunks, chunk_weights, chunked_audit_loss,
                                       completion_lengths, plan_audits, position_stats, position_weights,
                                       posterior_weight)
 from trainer.losses.chunked import completion_hidden
@@ -242,6 +246,38 @@ def test_position_weights_refuse_chunks_that_do_not_fit():
         position_weights([9], [Chunk(1, 0, 3, 0.5)], [0.5])
     weights, audited = position_weights([4, 0, 2], [], [])
     assert weights.shape == (6,) and not bool(audited.any()) and float(weights.abs().sum()) == 0.0
+
+
+def lora_student(dropout: float) -> torch.nn.Module:
+    """A tiny LoRA student whose adapters have trained (B not zero), in train mode, as the loop holds it."""
+    model = create_model(Qwen3Config.from_dict({**TINY_CONFIG, "vocab_size": 1000}), seed=0)
+    add_lora(model, rank=4, alpha=8.0, dropout=dropout)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_layers(model):
+            for b in layer.lora_B.values():
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    return model.train()
+
+
+def test_the_audits_numbers_are_the_sampling_policys_without_lora_dropout():
+    """The entropy and pi_bar describe the policy the completion was sampled from (in evaluation mode): the audit's
+    forward runs without LoRA's dropout, inside the loop's train mode too, which it leaves as it found it."""
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 1000, (2, 24), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    labels = input_ids.masked_fill(torch.arange(24) < 6, IGNORE_INDEX)
+    dropped, plain = lora_student(0.5), lora_student(0.0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert not torch.equal(dropped(input_ids).logits, plain(input_ids).logits)  # the dropout is live in train
+    numbers = [audit_stats(model, contextlib.nullcontext, input_ids, attention_mask, labels, 1000, 0.7, 16)
+               for model in (dropped, plain)]
+    assert dropped.training and plain.training
+    for a, b in zip(*numbers):
+        assert torch.equal(a, b)
+    lengths = completion_lengths(labels)
+    assert plan_audits(*numbers[0][1:], lengths, 4, 3) == plan_audits(*numbers[1][1:], lengths, 4, 3)
 
 
 # ----------------------------------------------------------------------------- agreement and the weight

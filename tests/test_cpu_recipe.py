@@ -303,8 +303,8 @@ def test_ddp_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, dtype)
 
 @pytest.mark.parametrize("dtype, fsdp", [("bfloat16", 1), ("float16", 0)], ids=["bf16-fsdp", "fp16"])
 def test_a_lora_student_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype, fsdp):
-    """KD with a LoRA student: its base held in the recipe's dtype (bf16 gathered as it is stored on 2 sharded ranks;
-    fp16 under the GradScaler), its fp32 adapters alone trained, resumed and in AdamW."""
+    """KD with a LoRA student: its base held as a frozen teacher is (bf16 -- gathered as it is stored on 2 sharded
+    ranks --, also under fp16 with the GradScaler), its fp32 adapters alone trained, resumed and in AdamW."""
     args = recipe_args(files, "kd", tmp_path, dtype, lora_rank=4, fsdp=fsdp, **EVAL)
     if fsdp:
         run_command(torchrun_command(LOOPS["kd"][1], args))

@@ -5,6 +5,7 @@ eager step over the filled cache positions equals the whole-cache step bit for b
 use and the rows, stopped rows leave the batch in power-of-two widths, and the compiled decode step (--decode compiled)
 samples exactly the eager step's tokens with one compiled graph per width, writing its cache at fixed, static-marked
 addresses."""
+import copy
 import importlib
 import os
 
@@ -13,7 +14,9 @@ import torch
 import transformers
 
 from model import KVCache, load_pretrained
-from model.generate import Decoder, completion_mask_through_eos, generate, next_token_logits
+from model.generate import (Decoder, completion_mask_through_eos, generate, linear_pairs, low_precision_twin,
+                            next_token_logits)
+from model.lora import add_lora, lora_layers
 from support import ROOT
 
 VOCAB = 1000
@@ -346,3 +349,25 @@ def test_the_compiled_decoders_cache_for_qwen3_0_6b_is_what_the_docs_say():
     total = sum(buffer.nbytes for buffer in cache.keys + cache.values)
     assert total == 28 * 8 * 8 * 1536 * 128 * 2 * 2  # layers x rows x KV heads x length x head_dim x (K, V) x bytes
     assert f"{total / 2**30:.2f} GiB" == "1.31 GiB"
+
+
+def test_a_lora_models_low_precision_twin_pairs_its_modules_by_name(models):
+    """A LoRA layer's adapters and dropout are modules of their own, so pairing the twin's modules with the model's
+    by position in modules() shifts every pair after the first LoRA layer: the twin pairs them by qualified name,
+    holds bf16 copies of the base weights, keeps the adapters (the model's own parameters) and computes what the LoRA
+    model computes under autocast."""
+    model = copy.deepcopy(models[1])
+    add_lora(model, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_layers(model):
+            for b in layer.lora_B.values():
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    twin = low_precision_twin(model, torch.bfloat16)
+    pairs = linear_pairs(twin, model)
+    assert len(pairs) == 4 * 2 + 1  # qkv, o, gate/up, down per layer, and the head
+    assert all(torch.equal(a.weight, b.weight.to(torch.bfloat16)) for a, b in pairs)
+    assert twin.model.layers[1].self_attn.q_norm.weight is model.model.layers[1].self_attn.q_norm.weight
+    ids, mask = prompts()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(twin(ids, mask).logits, model(ids, mask).logits)

@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from support import TINY_CONFIG
 from model import Qwen3Config, create_model, save_pretrained
-from model.lora import TARGETS, adapters_disabled, add_lora, lora_layers, merge, peft_config, peft_state
+from model.lora import (TARGETS, LoRALinear, adapters_disabled, add_lora, lora_layers, merge, peft_config,
+                        peft_state)
 
 
 def tiny(seed: int = 0):
@@ -55,6 +56,59 @@ def test_switched_off_the_adapters_leave_the_base_and_merged_they_compute_the_sa
         merge(model)
         assert not lora_layers(model)
         torch.testing.assert_close(model(ids()).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_disabled_nests_and_restores_what_it_found():
+    model = tiny()
+    add_lora(model, rank=4, alpha=8.0)
+    layers = lora_layers(model)
+    with adapters_disabled(model):
+        with adapters_disabled(model):
+            pass
+        assert not any(layer.enabled for layer in layers)  # the outer block still runs the base
+    assert all(layer.enabled for layer in layers)
+    layers[0].enabled = False  # switched off before the block: left off after it
+    with adapters_disabled(model):
+        pass
+    assert [layer.enabled for layer in layers] == [False] + [True] * (len(layers) - 1)
+
+
+def test_each_adapted_projection_draws_its_own_dropout_mask():
+    """PEFT's q_proj, k_proj and v_proj each apply their own dropout to x before their lora_A: the adapters of a
+    fused qkv_proj each draw their own mask too. With a zero base and A = B = I (scaling 1), each block's output is
+    dropout(x) itself: x = 1 shows its mask, kept entries 1 / (1 - p) = 2."""
+    base = torch.nn.Linear(4, 12, bias=False)
+    torch.nn.init.zeros_(base.weight)
+    names = ["q_proj", "k_proj", "v_proj"]
+    layer = LoRALinear(base, [(name, 4) for name in names], names, rank=4, alpha=4.0, dropout=0.5)
+    with torch.no_grad():
+        for name in names:
+            layer.lora_A[name].copy_(torch.eye(4))
+            layer.lora_B[name].copy_(torch.eye(4))
+        torch.manual_seed(0)
+        q, k, v = layer(torch.ones(64, 4)).split(4, dim=-1)
+    assert all(set(block.unique().tolist()) == {0.0, 2.0} for block in (q, k, v))
+    assert not torch.equal(q, k) and not torch.equal(k, v) and not torch.equal(q, v)
+
+
+def test_merge_is_the_exports_fp32_merge(tmp_path):
+    """A bf16 base plus an fp32 delta is not a bf16 number: `merge` folds the adapters as the HF export writes them,
+    in fp32, bit for bit (one merge)."""
+    model = tiny().to(torch.bfloat16)
+    add_lora(model, rank=4, alpha=8.0)
+    trained_adapters(model)
+    save_pretrained(model, str(tmp_path))
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    merge(model)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        for fused, hf_names in ((layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"]),
+                                (layer.self_attn.o_proj, ["o_proj"]),
+                                (layer.mlp.gate_up_proj, ["gate_proj", "up_proj"]),
+                                (layer.mlp.down_proj, ["down_proj"])):
+            part = "self_attn" if hf_names[0] in ("q_proj", "o_proj") else "mlp"
+            hf = torch.cat([exported[f"{prefix}.{part}.{name}.weight"] for name in hf_names])
+            assert fused.weight.dtype == torch.float32 and torch.equal(fused.weight, hf)
 
 
 def test_transformers_and_peft_compute_what_the_adapted_model_computes(tmp_path):

@@ -20,6 +20,7 @@ from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread
                           loop_args, metrics, script_exit)
 from model import save_pretrained
 from model.lora import adapters_disabled, is_adapter, lora_layers
+from model.precision import resolve_precision
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 from trainer.skeleton.checkpoint import load_trained_state
 from trainer.skeleton.loading import build_model
@@ -54,6 +55,22 @@ def test_a_fresh_lora_student_computes_exactly_what_its_base_does(tiny_config_pa
         adapted = low(IDS).logits
         with adapters_disabled(low):
             assert torch.equal(low(IDS).logits, adapted)
+
+
+def test_a_float16_lora_students_base_is_held_in_the_frozen_teachers_dtype(tiny_config_path, chat_jsonl, tmp_path):
+    """--dtype float16: the frozen base -- embedding, norms and linear weights, and so the reference that is the base
+    with its adapters off -- in the dtype the precision rule gives a frozen teacher (bf16 on a CPU: a real Qwen3 may
+    overflow fp16), not in fp16; the adapters fp32. The loop trains it."""
+    low = student(tiny_config_path, "float16")
+    teacher = resolve_precision("cpu", "float16").teacher
+    base = {name: p.dtype for name, p in low.named_parameters() if not is_adapter(name)}
+    assert teacher == torch.bfloat16 and set(base.values()) == {teacher}
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(base)
+    assert {p.dtype for name, p in low.named_parameters() if is_adapter(name)} == {torch.float32}
+    train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, max_steps=1, dtype="float16", **LORA))
+    steps = [m for m in metrics(tmp_path) if "loss" in m]
+    assert [m["step"] for m in steps] == [1] and torch.isfinite(torch.tensor(steps[0]["loss"]))
 
 
 def trained_student(config: str, save_dir) -> torch.nn.Module:

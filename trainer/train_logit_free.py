@@ -44,8 +44,8 @@ from eval.grader import grade_batch
 from trainer.config import logit_free as config
 from trainer.evaluation.heldout import HeldoutEvaluator
 from trainer.logit_free.agreement import agreement
-from trainer.logit_free.audit import (anchor_labels, anchors_outside_thinking, chunk_weights, chunked_audit_loss,
-                                      completion_lengths, plan_audits, position_stats, position_weights,
+from trainer.logit_free.audit import (anchor_labels, anchors_outside_thinking, audit_stats, chunk_weights,
+                                      chunked_audit_loss, completion_lengths, plan_audits, position_weights,
                                       posterior_weight)
 from trainer.losses.chunked import completion_hidden
 from trainer.losses.divergences import Divergence, divergence_sums
@@ -123,10 +123,9 @@ def train(args: argparse.Namespace) -> None:
         for i, batch in enumerate(window):
             # 1. the student's samples, labels on the completion only
             input_ids, attention_mask, labels = rollouts.sequences(batch, run.step, epoch, True, clock)
-            with clock("entropy"), torch.no_grad(), run.autocast():  # 2. the audit: the student's entropy peaks
-                hidden, targets = completion_hidden(run.raw_model, input_ids, attention_mask, labels)
-                entropy, logprob = position_stats(hidden, run.head, targets, vocab, args.gen_temperature,
-                                                  args.loss_chunk_size)
+            with clock("entropy"):  # 2. the audit: the student's entropy peaks (its forward in evaluation mode)
+                targets, entropy, logprob = audit_stats(run.raw_model, run.autocast, input_ids, attention_mask, labels,
+                                                        vocab, args.gen_temperature, args.loss_chunk_size)
             lengths = completion_lengths(labels)
             allowed = anchors_outside_thinking(targets.cpu(), lengths, *thinking_ids)  # no anchor inside <think>
             planned = plan_audits(entropy, logprob, lengths, args.chunk_len, args.audit_chunks, allowed)

@@ -31,17 +31,18 @@ Everything else here is this reimplementation's reading, stated once:
   frozen starting model as its "teacher") called on the labels `anchor_labels` returns: audited positions IGNORE_INDEX.
   Its token count is then the unaudited positions only; the loop's normaliser stays every completion token.
 
-How a loop uses it, one micro-batch (flattened form throughout: `completion_hidden` is called once and gives (N, H)
-hidden states and (N,) targets, row-major over rows, each row's completion positions in order; every (N,) tensor here
-is in that order, and `completion_lengths` splits it into rows):
+How a loop uses it, one micro-batch (flattened form throughout: `completion_hidden` gives (N, H) hidden states and
+(N,) targets, row-major over rows, each row's completion positions in order; every (N,) tensor here is in that
+order, and `completion_lengths` splits it into rows):
 
-    hidden, targets = completion_hidden(model, input_ids, attention_mask, labels)
+    targets, entropy, logprob = audit_stats(model, autocast, input_ids, attention_mask, labels, vocab_size,
+                                            gen_temperature, chunk_size)       # no gradient, evaluation mode
     lengths = completion_lengths(labels)
-    entropy, logprob = position_stats(hidden, head, targets, vocab_size, gen_temperature, chunk_size)
     chunks = plan_audits(entropy, logprob, lengths, CHUNK_LEN, MAX_CHUNKS)
     ... per chunk: the student's text of its tokens, the teacher's N continuations of prompt + completion[:anchor]
     pi_hats = [posterior_weight(agreement(text, continuations), N, chunk.pi_bar) for ...]
     weights, audited = position_weights(lengths, chunks, pi_hats)
+    hidden, targets = completion_hidden(model, input_ids, attention_mask, labels)   # the training forward
     loss = chunked_audit_loss(hidden, head, targets, weights, chunk_size, vocab_size)
     anchor = divergence_sums(Divergence("jsd", beta=0.0), hidden, head, anchor_labels(targets, audited),
                              ref_hidden, ref_head, chunk_size, vocab_size)
@@ -50,14 +51,15 @@ is in that order, and `completion_lengths` splits it into rows):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dataset.collators import IGNORE_INDEX
-from trainer.losses.chunked import checked_vocab_size
+from trainer.losses.chunked import checked_vocab_size, completion_hidden
 from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_loss
 
 MAX_CHUNKS = 10     # M: audited chunks per completion, at most
@@ -120,6 +122,26 @@ def position_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             # 0 * log 0 = 0: a probability that underflows to 0 adds nothing, not NaN
             entropy[start:end] = -torch.where(q > 0, q * log_q, torch.zeros_like(q)).sum(-1)
     return entropy, logprob
+
+
+@torch.no_grad()
+def audit_stats(model: torch.nn.Module, autocast: Callable[[], AbstractContextManager], input_ids: torch.Tensor,
+                attention_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, gen_temperature: float,
+                chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The audit's numbers for a micro-batch: the student's forward (`autocast`: its context) without gradients,
+    then `position_stats` -> (targets (N,), entropy (N,), logprob (N,)). The forward runs in evaluation mode, as the
+    completions were sampled -- LoRA's dropout would otherwise perturb the entropy and pi_bar of the policy that
+    sampled them -- and leaves the model in the mode it found."""
+    training = model.training
+    model.eval()
+    try:
+        with autocast():
+            hidden, targets = completion_hidden(model, input_ids, attention_mask, labels)
+            entropy, logprob = position_stats(hidden, model.lm_head.weight, targets, vocab_size, gen_temperature,
+                                              chunk_size)
+    finally:
+        model.train(training)
+    return targets, entropy, logprob
 
 
 # ----------------------------------------------------------------------------- the scheduler

@@ -16,7 +16,7 @@ from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
 from model import Qwen3Config, load_pretrained, load_tokenizer
 from model.lora import add_lora, init_adapters
-from model.precision import resolve_precision
+from model.precision import frozen_dtype, resolve_precision
 from model.tokenizer import QwenTokenizer
 from trainer.skeleton.distributed import is_main_process, print0
 from trainer.skeleton.sharding import random_model, shard
@@ -30,11 +30,13 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
                 lora: dict | None = None) -> torch.nn.Module:
     """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed. With
     --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards.
-    `lora` (add_lora's settings): LoRA adapters on the frozen base, which is then held in the autocast dtype (bf16
-    on CUDA: half the bytes, and the matmuls take it as it is); added before sharding, so FSDP shards them too."""
+    `lora` (add_lora's settings): LoRA adapters on the frozen base, which is then held in a frozen model's dtype
+    (model/precision.py's `frozen_dtype`: the autocast dtype -- bf16 on CUDA: half the bytes, and the matmuls take
+    it as it is --, but under fp16 bf16 or fp32, as a teacher's); added before sharding, so FSDP shards them too."""
     sharded = sharding_ranks(args)
     precision = resolve_precision(device, args.dtype)
-    dtype, seed = precision.compute if lora else precision.master, args.seed if seed is None else seed
+    frozen = frozen_dtype(precision.device_type, precision.compute)
+    dtype, seed = frozen if lora else precision.master, args.seed if seed is None else seed
 
     def adapt_and_shard(model: torch.nn.Module) -> None:
         if lora:
