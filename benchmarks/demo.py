@@ -14,24 +14,31 @@ held-out problems sharing no operand pair with any training row. Every command r
 root, exactly as printed (its leading `python` is this interpreter), writing into checkpoints/demo/:
 
   teacher   SFT of SCALE.model_config on the 3,000 worked solutions (SCALE.teacher_steps, its learning curve on the
-            val problems), resumed with --from_resume 1: a later table finds it finished and goes on at once
-  student   the same run's export at step SCALE.student_steps (--export_steps): every method's starting point
+            val problems, exported at each of SCALE.snapshots), resumed with --from_resume 1: a later table finds it
+            finished and goes on at once; the commit it started at is kept in checkpoints/demo/teacher_commit.json
+  student   the first of those exports whose accuracy on the 200 val problems is in SCALE.student_band (25-45%):
+            every method's starting point, chosen by accuracy and not by step, since the curve is steep there
+            and a fixed step lands tens of points apart from one commit to the next
   then for each method and seed, SCALE.budget_steps optimizer steps of 16 student sequences each (16 rows of SFT or
   KD data, 16 sampled answers, or 4 prompts x 4 answers for RL), at the method's learning rate (METHODS):
   sft_data  SFT on the teacher's own sampled answers to the 512 OPD prompts (dataset/teacher_generate.py from the
             teacher served by vLLM: the baseline the OPD papers compare against)
   kd        classic KD (CE + T^2 KL) on the worked solutions, the teacher's logits
   opd       white-box on-policy distillation (reverse KL over the full vocabulary)
-  opd_lora  the same with a LoRA student (--lora_rank 16: the base frozen, only the adapters trained)
+  opd_lora  the same with a LoRA student (--lora_rank 16: the base frozen, only the adapters trained); its base is
+            held in bf16, so it starts from another model than the student: its step 0 (--export_steps 0) is
+            graded too, and its rows are tested against that
   lf_vllm   logit-free OPD, the teacher served by vLLM as a black box (text only)
   lf_rule   logit-free OPD from benchmarks/rule_teacher.py: a rule-based solver behind an OpenAI-compatible endpoint,
             a stand-in for an API better than any local model
   rl        GRPO with the math-verify reward, groups of 4
 Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the table adds the
-95% Wilson interval, McNemar's exact test against the starting student on the same problems
+95% Wilson interval, McNemar's exact test against the model it started from on the same problems
 (benchmarks/demo_stats.py), the held-out reverse KL to the teacher on the model's own answers, the EOS share, the
 teacher's requests and tokens, the student tokens trained on, the wall time, and for RL the share of groups with
 signal. It prints the table in Markdown with the machine line and writes it as JSON (checkpoints/demo/demo.json).
+An evaluation is reused from an earlier table only where its summary names this commit, with no local change, and
+the same flags: a grading made by other code is made again.
 
 The rows that need vLLM (sft_data, lf_vllm) are skipped, each with one line saying how to enable them, where no vLLM
 environment exists (serving/setup_vllm_cpu.sh) or port 8001 is taken (lf_rule's teacher runs in this process, on port
@@ -56,7 +63,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -64,6 +71,7 @@ if ROOT not in sys.path:
 
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
+from common.version import code_commit, is_exact  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 
 SAVE_DIR = "checkpoints/demo"
@@ -78,29 +86,29 @@ class Scale:
     """How big the demo is: the models, the teacher's and the student's training, every method's budget."""
     model_config: str
     teacher_steps: int    # optimizer steps of 16 rows
-    student_steps: int    # the teacher's step whose export is the student
+    snapshots: tuple[int, ...]  # the teacher's exports (--export_steps): the student is one of them
     budget_steps: int     # optimizer steps of every method, 16 student sequences each
     seeds: tuple[int, ...]
     device: str = "cpu"
     dtype: str = "bfloat16"
     eval_rows: int = 0    # eval_math --max_rows (0: all 200)
     teacher_eval_interval: int = 0  # the teacher's learning curve on the val problems: --eval_interval (0: none)
-    snapshots: tuple[int, ...] = ()  # the teacher's exports (--export_steps): the student's step among them
-
-    def __post_init__(self):
-        assert self.student_steps in self.snapshots, "the student is one of the teacher's exports"
+    # the student: the first export whose accuracy on the val problems is in this band. Chosen by accuracy, not by
+    # step: the curve is steep there (12.5% at one step, 35.9% 100 steps later, measured), so a fixed step lands
+    # tens of points apart from one commit's rounding to the next's
+    student_band: tuple[float, float] = (0.25, 0.45)
 
 
 SCALES = {
-    # 2 CPU cores: the teacher TEACHER_MINUTES, the table TABLE_MINUTES (the README's numbers)
-    "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=800, student_steps=400, budget_steps=32,
-                 seeds=(1, 2), teacher_eval_interval=50, snapshots=(400, 425, 450, 475)),
+    # 2 CPU cores: the teacher about 21 min, the table about 105 min (the README's numbers)
+    "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=800, snapshots=tuple(range(300, 725, 25)),
+                 budget_steps=32, seeds=(1, 2), teacher_eval_interval=50),
     # the code path: a few steps of the smallest model, 8 problems
-    "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, student_steps=2, budget_steps=2,
-                  seeds=(1,), dtype="float32", eval_rows=8, snapshots=(2,)),
+    "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=2,
+                  seeds=(1,), dtype="float32", eval_rows=8, student_band=(0.0, 1.0)),
     # one CUDA GPU: the same table, a wider model trained longer
-    "cuda": Scale("model/configs/qwen3-demo.json", teacher_steps=2000, student_steps=600, budget_steps=64,
-                  seeds=(1, 2), device="cuda", teacher_eval_interval=250, snapshots=(600,)),
+    "cuda": Scale("model/configs/qwen3-demo.json", teacher_steps=2000, snapshots=tuple(range(300, 1250, 50)),
+                  budget_steps=64, seeds=(1, 2), device="cuda", teacher_eval_interval=250),
 }
 
 
@@ -112,6 +120,9 @@ class Method:
     flags: str           # the method's own flags ({teacher}: the teacher's folder, {url}: its endpoint)
     learning_rate: float
     needs: str | None = None   # "vllm": the teacher served by vLLM; "rule": the rule-based teacher
+    # its runs start from another model than the student (a LoRA student's base is held in bf16): each exports its
+    # start (--export_steps 0), the first seed's graded as the baseline the method's rows are tested against
+    own_start: bool = False
 
 
 # The learning rates: `--sweep` at this budget, graded on the val problems (the student: 41.5%), seed 1 (docs and the
@@ -127,7 +138,7 @@ METHODS = (
            "--teacher_path {teacher}", 3e-4),
     Method("opd", "white-box OPD (reverse KL)", "trainer/train_opd.py", "--teacher_path {teacher}", 3e-4),
     Method("opd_lora", "white-box OPD, a LoRA student (rank 16)", "trainer/train_opd.py",
-           "--teacher_path {teacher} --lora_rank 16", 3e-3),
+           "--teacher_path {teacher} --lora_rank 16 --export_steps 0", 3e-3, own_start=True),
     Method("lf_vllm", "logit-free OPD, the teacher served as a black box", "trainer/train_logit_free.py",
            "--teacher_url {url} --teacher_form chat --teacher_probe request " + LOGIT_FREE, 1e-4, needs="vllm"),
     Method("lf_rule", "logit-free OPD, the rule-based black-box teacher", "trainer/train_logit_free.py",
@@ -146,6 +157,7 @@ class Row:
     seed: int | None = None
     learning_rate: float | None = None
     student: bool = False        # the starting student: every method's row is tested against it
+    baseline: str | None = None  # the row a paired test compares this one with (None: the starting student)
 
 
 def common_flags(scale: Scale) -> str:
@@ -159,9 +171,9 @@ def evaluation(name: str, scale: Scale, data: str = "eval") -> str:
             f"--device {scale.device}{where}{rows}")
 
 
-def prepared_rows(scale: Scale) -> list[Row]:
-    """The teacher, and the starting student: the teacher's own SFT exported at step SCALE.student_steps (the same run,
-    stopped early: --export_steps), its learning curve on the val problems (--eval_interval)."""
+def teacher_row(scale: Scale) -> Row:
+    """The teacher: SFT of SCALE.model_config, exported at each of SCALE.snapshots (the candidates for the student),
+    its learning curve on the val problems (--eval_interval)."""
     steps = scale.teacher_steps
     epochs = math.ceil(steps * 16 / 3000)  # enough passes over the 3,000 rows for the steps
     curve = (f" --eval_interval {scale.teacher_eval_interval} --eval_data_path dataset/demo/val.parquet"
@@ -169,32 +181,61 @@ def prepared_rows(scale: Scale) -> list[Row]:
     train = (f"python trainer/train_sft.py --model_config {scale.model_config} {common_flags(scale)} --epochs {epochs} "
              f"--max_steps {steps} --export_steps {','.join(map(str, scale.snapshots))}{curve} --save_weight teacher "
              f"--from_resume 1")
-    return [Row("teacher", "teacher (SFT)", (train, evaluation("teacher", scale))),
-            Row(student_name(scale), f"starting student (the teacher's SFT at step {scale.student_steps})",
-                (evaluation(student_name(scale), scale),), student=True)]
+    return Row("teacher", "teacher (SFT)", (train, evaluation("teacher", scale)))
 
 
-def student_name(scale: Scale) -> str:
-    """The student's folder in SAVE_DIR: the teacher's export at step SCALE.student_steps."""
-    return f"teacher_step{scale.student_steps}"
+def snapshot_row(scale: Scale, step: int) -> Row:
+    """One of the teacher's exports graded on the val problems: a candidate for the student."""
+    name = student_name(step)
+    return Row(name, f"the teacher's SFT at step {step}", (evaluation(name, scale, "val"),))
 
 
-def method_row(method: Method, seed: int, scale: Scale, learning_rate: float | None = None,
+def student_row(scale: Scale, step: int) -> Row:
+    low, high = scale.student_band
+    return Row(student_name(step), f"starting student (the teacher's SFT at step {step}, the first export at "
+                                   f"{low:.0%}-{high:.0%} on val)", (evaluation(student_name(step), scale),),
+               student=True)
+
+
+def student_name(step: int) -> str:
+    """The student's folder in SAVE_DIR: the teacher's export at `step`."""
+    return f"teacher_step{step}"
+
+
+STUDENT = "teacher_stepN"  # the student's name before it is chosen (--dry_run)
+
+
+def method_row(method: Method, seed: int, scale: Scale, student: str, learning_rate: float | None = None,
                name: str | None = None, data: str = "eval") -> Row:
     rate = method.learning_rate if learning_rate is None else learning_rate
     name = name or f"{method.name}_s{seed}"
     flags = method.flags.format(teacher=f"{SAVE_DIR}/teacher", url=RULE_URL if method.needs == "rule" else TEACHER_URL)
-    train = (f"python {method.script} --model_path {SAVE_DIR}/{student_name(scale)} {flags} "
+    train = (f"python {method.script} --model_path {SAVE_DIR}/{student} {flags} "
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
              f"--save_weight {name}")
     return Row(name, method.label, (train, evaluation(name, scale, data)), method, seed, rate)
 
 
-def table_rows(scale: Scale, methods: Sequence[Method] = METHODS) -> list[Row]:
-    return [method_row(method, seed, scale) for method in methods for seed in scale.seeds]
+def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) -> list[Row]:
+    """Each method's rows, one per seed; after a method with its own start, that start graded (its baseline)."""
+    rows = []
+    for method in methods:
+        start = start_row(method, scale) if method.own_start else None
+        rows += [replace(method_row(method, seed, scale, student), baseline=start and start.name)
+                 for seed in scale.seeds]
+        rows += [start] if start else []
+    return rows
 
 
-def ablation_rows(scale: Scale) -> list[Row]:
+def start_row(method: Method, scale: Scale) -> Row:
+    """What a method with its own start trains from: its first seed's --export_steps 0, graded (tested against
+    the student: what the start alone changes)."""
+    name = f"{method.name}_s{scale.seeds[0]}_step0"
+    return Row(name, f"{method.label} at step 0 (its start: the student, its base held in {scale.dtype})",
+               (evaluation(name, scale),))
+
+
+def ablation_rows(scale: Scale, student: str) -> list[Row]:
     """Logit-free OPD from the vLLM-served teacher with each chunk weight, and white-box OPD beside them, the first
     seed: docs/logit_free.md's ablation."""
     from trainer.logit_free.audit import CHUNK_WEIGHTS
@@ -203,14 +244,14 @@ def ablation_rows(scale: Scale) -> list[Row]:
     for weight in CHUNK_WEIGHTS:
         method = Method(served.name, f"{served.label}, --chunk_weight {weight}", served.script,
                         f"{served.flags} --chunk_weight {weight}", served.learning_rate, served.needs)
-        rows.append(method_row(method, scale.seeds[0], scale, name=f"ablation_{weight}_s{scale.seeds[0]}"))
+        rows.append(method_row(method, scale.seeds[0], scale, student, name=f"ablation_{weight}_s{scale.seeds[0]}"))
     opd = next(m for m in METHODS if m.name == "opd")
-    return rows + [method_row(opd, scale.seeds[0], scale, name=f"ablation_opd_s{scale.seeds[0]}")]
+    return rows + [method_row(opd, scale.seeds[0], scale, student, name=f"ablation_opd_s{scale.seeds[0]}")]
 
 
-def sweep_rows(scale: Scale, rates: Sequence[float], methods: Sequence[Method] = METHODS) -> list[Row]:
+def sweep_rows(scale: Scale, student: str, rates: Sequence[float], methods: Sequence[Method] = METHODS) -> list[Row]:
     """Each method at each learning rate, the first seed, graded on the val problems."""
-    return [method_row(method, scale.seeds[0], scale, rate, f"sweep_{method.name}_lr{rate:g}", data="val")
+    return [method_row(method, scale.seeds[0], scale, student, rate, f"sweep_{method.name}_lr{rate:g}", data="val")
             for method in methods for rate in rates]
 
 
@@ -429,15 +470,81 @@ def run_row(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
     return RowRun(seconds)
 
 
-def run_prepared(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
-    """The teacher or the student: the teacher's training resumes (--from_resume 1: an earlier table's finished run
-    says so and stops at once, a killed one continues), and an evaluation an earlier table wrote is reused."""
+def run_teacher(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
+    """The teacher: its training resumes (--from_resume 1: an earlier table's finished run says so and stops at
+    once, a killed one continues), the commit it started at recorded (TEACHER_COMMIT), then its evaluation."""
     *train, evaluate = row.commands
+    record_teacher_commit(root)
     run = run_row(Row(row.name, row.label, tuple(train)), root, runner)
-    if os.path.isfile(summary_path(root, row)):
-        say(f"{row.name}: the evaluation of an earlier table is reused ({summary_path(root, row)})")
-        return RowRun(run.seconds, reused=True)
-    return RowRun(run.seconds + run_row(Row(row.name, row.label, (evaluate,)), root, runner).seconds)
+    graded = evaluate_current(Row(row.name, row.label, (evaluate,)), root, runner)
+    return RowRun(run.seconds + graded.seconds, reused=graded.reused)
+
+
+def evaluate_current(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
+    """An evaluation-only row, unless an earlier table graded the same model with the same flags and the same code
+    (its summary's `args` and `commit`, and no local change): a grading from other code is made again."""
+    if is_current(summary_path(root, row), row.commands[-1]):
+        say(f"{row.name}: the evaluation of an earlier table is reused ({summary_path(root, row)}: commit "
+            f"{code_commit()}, the same flags)")
+        return RowRun(reused=True)
+    return run_row(row, root, runner)
+
+
+def is_current(path: str, command: str) -> bool:
+    """Whether the summary at `path` is what `command` (an eval_math command) would write now: made by this commit
+    with no local change, every flag the command names at the command's value (the others at the defaults of the
+    same code)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return False
+    argv, made_with = shlex.split(command), summary.get("args") or {}
+    named = {a[2:]: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
+    commit = code_commit()
+    return (is_exact(commit) and summary.get("commit") == commit
+            and all(str(made_with.get(flag)) == value for flag, value in named.items()))
+
+
+TEACHER_COMMIT = "teacher_commit.json"  # in SAVE_DIR: the commit the teacher's training started at
+
+
+def record_teacher_commit(root: str) -> None:
+    """Before the teacher's training: a teacher not yet started gets this commit on record; one an older demo left
+    without a record is marked unrecorded (the table then says so)."""
+    path = os.path.join(root, SAVE_DIR, TEACHER_COMMIT)
+    if os.path.exists(path):
+        return
+    started = bool(run_files(os.path.join(root, SAVE_DIR), "teacher"))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"commit": "unrecorded (trained by an earlier demo)" if started else code_commit()}, f)
+
+
+def teacher_commit(root: str) -> str:
+    try:
+        with open(os.path.join(root, SAVE_DIR, TEACHER_COMMIT), encoding="utf-8") as f:
+            return json.load(f)["commit"]
+    except (OSError, ValueError, KeyError):
+        return "unrecorded"
+
+
+def choose_student(scale: Scale, root: str, runner: Callable[[str, str], float]) -> tuple[Row, dict[int, float]]:
+    """The first of the teacher's exports whose accuracy on the val problems is in SCALE.student_band, each graded
+    in turn (evaluate_current); with none in the band, the one nearest its middle. -> (the student's row, {step:
+    val accuracy} of the exports graded)."""
+    low, high = scale.student_band
+    graded = {}
+    for step in scale.snapshots:
+        row = snapshot_row(scale, step)
+        evaluate_current(row, root, runner)
+        graded[step] = read_json(summary_path(root, row), row.commands[-1])["accuracy"]
+        if low <= graded[step] <= high:
+            break
+    else:
+        step = min(graded, key=lambda s: abs(graded[s] - (low + high) / 2))
+        say(f"no export of the teacher is at {low:.0%}-{high:.0%} on val: the nearest, step {step}, is the student")
+    say(f"the student: the teacher's export at step {step}, {graded[step]:.1%} on the val problems")
+    return student_row(scale, step), graded
 
 
 def run_needing(teacher, rows: Sequence[Row], root: str, runner: Callable[[str, str], float],
@@ -466,15 +573,16 @@ def run_needing(teacher, rows: Sequence[Row], root: str, runner: Callable[[str, 
     return runs, serve_seconds
 
 
-def run_all(rows: Sequence[Row], prepared_rows_: Sequence[Row], root: str, runner: Callable[[str, str], float],
+def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callable[[str, str], float],
             teachers: dict[str, object]) -> tuple[dict[str, RowRun], dict[str, float]]:
-    """The teacher and the student unless an earlier table left them, then the rows needing the vLLM teacher
-    (after its answers for sft_data), those needing the rule-based teacher, and the rest. -> ({name: run},
-    {what: seconds} of the servers' start-ups and the teacher's answers)."""
+    """The student's evaluation (`student`: None for a sweep), then the rows needing the vLLM teacher (after its
+    answers for sft_data), those needing the rule-based teacher, the rest, and the rows that only grade (a
+    method's own start, after its runs). -> ({name: run}, {what: seconds} of the servers' start-ups and the
+    teacher's answers)."""
     runs, extra = {}, {}
-    for row in prepared_rows_:
-        runs[row.name] = run_prepared(row, root, runner)
-    need = {kind: [r for r in rows if r.method.needs == kind] for kind in ("vllm", "rule")}
+    if student is not None:
+        runs[student.name] = evaluate_current(student, root, runner)
+    need = {kind: [r for r in rows if r.method and r.method.needs == kind] for kind in ("vllm", "rule")}
     before = [TEACHER_GENERATE] if any(r.method.name == "sft_data" for r in need["vllm"]) else []
     for kind in ("vllm", "rule"):
         done, serve_seconds = run_needing(teachers[kind], need[kind], root, runner, before if kind == "vllm" else ())
@@ -484,7 +592,10 @@ def run_all(rows: Sequence[Row], prepared_rows_: Sequence[Row], root: str, runne
             extra["vLLM teacher start-up"] = serve_seconds
         runs.update(done)
     for row in rows:
-        if row.method.needs is None:
+        if row.method is not None and row.method.needs is None:
+            runs[row.name] = run_row(row, root, runner)
+    for row in rows:
+        if row.method is None:
             runs[row.name] = run_row(row, root, runner)
     return runs, extra
 
@@ -543,14 +654,16 @@ class Result:
     summary: dict | None = None
     steps: list[dict] = field(default_factory=list)
     reverse_kl: float | None = None
-    versus_student: tuple[int, int, float] | None = None  # (only this row right, only the student right, p)
+    versus_start: tuple[int, int, float] | None = None  # (only this row right, only its start right, p)
 
 
 def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
             statistics: Callable[[str, Row, Row | None], tuple[float | None, tuple | None]]) -> list[Result]:
-    """Each row's evaluation summary, training steps, reverse KL to the teacher and paired test against the
-    student (`statistics`: benchmarks/demo_stats.py's, or the tests' stand-in); skipped rows stay empty."""
+    """Each row's evaluation summary, training steps, reverse KL to the teacher and paired test against its start
+    (the student, or the row its `baseline` names; none for the teacher and the student) (`statistics`:
+    benchmarks/demo_stats.py's, or the tests' stand-in); skipped rows stay empty."""
     student = next((r for r in rows if r.student), None)
+    by_name = {r.name: r for r in rows}
     results = []
     for row in rows:
         run = runs[row.name]
@@ -560,18 +673,19 @@ def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
         summary = read_json(summary_path(root, row), row.commands[-1])
         steps = read_steps(os.path.join(root, SAVE_DIR, f"{row.name}_metrics.jsonl"), row.commands[0]) \
             if row.method else []
-        reverse_kl, paired = statistics(root, row, student if row.method else None)
+        start = None if row.student or row.name == "teacher" else by_name[row.baseline] if row.baseline else student
+        reverse_kl, paired = statistics(root, row, start)
         results.append(Result(row, run, summary, steps, reverse_kl, paired))
     return results
 
 
-def demo_statistics(root: str, row: Row, student: Row | None) -> tuple[float | None, tuple | None]:
-    """(the row's held-out reverse KL to the teacher, its paired test against the student or None)."""
+def demo_statistics(root: str, row: Row, start: Row | None) -> tuple[float | None, tuple | None]:
+    """(the row's held-out reverse KL to the teacher, its paired test against `start` or None)."""
     from benchmarks.demo_stats import paired_test, reverse_kl_to_teacher
     folder = os.path.join(root, SAVE_DIR)
     reverse_kl = None if row.name == "teacher" else reverse_kl_to_teacher(
         os.path.join(folder, row.name), os.path.join(folder, "teacher"), gradings_path(root, row))
-    paired = paired_test(gradings_path(root, row), gradings_path(root, student)) if student else None
+    paired = paired_test(gradings_path(root, row), gradings_path(root, start)) if start else None
     return reverse_kl, paired
 
 
@@ -613,7 +727,7 @@ def mean_of(steps: Sequence[dict], key: str) -> float | None:
 def notes(result: Result) -> str:
     steps = result.steps
     if not steps:
-        return "evaluation reused from an earlier table" if result.run.reused else ""
+        return "evaluation reused (the same commit and flags)" if result.run.reused else ""
     parts = [f"{steps[-1]['step']} steps, loss {steps[0]['loss']:.3g} -> {steps[-1]['loss']:.3g}"]
     if "zero_variance_share" in steps[0]:
         signal = 1 - sum(m["zero_variance_share"] for m in steps) / len(steps)
@@ -637,7 +751,7 @@ def record(result: Result) -> dict:
             "accuracy": summary.get("accuracy"), "accuracy_ci95": summary.get("accuracy_ci95"),
             "correct": summary.get("correct"), "problems": summary.get("samples"),
             "eos_share": summary.get("eos_share"), "reverse_kl_to_teacher": result.reverse_kl,
-            "versus_student": list(result.versus_student) if result.versus_student else None,
+            "versus_start": list(result.versus_start) if result.versus_start else None,
             "steps": len(result.steps), "student_tokens": total(result.steps, "tokens"),
             "teacher_requests": total(result.steps, "teacher_requests"),
             "teacher_tokens": total(result.steps, "teacher_tokens"),
@@ -646,7 +760,7 @@ def record(result: Result) -> dict:
 
 
 def table(results: Sequence[Result]) -> str:
-    header = ("model", "seed", "lr", "held-out accuracy [95%]", "vs the student (McNemar)",
+    header = ("model", "seed", "lr", "held-out accuracy [95%]", "vs its start (McNemar)",
               "reverse KL to the teacher", "EOS", "teacher requests", "student tokens", "wall time", "notes")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
@@ -655,7 +769,7 @@ def table(results: Sequence[Result]) -> str:
             cells = (row.label, str(row.seed or "-"), "-", "-", "-", "-", "-", "-", "-", "-", result.run.skipped)
         else:
             cells = (row.label, str(row.seed or "-"), f"{row.learning_rate:g}" if row.learning_rate else "-",
-                     format_accuracy(summary), versus(result.versus_student),
+                     format_accuracy(summary), versus(result.versus_start),
                      "-" if result.reverse_kl is None else f"{result.reverse_kl:.3f}",
                      f"{summary['eos_share']:.0%}", teacher_cell(result.steps),
                      f"{total(result.steps, 'tokens'):,.0f}" if result.steps else "-",
@@ -665,16 +779,22 @@ def table(results: Sequence[Result]) -> str:
 
 
 def report(command: str, where: str, scale: Scale, results: Sequence[Result], extra: dict[str, float],
-           seconds: float) -> str:
+           seconds: float, teacher: str, choice: dict[int, float]) -> str:
     """The Markdown table under its header line; `where`: the machine line taken when the table started (its commit
-    is the one the commands ran)."""
+    is the one the commands ran), `teacher` the commit the teacher's training started at, `choice` the val
+    accuracy of each export graded to choose the student."""
     extras = "".join(f", {what} {format_seconds(s)}" for what, s in extra.items())
+    graded = ", ".join(f"step {step} {accuracy:.1%}" for step, accuracy in choice.items())
+    low, high = scale.student_band
     return (f"### `{command}`: {where}; "
             f"{format_seconds(seconds)} in all{extras}\n\n"
+            f"The teacher trained at commit {teacher}; the student its first export at {low:.0%}-{high:.0%} on the "
+            f"val problems (graded: {graded}). "
             f"Every method from the same student, {scale.budget_steps} optimizer steps of 16 student sequences; "
             f"accuracy on the held-out problems (greedy, {EVAL_NEW_TOKENS} new tokens, math-verify; Wilson 95% "
-            f"interval); vs the student: problems only this model solves / only the student solves and McNemar's "
-            f"exact p; reverse KL: per answer token, on the model's own greedy answers.\n\n{table(results)}")
+            f"interval); vs its start: problems only this model solves / only the model it started from solves "
+            f"(the starting student; a LoRA row's: the LoRA student at step 0) and McNemar's exact p; reverse KL: "
+            f"per answer token, on the model's own greedy answers.\n\n{table(results)}")
 
 
 def sweep_report(results: Sequence[Result]) -> str:
@@ -722,18 +842,19 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
     start and stop) and `statistics` are for the tests."""
     args = parse_args(argv)
     scale = SCALES[args.scale]
-    first = prepared_rows(scale)
-    rows = sweep_rows(scale, args.sweep, args.methods) if args.sweep else ablation_rows(scale) if args.ablation \
-        else table_rows(scale, args.methods)
+    teacher = teacher_row(scale)
     if args.dry_run:
-        for row in first + rows:
-            print("\n".join(row.commands), flush=True)
+        print_plan(args, scale, teacher)
         return 0
     save_dir = os.path.join(root, SAVE_DIR)
-    check_no_live_run(save_dir, [r.name for r in first + rows])
-    moving = [r.name for r in rows] + ([r.name for r in first] if args.retrain else [])
+    rows = planned_rows(args, scale, STUDENT)  # their names only, before the student is known
+    snapshots = [student_name(step) for step in scale.snapshots]
+    check_no_live_run(save_dir, ["teacher", *snapshots] + [r.name for r in rows])
+    moving = [r.name for r in rows] + (["teacher", *snapshots] if args.retrain else [])
     existing = sorted({p for files in existing_runs(save_dir, moving).values() for p in files}) + \
         (table_files(save_dir) if not (args.sweep or args.ablation) else [])  # the teacher's files hold the student's
+    if args.retrain and os.path.exists(os.path.join(save_dir, TEACHER_COMMIT)):
+        existing.append(os.path.join(save_dir, TEACHER_COMMIT))
     if existing and not (args.fresh or args.retrain):
         raise UserError(f"{SAVE_DIR}/ holds {describe(existing, save_dir)}: pass --fresh to move them into "
                         f"{SAVE_DIR}/previous-TIME/ first, or move them yourself")
@@ -744,18 +865,45 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
     # the commands name the data files (the teacher's --eval_data_path): on a fresh checkout they are written first
     ensure_demo_data(os.path.join(root, "dataset", "demo"))
     start, where = time.perf_counter(), machine()
-    runs, extra = run_all(rows, first, root, runner, teachers or {"vllm": ServedTeacher(), "rule": RuleTeacher()})
+    runs = {"teacher": run_teacher(teacher, root, runner)}
+    student, choice = choose_student(scale, root, runner)
+    rows = planned_rows(args, scale, student.name)
+    done, extra = run_all(rows, None if args.sweep else student, root, runner,
+                          teachers or {"vllm": ServedTeacher(), "rule": RuleTeacher()})
+    runs.update(done)
     if args.sweep:
         print("\n" + sweep_report(collect(root, rows, runs, lambda *_: (None, None))), flush=True)
         return 0
-    results = collect(root, first + rows, runs, statistics)
+    results = collect(root, [teacher, student] + rows, runs, statistics)
     command = shlex.join(["python", "benchmarks/demo.py", *(sys.argv[1:] if argv is None else argv)])
-    text = report(command, where, scale, results, extra, time.perf_counter() - start)
+    text = report(command, where, scale, results, extra, time.perf_counter() - start, teacher_commit(root), choice)
     with open(os.path.join(save_dir, "ablation.json" if args.ablation else "demo.json"), "w", encoding="utf-8") as f:
         json.dump({"header": text.splitlines()[0], "scale": asdict(scale), "extra_seconds": extra,
+                   "teacher_commit": teacher_commit(root), "student_choice": choice,
                    "rows": [record(r) for r in results]}, f, indent=1)
     print("\n" + text, flush=True)
     return 0
+
+
+def planned_rows(args: argparse.Namespace, scale: Scale, student: str) -> list[Row]:
+    """The rows of the sweep, the ablation or the table, from `student`."""
+    if args.sweep:
+        return sweep_rows(scale, student, args.sweep, args.methods)
+    return ablation_rows(scale, student) if args.ablation else table_rows(scale, student, args.methods)
+
+
+def print_plan(args: argparse.Namespace, scale: Scale, teacher: Row) -> None:
+    """--dry_run: the commands, one per line; the student's folder (STUDENT) is chosen once the exports are graded."""
+    low, high = scale.student_band
+    print("\n".join(teacher.commands), flush=True)
+    print(f"# then, export by export until one is at {low:.0%}-{high:.0%}: "
+          f"{snapshot_row(scale, scale.snapshots[0]).commands[0]} (step {scale.snapshots[0]}, then the next); "
+          f"{STUDENT} below is that export", flush=True)
+    rows = planned_rows(args, scale, STUDENT)
+    if not args.sweep:  # the student's own grading on the held-out problems
+        rows = [Row(STUDENT, "starting student", (evaluation(STUDENT, scale),))] + rows
+    for row in rows:
+        print("\n".join(row.commands), flush=True)
 
 
 if __name__ == "__main__":

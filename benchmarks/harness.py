@@ -12,13 +12,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from common.files import atomic_write
+from common.version import code_commit
 from model.precision import DTYPE_CHOICES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,15 +152,7 @@ def machine() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        commit += " with local changes" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return f"{datetime.date.today().isoformat()}, nproc {nproc} ({cpu}), commit {commit}"
+    return f"{datetime.date.today().isoformat()}, nproc {nproc} ({cpu}), commit {code_commit()}"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -6,8 +6,8 @@
     python eval/eval_math.py --model_path Qwen3-0.6B --n_samples 8 --temperature 0.6 --top_p 0.95   # pass@k
 
 Writes one JSON line per sample (input order: index, prompt, completion, extracted, ground_truth, correct, reason,
-completion_tokens, eos, and `sample` when n_samples > 1) to --out, a JSON summary beside it (<out stem>.summary.json),
-and prints one line:
+completion_tokens, eos, and `sample` when n_samples > 1) to --out, a JSON summary beside it (<out stem>.summary.json:
+the numbers, the flags and the commit of the code that made them), and prints one line:
 
     accuracy 0.735 [0.671, 0.790] (147/200) | mean completion 41.2 tokens | eos 98% | 12.3 s
 
@@ -58,6 +58,7 @@ from model.precision import inference_dtype  # noqa: E402
 from serving.engine import CompletionServer, open_checked_server, probe_token_ids  # noqa: E402
 from serving.weight_sync import check_served_weights  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
+from common.version import code_commit  # noqa: E402
 
 
 @dataclass
@@ -364,7 +365,9 @@ def main(argv: list[str] | None = None) -> dict:
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                      grade_timeout=args.grade_timeout, progress=not args.no_progress,
                                      server=server, decoder=Decoder(compiled=args.decode == "compiled"))
-    summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args))
+    # the code and the settings that made it: a script reusing the summary can tell whether it still holds
+    summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args),
+                   commit=code_commit())
     write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     write_text(summary_path, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     print(format_summary(summary))

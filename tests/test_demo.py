@@ -39,8 +39,8 @@ def correct_of(name):
 class FakeRunner:
     """Writes, for each demo command, what the real one writes into ROOT/checkpoints/demo, and reports 10 s."""
 
-    def __init__(self, teachers=None):
-        self.calls, self.teachers = [], teachers or {}
+    def __init__(self, teachers=None, correct=correct_of):
+        self.calls, self.teachers, self.correct = [], teachers or {}, correct
 
     def __call__(self, command, cwd):
         self.calls.append(command)
@@ -50,7 +50,8 @@ class FakeRunner:
         if argv[1] == "eval/eval_math.py":
             name = os.path.basename(named["--model_path"])
             stem = os.path.basename(named.get("--data_path", "eval.parquet")).split(".")[0]
-            write_gradings(os.path.join(save_dir, f"{name}_eval_{stem}"), correct_of(name))
+            write_gradings(os.path.join(save_dir, f"{name}_eval_{stem}"), self.correct(name),
+                           {flag[2:]: value for flag, value in named.items()})
         elif argv[1] == "dataset/teacher_generate.py":
             assert self.teachers["vllm"].serving_now
             open(os.path.join(cwd, named["--out"]), "wb").close()
@@ -82,7 +83,7 @@ def fake_metrics(script):
     return [{"step": 0, "eval/accuracy": 0.1}, first, last]
 
 
-def write_gradings(stem, correct, problems=10):
+def write_gradings(stem, correct, args=None, problems=10):
     with open(f"{stem}.jsonl", "w", encoding="utf-8") as f:
         for i in range(problems):
             f.write(json.dumps({"index": i, "prompt": "p", "completion": "c", "correct": i < correct,
@@ -90,7 +91,8 @@ def write_gradings(stem, correct, problems=10):
     low, high = wilson_interval(correct, problems)
     with open(f"{stem}.summary.json", "w", encoding="utf-8") as f:
         json.dump({"rows": problems, "samples": problems, "correct": correct, "accuracy": correct / problems,
-                   "accuracy_ci95": [low, high], "eos_share": 1.0, "mean_completion_tokens": 22.0}, f)
+                   "accuracy_ci95": [low, high], "eos_share": 1.0, "mean_completion_tokens": 22.0, "args": args or {},
+                   "commit": demo.code_commit()}, f)
 
 
 class FakeTeacher:
@@ -121,8 +123,10 @@ def fake_statistics(root, row, student):
 
 
 @pytest.fixture
-def root(tmp_path):
+def root(tmp_path, monkeypatch):
+    """A repository root of its own, the code at one commit (a test's result does not hang on this checkout's)."""
     (tmp_path / "checkpoints").mkdir()
+    monkeypatch.setattr(demo, "code_commit", lambda: "abc1234")
     return tmp_path
 
 
@@ -139,16 +143,20 @@ def table_lines(output):
 
 # --------------------------------------------------------------------------------------------- the commands
 
+STUDENT = "teacher_step350"
+
+
 def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_demo_folder():
     scale = demo.SCALES["cpu"]
-    rows = demo.table_rows(scale)
-    assert [r.name for r in rows] == [f"{m.name}_s{s}" for m in demo.METHODS for s in scale.seeds]
+    rows = demo.table_rows(scale, STUDENT)
+    trained = [r for r in rows if r.method]
+    assert [r.name for r in trained] == [f"{m.name}_s{s}" for m in demo.METHODS for s in scale.seeds]
     assert len(scale.seeds) == 2
-    for row in rows:
+    for row in trained:
         train, evaluate = row.commands
         named = flags(train)
         assert shlex.split(train)[1] == row.method.script and os.path.isfile(os.path.join(ROOT, row.method.script))
-        assert named["--model_path"] == f"checkpoints/demo/teacher_step{scale.student_steps}"
+        assert named["--model_path"] == f"checkpoints/demo/{STUDENT}"
         assert named["--save_weight"] == row.name
         assert named["--max_steps"] == str(scale.budget_steps) and named["--seed"] == str(row.seed)
         assert float(named["--learning_rate"]) == row.method.learning_rate
@@ -163,19 +171,34 @@ def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_
     assert flags(demo.TEACHER_GENERATE)["--out"] == demo.TEACHER_DATA
 
 
-def test_the_student_is_the_teachers_own_sft_exported_early():
+def test_a_lora_student_is_tested_against_its_own_start():
+    """The LoRA student's base is held in bf16: it starts from another model than the student. Its runs export step
+    0, the first seed's graded after them, and both seeds' rows are tested against it."""
+    rows = demo.table_rows(demo.SCALES["cpu"], STUDENT)
+    names = [r.name for r in rows]
+    start = rows[names.index("opd_lora_s2") + 1]
+    assert start.name == "opd_lora_s1_step0" and start.method is None and not start.student
+    assert start.commands == (demo.evaluation("opd_lora_s1_step0", demo.SCALES["cpu"]),)
+    for name in ("opd_lora_s1", "opd_lora_s2"):
+        assert rows[names.index(name)].baseline == start.name
+        assert "0" in flags(rows[names.index(name)].commands[0])["--export_steps"].split(",")
+    assert all(r.baseline is None for r in rows if not r.name.startswith("opd_lora"))
+
+
+def test_the_student_is_one_of_the_teachers_own_exports():
     scale = demo.SCALES["cpu"]
-    teacher, student = demo.prepared_rows(scale)
-    t = flags(teacher.commands[0])
+    t = flags(demo.teacher_row(scale).commands[0])
     assert os.path.isfile(os.path.join(ROOT, t["--model_config"])) and t["--save_weight"] == "teacher"
     assert int(t["--max_steps"]) == scale.teacher_steps and int(t["--epochs"]) * 3000 >= scale.teacher_steps * 16
-    assert str(scale.student_steps) in t["--export_steps"].split(",")
+    assert t["--export_steps"].split(",") == [str(step) for step in scale.snapshots]
     assert t["--eval_data_path"] == "dataset/demo/val.parquet"  # the learning curve chooses nothing on eval
-    assert student.student and student.commands == (demo.evaluation(f"teacher_step{scale.student_steps}", scale),)
+    assert flags(demo.snapshot_row(scale, 350).commands[0])["--data_path"] == "dataset/demo/val.parquet"
+    student = demo.student_row(scale, 350)
+    assert student.student and student.commands == (demo.evaluation(STUDENT, scale),)
 
 
 def test_sweep_rows_grade_on_the_val_problems():
-    rows = demo.sweep_rows(demo.SCALES["cpu"], [1e-3, 3e-3])
+    rows = demo.sweep_rows(demo.SCALES["cpu"], STUDENT, [1e-3, 3e-3])
     assert len(rows) == 2 * len(demo.METHODS)
     assert all(flags(r.commands[1])["--data_path"] == "dataset/demo/val.parquet" for r in rows)
     assert {r.learning_rate for r in rows} == {1e-3, 3e-3} and rows[0].name == "sweep_sft_data_lr0.001"
@@ -184,8 +207,9 @@ def test_sweep_rows_grade_on_the_val_problems():
 def test_dry_run_prints_the_commands_only(root, capsys):
     assert demo.main(["--dry_run"], root=str(root), runner=None) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("python trainer/train_sft.py") and len(lines) == 3 + 2 * len(demo.table_rows(
-        demo.SCALES["cpu"]))
+    rows = demo.table_rows(demo.SCALES["cpu"], demo.STUDENT)
+    assert lines[0].startswith("python trainer/train_sft.py") and lines[2].startswith("# then")
+    assert len(lines) == 4 + sum(len(r.commands) for r in rows)
     assert not os.path.exists(root / demo.SAVE_DIR)
 
 
@@ -195,7 +219,7 @@ def test_the_table_runs_every_row_and_reads_back_what_the_commands_wrote(root, c
     runner, teachers = run_demo(root)
     out = capsys.readouterr().out
     lines = table_lines(out)
-    names = ["teacher", "teacher_step400"] + [r.name for r in demo.table_rows(demo.SCALES["cpu"])]
+    names = ["teacher", "teacher_step300"] + [r.name for r in demo.table_rows(demo.SCALES["cpu"], "teacher_step300")]
     assert len(lines) == len(names)
     assert "90.0% [59.6, 98.2] (9/10)" in lines[0] and "30.0%" in lines[1]
     rl = next(line for line in lines if line.startswith("| RL"))
@@ -204,11 +228,13 @@ def test_the_table_runs_every_row_and_reads_back_what_the_commands_wrote(root, c
     assert "124 (3,900 tokens)" in lf and "pi_hat 0.40 -> 0.60" in lf
     assert teachers["vllm"].events == ["start", "stop"] and teachers["rule"].events == ["start", "stop"]
     generate = runner.calls.index(demo.TEACHER_GENERATE)
-    assert generate < runner.calls.index(demo.table_rows(demo.SCALES["cpu"])[0].commands[0])
+    assert generate < runner.calls.index(demo.table_rows(demo.SCALES["cpu"], "teacher_step300")[0].commands[0])
     saved = json.load(open(root / demo.SAVE_DIR / "demo.json"))
     assert [r["name"] for r in saved["rows"]] == names
-    assert saved["rows"][2]["versus_student"] == [3, 1, 0.625] and saved["rows"][2]["student_tokens"] == 820
+    assert saved["rows"][2]["versus_start"] == [3, 1, 0.625] and saved["rows"][2]["student_tokens"] == 820
     assert saved["header"].startswith("### `python benchmarks/demo.py`: ") and "nproc" in saved["header"]
+    assert saved["teacher_commit"] == "abc1234" and saved["student_choice"] == {"300": 0.3}
+    assert "The teacher trained at commit abc1234; the student its first export at 25%-45%" in out
 
 
 def test_a_second_table_reuses_the_teacher_and_the_student_and_refuses_the_old_runs(root, capsys):
@@ -219,11 +245,47 @@ def test_a_second_table_reuses_the_teacher_and_the_student_and_refuses_the_old_r
     teacher = next(c for c in runner.calls if "--save_weight teacher" in c)
     assert flags(teacher)["--from_resume"] == "1"  # finished: it says so and stops; killed: it continues
     assert not any("eval_math.py --model_path checkpoints/demo/teacher" in c for c in runner.calls)
-    assert "evaluation reused from an earlier table" in capsys.readouterr().out
+    assert "evaluation reused (the same commit and flags)" in capsys.readouterr().out
     moved = [p for p in os.listdir(root / demo.SAVE_DIR) if p.startswith("previous-")]
     assert len(moved) == 1 and "kd_s1" in os.listdir(root / demo.SAVE_DIR / moved[0])
     runner, _ = run_demo(root, ["--retrain"])
     assert any("--save_weight teacher" in c for c in runner.calls)
+
+
+def test_a_grading_made_by_other_code_or_flags_is_made_again(root, monkeypatch):
+    run_demo(root)
+    teacher_eval = demo.teacher_row(demo.SCALES["cpu"]).commands[1]
+    monkeypatch.setattr(demo, "code_commit", lambda: "def5678")
+    runner, _ = run_demo(root, ["--fresh"])
+    assert teacher_eval in runner.calls  # graded at abc1234: not reused at def5678
+    runner, _ = run_demo(root, ["--fresh"])
+    assert teacher_eval not in runner.calls
+    summary = root / demo.SAVE_DIR / "teacher_eval_eval.summary.json"
+    written = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**written, "args": {**written["args"], "max_new_tokens": 32}}))  # other flags
+    runner, _ = run_demo(root, ["--fresh"])
+    assert teacher_eval in runner.calls
+    monkeypatch.setattr(demo, "code_commit", lambda: "def5678 with local changes")
+    runner, _ = run_demo(root, ["--fresh"])
+    assert teacher_eval in runner.calls  # local changes: the code is not known
+
+
+@pytest.mark.parametrize("accuracies, chosen, graded", [
+    ({300: 1, 325: 2, 350: 3, 375: 5}, 350, [300, 325, 350]),  # the first in 25-45%: later exports not graded
+    ({300: 1, 325: 2}, 325, None),                             # none in the band: the nearest its middle
+])
+def test_the_student_is_the_first_export_in_the_accuracy_band(root, accuracies, chosen, graded):
+    def correct(name):
+        if name.startswith("teacher_step"):
+            return accuracies.get(int(name.removeprefix("teacher_step")), 9)
+        return correct_of(name)
+    teachers = {"vllm": FakeTeacher(), "rule": FakeTeacher()}
+    runner, _ = run_demo(root, teachers=teachers, runner=FakeRunner(teachers, correct))
+    val = [int(flags(c)["--model_path"].removeprefix("checkpoints/demo/teacher_step")) for c in runner.calls
+           if "teacher_step" in c and "val.parquet" in c]
+    assert val == (graded or list(demo.SCALES["cpu"].snapshots))
+    assert all(flags(c)["--model_path"] == f"checkpoints/demo/teacher_step{chosen}" for c in runner.calls
+               if "--save_weight" in c and "teacher" not in flags(c)["--save_weight"])
 
 
 def test_without_vllm_its_rows_are_skipped_with_how_to_enable_it(root, capsys):
@@ -359,9 +421,9 @@ def test_the_demo_runs_at_its_tiny_scale(tmp_path):
     assert demo.main(["--scale", "tiny"], root=str(tmp_path), teachers=teachers) == 0
     saved = json.load(open(tmp_path / demo.SAVE_DIR / "demo.json"))
     rows = {r["name"]: r for r in saved["rows"]}
-    student = f"teacher_step{demo.SCALES['tiny'].student_steps}"
+    student = f"teacher_step{demo.SCALES['tiny'].snapshots[0]}"
     assert rows["teacher"]["problems"] == 8 and rows[student]["reverse_kl_to_teacher"] >= 0
     for name in ("kd_s1", "opd_s1", "lf_rule_s1", "rl_s1"):
-        assert rows[name]["steps"] == 2 and rows[name]["versus_student"] is not None, name
+        assert rows[name]["steps"] == 2 and rows[name]["versus_start"] is not None, name
     assert rows["lf_rule_s1"]["teacher_requests"] > 0
     assert rows["sft_data_s1"]["skipped"].startswith("skipped: ")

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import UserError
+from common.version import code_commit
 from dataset.collators import PromptCollator
 from support import ROOT, TINY_CONFIG, Allocations
 from dataset.sources import RowDataset
@@ -74,6 +75,8 @@ def test_cli_writes_results_in_input_order_and_summary(setup, capsys):
     correct = sum(r["correct"] for r in records)
     assert written["accuracy"] == summary["accuracy"] == correct / len(records)
     assert written["correct"] == correct and written["samples"] == len(PROBLEMS)
+    # what made it: the flags and the code's commit (benchmarks/demo.py reuses a grading only of the same both)
+    assert written["args"]["max_new_tokens"] == 4 and written["commit"] == code_commit() != ""
     assert capsys.readouterr().out.startswith(f"accuracy {correct / len(records):.3f} [")
 
 
@@ -257,3 +260,22 @@ def test_the_held_out_divergence_allocates_no_gradient_of_the_students_head(setu
         sums = heldout_sums(student, tokenizer, [batch], 3, teachers)
     assert sums["kl_tokens/teacher"] > 0
     assert head not in allocated.shapes
+
+
+def test_the_code_commit_names_head_and_says_when_the_tree_differs(tmp_path, monkeypatch):
+    """common/version.py: HEAD's short commit, marked when a tracked file differs; "unknown" outside a checkout."""
+    from common import version
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f.txt").write_text("a")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(version, "ROOT", str(repo))
+    assert version.code_commit() == head and version.is_exact(head)
+    (repo / "f.txt").write_text("b")
+    assert version.code_commit() == head + " with local changes" and not version.is_exact(version.code_commit())
+    monkeypatch.setattr(version, "ROOT", str(tmp_path / "nowhere"))
+    assert version.code_commit() == "unknown" and not version.is_exact("unknown")

@@ -68,7 +68,17 @@ def test_export_steps_keep_snapshots_that_later_saves_and_start_over_leave_whole
     assert not os.path.exists(tmp_path / "sft_step1")
 
 
-@pytest.mark.parametrize("value", ["4x", "0", "2,-1"])
+def test_export_step_0_is_the_model_the_run_starts_from(tiny_config_path, chat_jsonl, tmp_path, one_thread):
+    """--export_steps 0: SAVE_DIR/NAME_step0/ holds the weights the run starts from (here --model_path's, exactly),
+    written before the first step; the run's own export holds the trained ones."""
+    train_sft(loop_args(tiny_config_path, chat_jsonl, tmp_path, name="start", max_steps=1))
+    argv = loop_args(None, chat_jsonl, tmp_path, name="next", max_steps=1, export_steps="0")
+    train_sft(argv + ["--model_path", str(tmp_path / "start")])
+    start, step0, trained = weights(tmp_path, "start"), weights(tmp_path, "next_step0"), weights(tmp_path, "next")
+    assert max_weight_diff(start, step0) == 0 and max_weight_diff(start, trained) > 0
+
+
+@pytest.mark.parametrize("value", ["4x", "-1", "2,-1"])
 def test_export_steps_must_be_steps(tiny_config_path, chat_jsonl, tmp_path, value, capsys):
     code, err = script_exit(train_sft, sft_args(tiny_config_path, chat_jsonl, tmp_path, export_steps=value), capsys)
     assert code == 2 and err.startswith("error: argument --export_steps: ") and len(err.splitlines()) == 1

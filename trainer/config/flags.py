@@ -40,13 +40,13 @@ TEACHER_RESUMABLE = frozenset({"replicate_teacher", "accept_template_difference"
 
 
 def step_list(text: str) -> tuple[int, ...]:
-    """--export_steps: "400,450" -> (400, 450); each a step >= 1."""
+    """--export_steps: "0,400,450" -> (0, 400, 450); each a step >= 0 (0: before the first step)."""
     try:
         steps = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"comma-separated optimizer steps, got {text!r}") from None
-    if any(step < 1 for step in steps):
-        raise argparse.ArgumentTypeError(f"steps must be >= 1, got {text!r}")
+    if any(step < 0 for step in steps):
+        raise argparse.ArgumentTypeError(f"steps must be >= 0, got {text!r}")
     return steps
 
 
@@ -158,7 +158,7 @@ def add_checkpoint_and_logging_args(parser: argparse.ArgumentParser, save_weight
     g.add_argument("--export_steps", type=step_list, default=(),
                    help="comma-separated optimizer steps after which the model is also exported as "
                         "SAVE_DIR/NAME_stepSTEP/, a folder later saves leave alone (e.g. an early snapshot to start "
-                        "another run from)")
+                        "another run from); 0: the model as the run starts it, before the first step")
     g.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
                    help="1: continue from SAVE_DIR/NAME_resume.pt if it exists")
     g.add_argument("--resume_changes", default="",

@@ -76,6 +76,8 @@ class Run:
         self.finished_before = self.saved_step is not None and self.done  # a finished run resumed as it was
         self.stop_request, self.stop_signal = StopRequest(lambda: self.state.step, self.last_checkpoint), 0
         self.say_plan()
+        if self.state.step == 0 and 0 in args.export_steps:  # the model as the run starts it (a LoRA student: its
+            self.checkpoints.export_snapshot(model, 0)         # base as held, the adapters zero)
 
     # -- start-up -------------------------------------------------------------------------------------------------
 

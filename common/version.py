@@ -1,0 +1,27 @@
+"""Which code made a result: the repository's commit, so that a number can name it and a reader (or a script that
+would reuse the result) can tell whether the code has changed since."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL_CHANGES = " with local changes"
+
+
+def code_commit() -> str:
+    """The short commit of HEAD, + LOCAL_CHANGES when a tracked file differs from it; "unknown" outside a git
+    checkout (an installed copy, no git)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + (LOCAL_CHANGES if dirty else "")
+
+
+def is_exact(commit: str) -> bool:
+    """Whether `commit` names the code exactly: a commit without local changes."""
+    return commit != "unknown" and not commit.endswith(LOCAL_CHANGES)
