@@ -83,7 +83,9 @@ def _best_seconds(fn, device: str, repeats: int = 3) -> float:
 
 def measure_rates(device: str, dtype: torch.dtype, vocab: int) -> Rates:
     """The machine's GEMM, exp and copy rates now (a few seconds on a CPU)."""
-    side = 4096 if device == "cpu" else 8192
+    # a CPU's side is small: without AVX512-BF16 a bf16 GEMM runs at ~1 GFLOP/s on one core (a 4096 product took
+    # 142 s on this project's 2-core AMD EPYC, 1.6 s in fp32), and the rate is taken 4 times
+    side = 1024 if device == "cpu" else 8192
     a, b = torch.randn(side, side, device=device, dtype=dtype), torch.randn(side, side, device=device, dtype=dtype)
     gemm = 2 * side ** 3 / _best_seconds(lambda: a @ b, device)
     source = f"a {side} x {side} {str(dtype).removeprefix('torch.')} matmul, measured"
