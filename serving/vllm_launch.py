@@ -38,6 +38,33 @@ def vllm_python(venv: str = DEFAULT_VENV) -> str | None:
     return python if os.path.exists(python) else None
 
 
+# vLLM's own CPU GEMM dispatch on one layer, then the layer's weight changed in place: does its GEMM still compute
+# with the old weight (a copy of its own, packed for oneDNN or the AMX kernels)?
+PACKED_COPY_PROBE = """
+import sys, torch
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+layer = torch.nn.Linear(128, 256, bias=False).to(getattr(torch, sys.argv[1]))
+dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+x = torch.randn(4, 128, dtype=layer.weight.dtype)
+before = layer.cpu_linear(x, layer.weight, None)
+with torch.no_grad():
+    layer.weight.add_(1.0)
+print(int(torch.equal(before, layer.cpu_linear(x, layer.weight, None))))
+"""
+
+
+def keeps_packed_copy(python: str, dtype: str) -> bool:
+    """Whether vLLM's CPU backend computes a `dtype` linear layer from a copy of its weight of its own on this machine
+    -- the copy a stock `reload_weights` leaves stale for a tied head (serving/vllm_worker.py repacks it). It
+    depends on the CPU: on this project's 2-core AMD EPYC (no AVX-512) fp32 goes to oneDNN, which keeps a packed
+    copy, and bf16 falls back to torch's linear on the weight itself. Asked of vLLM's own dispatch (a few seconds)."""
+    result = subprocess.run([python, "-c", PACKED_COPY_PROBE, dtype], capture_output=True, text=True, timeout=300,
+                            env=vllm_env())
+    if result.returncode != 0:
+        raise RuntimeError(f"the packed-copy probe failed in {python}: {result.stderr.strip()[-500:]}")
+    return result.stdout.strip().splitlines()[-1] == "1"
+
+
 def vllm_command(python: str, model: str, name: str, port: int, dtype: str = "float32", max_model_len: int = 1024,
                  host: str = "127.0.0.1", extra: list[str] | None = None,
                  max_logprobs: int | None = None) -> list[str]:

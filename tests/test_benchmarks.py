@@ -307,6 +307,9 @@ def test_the_bf16_sync_criterion_against_a_served_model(tmp_path):
                                          str(tmp_path / "work")], tmp_path)
     cases = {case["case"]: case for case in results["depths"]["2"]}
     assert all(case["passes"] for case in cases.values() if case["must_pass"])
-    assert not cases["stale: 1 step skipped"]["passes"] and not cases["stale head: 10 steps old"]["passes"]
+    assert not cases["stale: 1 step skipped"]["passes"]
+    # the stock reload's head: stale where vLLM computes from a packed copy of it (caught), else refreshed (passes)
+    from serving.vllm_launch import keeps_packed_copy, vllm_python
+    assert cases["stale head: 10 steps old"]["passes"] != keeps_packed_copy(vllm_python(), "bfloat16")
     assert all(positive(case["mean"], case["max"]) for case in cases.values())
     assert results["margins"]["correct_below"] > 1 and results["margins"]["stale_above"] > 1
