@@ -7,6 +7,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -37,16 +39,56 @@ def reorder(config, items) -> None:
         raise pytest.UsageError(f"--order {order}: use reverse or shuffle:SEED")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (pytest.ini: -n 2) each worker and every process its tests start use one intra-op thread:
+    two workers on two cores, each with OpenMP's two spin-waiting threads, run tiny models up to 100x slower (see
+    `one_thread`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    """--order first; then tests marked `cuda` skip on a machine without a CUDA device, saying where they run."""
+    """--order first; tests that need vLLM all go to one xdist worker (the session's server pair starts once, and no
+    two tests' servers share the machine's memory); then tests marked `cuda` skip on a machine without a CUDA
+    device, saying where they run."""
     import torch
     reorder(config, items)
+    for item in items:
+        if "vllm" in item.keywords or "vllm_servers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: on a GPU machine, python -m pytest -m cuda")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def machine_share(config, alone: bool):
+    """Under pytest-xdist: a test marked `serial` runs with no other test beside it, the others two at a time. A
+    readers-writer lock on two files in the run's temporary folder (shared by the workers): every test holds
+    `tests.lock` shared, a serial test exclusively; a serial test waiting for it holds `turnstile.lock`, which a
+    test takes on its way in, so that the other worker's next tests wait instead of keeping it out for good."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    folder = config._tmp_path_factory.getbasetemp().parent  # the run's folder; each worker's basetemp is inside
+    with open(folder / "turnstile.lock", "a") as turnstile, open(folder / "tests.lock", "a") as tests:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # both files' locks end when they close
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's set-up, call and tear-down in its share of the machine (`machine_share`)."""
+    with machine_share(item.config, alone=item.get_closest_marker("serial") is not None):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +114,13 @@ def fresh_compile_cache():
     disk still spares the recompilation."""
     yield
     import torch
-    torch._dynamo.reset()
+    for attempt in range(10):
+        try:
+            torch._dynamo.reset()
+            return
+        except RuntimeError as error:  # a thread an earlier test left compiling registered a backend meanwhile
+            if "changed size during iteration" not in str(error) or attempt == 9:
+                raise
 
 
 @pytest.fixture

@@ -122,6 +122,7 @@ def test_completion_hidden_refuses_left_padded_rows(tiny_config_path):
         completion_hidden(model, ids, torch.tensor([[0, 1, 1, 1]]), torch.tensor([[-100, -100, 6, 7]]))
 
 
+@pytest.mark.slow  # long for the fast tier: the whole suite runs it
 def test_rope_frequencies_stay_fp32_and_both_bf16_constructors_agree(tiny_config_path, tmp_path):
     config = Qwen3Config.from_json(tiny_config_path)
     save_pretrained(create_model(config, seed=5), str(tmp_path / "m"))

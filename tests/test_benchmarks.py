@@ -77,6 +77,7 @@ def test_the_compiled_layer_saves_less_than_the_eager_one_whose_bytes_are_the_ar
     ["--loss", "sft", "--batch_size", "2", "--seq_len", "256", "--completion_len", "128", "--pad_step", "32",
      "--vocab", "32000", "--hidden", "64", "--chunk_size", "64"],
 ], ids=["jsd", "ce", "kd", "rl", "sft"])
+@pytest.mark.slow  # long for the fast tier: the whole suite runs it
 def test_the_chunked_losses_equal_the_full_ones_within_their_memory_target(argv, tmp_path):
     """Each variant in a process of its own; the logits (N x 32,000) dominate, so the chunked loss meets the memory
     target of the full shapes here too (0.14 of the full logits' for the JSD, 0.20 for SFT, measured); the SFT batch
@@ -297,6 +298,7 @@ def test_loading_and_collating_dapo_shaped_rows(tmp_path):
 
 # --------------------------------------------------------------------------------------------------- bench_sync
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_the_bf16_sync_criterion_against_a_served_model(tmp_path):
     """One bf16 vLLM CPU server (about 2-4 minutes): at 2 layers every correct sync passes the tolerance and a

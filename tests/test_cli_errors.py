@@ -43,6 +43,7 @@ def test_a_mistyped_value_is_one_line(argv, names, capsys):
     assert_one_line_error(code, stderr, 2, *names)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
     command = torchrun_command(os.path.join(ROOT, "trainer", "train_sft.py"), ["--max_steps", "-3"])

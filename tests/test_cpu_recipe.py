@@ -293,6 +293,7 @@ def test_chat_answers_two_turns_in_the_recipes_dtype(inference_model, monkeypatc
 
 # --------------------------------------------------------------------------------------------- two ranks on gloo
 
+@pytest.mark.serial
 @pytest.mark.parametrize("loop, dtype", [("kd", "bfloat16"), ("opd", "bfloat16"), ("sft", "float16")])
 def test_ddp_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, dtype):
     """Two ranks, each its share of the held-out prompts (all-reduced); fp16: each rank's GradScaler, the same
@@ -301,6 +302,7 @@ def test_ddp_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, dtype)
     assert_trained(tmp_path, dtype)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("dtype, fsdp", [("bfloat16", 1), ("float16", 0)], ids=["bf16-fsdp", "fp16"])
 def test_a_lora_student_trains_and_evaluates_under_the_recipe(files, tmp_path, dtype, fsdp):
     """KD with a LoRA student: its base held as a frozen teacher is (bf16 -- gathered as it is stored on 2 sharded
@@ -317,6 +319,7 @@ def test_a_lora_student_trains_and_evaluates_under_the_recipe(files, tmp_path, d
 
 @pytest.mark.parametrize("loop, flags", [("sft", {"use_compile": 1}), ("kd", {"gradient_checkpointing": 1})],
                          ids=["sft-use_compile", "kd-gradient_checkpointing"])
+@pytest.mark.serial
 def test_fsdp_trains_under_the_recipe(files, tmp_path, loop, flags):
     """--fsdp 1 in bf16: the decoder layers gathered in bf16; compiled layers (SFT), or checkpointed layers with the
     teacher sharded and the held-out evaluation decoded by both ranks in lockstep (KD)."""

@@ -92,6 +92,7 @@ def test_the_compiled_decode_step_replays_cuda_graphs_and_samples_the_eager_toke
     assert out.completion_ids.shape == (4, 8)
 
 
+@pytest.mark.slow  # long for the fast tier: the whole suite runs it
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("loop", ["sft", "kd", "opd"])
 def test_each_loop_trains_in_bf16_and_in_fp16_with_a_grad_scaler(loop, dtype, device, tiny_config_path, chat_jsonl,

@@ -46,6 +46,7 @@ def sharded_args(config, data, save_dir, **flags) -> list[str]:
     return loop_args(config, data, save_dir, fsdp=1, **flags)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", ["sft", "kd", "sft_lora"])
 def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
@@ -88,6 +89,7 @@ def test_two_sharded_ranks_train_as_one_process(loop, tiny_config_path, chat_jso
         assert all(".lora_" in key for key in saved if key.startswith(("model.", "optimizer.state.")))
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_two_sharded_ranks_packed_train_as_one_padded_process(tiny_config_path, chat_jsonl, tmp_path):
     """--packing 1 on 2 FSDP ranks against one process with the padded batch: the same weights and numbers."""
@@ -101,6 +103,7 @@ def test_two_sharded_ranks_packed_train_as_one_padded_process(tiny_config_path, 
     assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_a_killed_sharded_run_resumes_bit_identically(tiny_config_path, long_chat_jsonl, tmp_path):
     flags = dict(batch=2, accumulation=2, save_interval=1)
@@ -113,6 +116,7 @@ def test_a_killed_sharded_run_resumes_bit_identically(tiny_config_path, long_cha
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 def test_a_sharded_checkpoint_resumes_at_another_world_size(first, then, tiny_config_path, long_chat_jsonl,
@@ -130,6 +134,7 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(first, then, tiny_co
     assert max_weight_diff(weights(tmp_path / "reference"), weights(tmp_path / "ws")) <= 1e-5
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_the_export_of_a_sharded_run_is_the_whole_model(tiny_config_path, chat_jsonl, tmp_path):
     run_command(torchrun_command(SFT, sharded_args(tiny_config_path, chat_jsonl, tmp_path, batch=2, max_steps=2)))
@@ -151,6 +156,7 @@ def test_the_export_of_a_sharded_run_is_the_whole_model(tiny_config_path, chat_j
         assert torch.allclose(theirs(ids).logits, ours(ids).logits, atol=1e-5)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_two_nodes_train_as_one_process(tiny_config_path, chat_jsonl, tmp_path):
     """Two torchrun launches, --nnodes 2 with a c10d rendezvous on 127.0.0.1: what docs/fsdp.md shows for two
@@ -176,6 +182,7 @@ def test_opd_with_a_sharded_student_needs_a_rollout_server(tiny_config_path, cha
     assert_one_line_error(code, stderr, 2, "--fsdp 1", "--rollout_url")
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", ["opd", "rl", "logit_free", "rl_lora"])
 def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, black_box_stub, tmp_path):

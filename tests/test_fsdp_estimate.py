@@ -9,6 +9,7 @@ from model import Qwen3Config
 MARGIN = 0.10  # the estimate within 10% of the CPU allocator's count, phase by phase
 
 
+@pytest.mark.slow  # long for the fast tier: the whole suite runs it
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_one_unsharded_rank_estimated_with_fake_tensors_allocates_what_the_real_step_does(tiny_config_path,
                                                                                           one_thread, lora_rank):

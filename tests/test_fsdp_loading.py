@@ -58,6 +58,7 @@ def test_each_phase_of_a_sharded_run_holds_what_the_formula_says(tmp_path):
             kept = {"load": shards, "push": 3 * shards, "save": 3 * shards}
             assert all(case["peaks"][phase] - kept[phase] < model for phase in kept), (name, case)
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("tied, ranks", [(True, 2), (False, 5)])
 def test_the_streamed_export_of_a_sharded_model_is_the_sharded_hf_layout(tied, ranks, tmp_path):

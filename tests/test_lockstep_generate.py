@@ -30,6 +30,7 @@ def run_worker(config_path: str, eos_ids: list[int], together: int, out_dir,
     return subprocess.run(command, env=env_one_thread(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.serial
 def test_ranks_stop_decoding_together_and_keep_one_process_completions(tiny_config_path, tmp_path):
     free = one_process(tiny_config_path, None)
     eos_ids = [free[0][2], free[1][4]]  # tokens greedy produces at steps 3 and 5: rank 0's rows both stop early
@@ -42,6 +43,7 @@ def test_ranks_stop_decoding_together_and_keep_one_process_completions(tiny_conf
         assert json.load(f) == free
 
 
+@pytest.mark.serial
 def test_without_stopping_together_the_other_rank_waits_for_the_timeout(tiny_config_path, tmp_path):
     """The failure the test above guards against is real: each rank deciding alone hangs rank 1 in an all-gather
     until the group's 15 s timeout fails it."""

@@ -264,6 +264,7 @@ def bpe_teacher(tmp_path_factory):
     stop_vllm(server.process)
 
 
+@pytest.mark.vllm
 def test_a_teacher_with_another_tokenizer_trains_the_student(bpe_teacher, data, tmp_path):
     """The black box has its own vocabulary (a 4,096-token BPE, not Qwen3's 151,669): the student's partial answers
     (Qwen3 tokens, decoded) are rendered through the BPE folder's template and re-tokenised by the server, and the

@@ -3,15 +3,20 @@
 rows routed by a column; SFT and RL with a LoRA student) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
 accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
 padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
-interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights."""
+interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
+
+Each loop's invariants are compared with one run (`reference`, made once per loop and module): one process, batch 2
+x accumulation 4 on 20 rows -- windows of 8, 8 and a short tail of 4 rows --, a checkpoint after every step, its
+weights after step 1 exported. A loop's tests run on one pytest-xdist worker (their group), so it is made once."""
 import json
 import os
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from support import ROOT
+from support import ROOT, TINY_CONFIG, write_chat_jsonl
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, torchrun_command, weights, without_timing)
 from model import Qwen3Config, create_model, save_pretrained
@@ -54,20 +59,19 @@ LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
 LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA}
 
 
-@pytest.fixture
-def teacher_dir(tiny_config_path, tmp_path):
-    teacher = create_model(Qwen3Config.from_json(tiny_config_path), seed=123)
-    save_pretrained(teacher, str(tmp_path / "teacher"))
-    return str(tmp_path / "teacher")
-
-
-@pytest.fixture
-def teachers_file(tiny_config_path, teacher_dir, tmp_path):
-    """--teachers: the teacher above as "a", another seed as "b"."""
-    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=321), str(tmp_path / "teacher_b"))
-    path = tmp_path / "teachers.json"
-    path.write_text(json.dumps({"a": {"path": teacher_dir}, "b": {"path": str(tmp_path / "teacher_b")}}))
-    return str(path)
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """The tiny config, the chat data (20 rows), the teacher (seed 123) and --teachers' file (the teacher as "a",
+    another seed as "b") every loop of this module reads."""
+    folder = tmp_path_factory.mktemp("loop_files")
+    config = folder / "tiny_config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    for name, seed in (("teacher", 123), ("teacher_b", 321)):
+        save_pretrained(create_model(Qwen3Config.from_json(str(config)), seed=seed), str(folder / name))
+    teachers = folder / "teachers.json"
+    teachers.write_text(json.dumps({"a": {"path": str(folder / "teacher")}, "b": {"path": str(folder / "teacher_b")}}))
+    return {"config": str(config), "data": write_chat_jsonl(folder / "chat.jsonl", 20),
+            "teacher": str(folder / "teacher"), "teachers": str(teachers)}
 
 
 def routed(data: str) -> str:
@@ -79,84 +83,101 @@ def routed(data: str) -> str:
     return path
 
 
-@pytest.fixture(params=list(LOOPS))
-def loop(request, tiny_config_path, teacher_dir, teachers_file):
-    """(main, script, args-builder) of one training loop, with what that loop needs beyond the common flags."""
+def loops(*names: str) -> list:
+    """Loop parameters, each in the xdist group of its loop: its tests share one worker, and with it the reference."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(f"loop_{name}")) for name in names or LOOPS]
+
+
+@pytest.fixture(scope="module", params=loops())
+def loop(request, files):
+    """(main, script, args-builder(save_dir, **flags)) of one training loop, on the chat data, with what that loop
+    needs beyond the common flags."""
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
-    teacher = {"teachers": teachers_file} if several else {"teacher_path": teacher_dir}
+    teacher = {"teachers": files["teachers"]} if several else {"teacher_path": files["teacher"]}
     extra = {**LOOP_FLAGS[request.param], **(teacher if not request.param.startswith("sft") else {})}
+    data = routed(files["data"]) if several else files["data"]
 
-    def args(data, save_dir, **flags):
-        return loop_args(tiny_config_path, routed(data) if several else data, save_dir, **{**extra, **flags})
+    def args(save_dir, **flags):
+        return loop_args(files["config"], data, save_dir, **{**extra, **flags})
     return main, script, args
 
 
-def test_accumulation_equals_one_big_batch(loop, chat_jsonl, tmp_path):
+# the reference's flags: 20 rows, global batch 8 -> 3 optimizer steps (the last a short tail window of 4 rows)
+REFERENCE = dict(batch=2, accumulation=4, save_interval=1, export_steps="1")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def reference(loop, one_thread, tmp_path_factory):
+    """The folder of the loop's uninterrupted one-process run with REFERENCE's flags (`run`, its export after step
+    1 `run_step1`)."""
     main, _, args = loop
-    main(args(chat_jsonl, tmp_path / "big", batch=8, accumulation=1, max_steps=2))
-    main(args(chat_jsonl, tmp_path / "acc", batch=2, accumulation=4, max_steps=2))
-    assert max_weight_diff(weights(tmp_path / "big"), weights(tmp_path / "acc")) <= 1e-5
-    big, acc = metrics(tmp_path / "big"), metrics(tmp_path / "acc")
-    assert [m["tokens"] for m in big] == [m["tokens"] for m in acc]
+    folder = tmp_path_factory.mktemp("reference")
+    main(args(folder, **REFERENCE))
+    assert len(metrics(folder)) == STEPS
+    return folder
+
+
+def exported(save_dir, name: str) -> dict[str, torch.Tensor]:
+    """An export's (merged) weights: what a LoRA run's step export holds too."""
+    return load_file(os.path.join(str(save_dir), name, "model.safetensors"))
+
+
+def test_accumulation_equals_one_big_batch(loop, reference, tmp_path):
+    """Batch 8 x accumulation 1 against the reference's 2 x 4: the same weights after every window, the 4-row tail
+    window included (flushed exactly: not divided as a full one), the same tokens, losses and gradient norms."""
+    main, _, args = loop
+    main(args(tmp_path / "big", batch=8, accumulation=1))
+    assert max_weight_diff(weights(tmp_path / "big"), weights(reference)) <= 1e-5
+    big, acc = metrics(tmp_path / "big"), metrics(reference)
+    assert len(big) == STEPS and [m["tokens"] for m in big] == [m["tokens"] for m in acc]
     assert [m["loss"] for m in big] == pytest.approx([m["loss"] for m in acc], abs=1e-5)
     assert [m["grad_norm"] for m in big] == pytest.approx([m["grad_norm"] for m in acc], rel=1e-5)
 
 
-@pytest.mark.parametrize("loop", ["sft", "kd"], indirect=True)  # OPD's windows are the same skeleton code
-def test_short_tail_window_is_flushed_exactly(loop, chat_jsonl, tmp_path):
-    # 20 rows: batch 2 x accumulation 4 gives windows of 4, 4 and 2 micro-batches; batch 8 gives 8, 8 and 4 rows
+@pytest.mark.serial
+def test_ddp_two_ranks_equal_one_process(loop, reference, tmp_path):
+    _, script, args = loop
+    run_command(torchrun_command(script, args(tmp_path / "ddp", batch=2, accumulation=2)))
+    assert max_weight_diff(weights(tmp_path / "ddp"), weights(reference)) <= 1e-5
+    assert [m["tokens"] for m in metrics(tmp_path / "ddp")] == [m["tokens"] for m in metrics(reference)]
+
+
+def test_packing_computes_what_the_padded_batch_computes(loop, reference, tmp_path):
+    """--packing 1 (the student's training forward on the rows' real tokens only) against the right-padded batch
+    (the reference's first step): the same loss, gradient norm and weights to rounding. One step: an on-policy
+    loop's next rollouts would sample from weights that differ by rounding."""
     main, _, args = loop
-    main(args(chat_jsonl, tmp_path / "big", batch=8, accumulation=1))
-    main(args(chat_jsonl, tmp_path / "acc", batch=2, accumulation=4))
-    assert len(metrics(tmp_path / "acc")) == 3
-    assert max_weight_diff(weights(tmp_path / "big"), weights(tmp_path / "acc")) <= 1e-5
-
-
-def test_ddp_two_ranks_equal_one_process(loop, chat_jsonl, tmp_path):
-    main, script, args = loop
-    run_command(torchrun_command(script, args(chat_jsonl, tmp_path / "ddp", batch=2, accumulation=2)))
-    main(args(chat_jsonl, tmp_path / "one", batch=2, accumulation=4))
-    assert max_weight_diff(weights(tmp_path / "ddp"), weights(tmp_path / "one")) <= 1e-5
-    assert [m["tokens"] for m in metrics(tmp_path / "ddp")] == [m["tokens"] for m in metrics(tmp_path / "one")]
-
-
-def test_packing_computes_what_the_padded_batch_computes(loop, chat_jsonl, tmp_path):
-    """--packing 1 (the student's training forward on the rows' real tokens only) against the right-padded batch:
-    the same loss, gradient norm and weights to rounding. One step: an on-policy loop's next rollouts would sample
-    from weights that differ by rounding."""
-    main, _, args = loop
-    main(args(chat_jsonl, tmp_path / "padded", batch=4, accumulation=2, max_steps=1))
-    main(args(chat_jsonl, tmp_path / "packed", batch=4, accumulation=2, max_steps=1, packing=1))
-    padded, packed = metrics(tmp_path / "padded"), metrics(tmp_path / "packed")
+    main(args(tmp_path / "packed", **REFERENCE, max_steps=1, packing=1))
+    padded, packed = metrics(reference)[:1], metrics(tmp_path / "packed")
     assert [m["tokens"] for m in packed] == [m["tokens"] for m in padded]
     assert [m["loss"] for m in packed] == pytest.approx([m["loss"] for m in padded], rel=1e-5, abs=1e-6)
     assert [m["grad_norm"] for m in packed] == pytest.approx([m["grad_norm"] for m in padded], rel=1e-5)
-    assert max_weight_diff(weights(tmp_path / "padded"), weights(tmp_path / "packed")) <= 1e-5
+    assert max_weight_diff(exported(reference, "run_step1"), exported(tmp_path / "packed", "run")) <= 1e-5
 
 
-def test_sigkill_then_resume_is_bit_identical(loop, long_chat_jsonl, tmp_path):
+def test_sigkill_then_resume_is_bit_identical(loop, reference, tmp_path):
+    """The reference's command killed as soon as its first checkpoint (step 1 of 3) exists, then resumed: the
+    reference's weights bit for bit, every step logged once with the same numbers."""
     main, script, args = loop
-    flags = dict(batch=2, accumulation=2, save_interval=2)  # 6 optimizer steps, a checkpoint every 2
-    main(args(long_chat_jsonl, tmp_path / "full", **flags))
     killed = tmp_path / "killed"
-    kill_after_first_checkpoint([sys.executable, script, *args(long_chat_jsonl, killed, **flags)],
-                                str(killed / "run_resume.pt"))
-    assert checkpoint_step(killed / "run_resume.pt") < 6, "the run finished before it could be killed"
-    main(args(long_chat_jsonl, killed, **flags, from_resume=1))
-    full, resumed = weights(tmp_path / "full"), weights(killed)
+    kill_after_first_checkpoint([sys.executable, script, *args(killed, **REFERENCE)], str(killed / "run_resume.pt"))
+    assert checkpoint_step(killed / "run_resume.pt") < STEPS, "the run finished before it could be killed"
+    main(args(killed, **REFERENCE, from_resume=1))
+    full, resumed = weights(reference), weights(killed)
     assert all(torch.equal(full[k], resumed[k]) for k in full), "resumed weights are not bit-identical"
-    assert without_timing(metrics(tmp_path / "full")) == without_timing(metrics(killed)), \
-        "every step logged once, same numbers"
+    assert without_timing(metrics(reference)) == without_timing(metrics(killed)), "every step logged once, same numbers"
 
 
-@pytest.mark.parametrize("loop", ["sft", "rl", "sft_lora"], indirect=True)  # the data; RL: groups across ranks
-def test_resume_across_world_size_change(loop, long_chat_jsonl, tmp_path):
+@pytest.mark.serial
+@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora"), indirect=True)  # the data; RL: groups across ranks
+def test_resume_across_world_size_change(loop, reference, tmp_path):
+    """Two ranks x batch 2 x accumulation 2 killed after their first checkpoint, resumed by one process with the
+    reference's batch 2 x accumulation 4 (the same global batch): the reference's weights."""
     main, script, args = loop
-    # 24 rows, global batch 8: 3 optimizer steps, a checkpoint after each
-    two_ranks = args(long_chat_jsonl, tmp_path / "ws", batch=2, accumulation=2, save_interval=1)
+    two_ranks = args(tmp_path / "ws", batch=2, accumulation=2, save_interval=1)
     kill_after_first_checkpoint(torchrun_command(script, two_ranks), str(tmp_path / "ws" / "run_resume.pt"))
-    assert checkpoint_step(tmp_path / "ws" / "run_resume.pt") < 3, "the run finished before it could be killed"
-    main(args(long_chat_jsonl, tmp_path / "ws", batch=2, accumulation=4, save_interval=1, from_resume=1))
-    main(args(long_chat_jsonl, tmp_path / "ref", batch=2, accumulation=4, save_interval=1))
-    assert max_weight_diff(weights(tmp_path / "ws"), weights(tmp_path / "ref")) <= 1e-5
+    assert checkpoint_step(tmp_path / "ws" / "run_resume.pt") < STEPS, "the run finished before it could be killed"
+    main(args(tmp_path / "ws", batch=2, accumulation=4, save_interval=1, from_resume=1))
+    assert max_weight_diff(weights(tmp_path / "ws"), weights(reference)) <= 1e-5

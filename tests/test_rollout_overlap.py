@@ -116,6 +116,7 @@ def test_a_server_that_dies_mid_rollout_stops_the_run_with_its_last_step_saved(v
     assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6] and rows[3]["staleness"] == 0  # said, and sampled fresher
 
 
+@pytest.mark.serial
 def test_two_ranks_sample_and_train_as_one_does(reference, vllm_servers, files, tmp_path):
     """Each rank's background thread samples its own rows; rank 0 alone pushes, after every rank's rollouts of the
     older weights are done."""

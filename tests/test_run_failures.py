@@ -185,6 +185,7 @@ def test_a_notice_during_start_up_is_held_until_the_first_step_is_saved(config, 
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_sigterm_stops_a_two_process_run_on_the_same_step_and_it_resumes_bit_identically(config, data, tmp_path):
     args = lambda save_dir, **flags: sft_args(config, data, save_dir, batch=2, save_interval=100, **flags)

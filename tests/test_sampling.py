@@ -83,6 +83,7 @@ def test_many_seeded_draws_follow_the_tempered_softmax(temperature, top_k, top_p
     assert chi_square_p_value(counts, expected) > 1e-3
 
 
+@pytest.mark.slow  # long for the fast tier: the whole suite runs it
 def test_large_vocabulary_near_uniform_row_is_unbiased():
     """Qwen3's 151,936 tokens, nearly flat (a random model's row): the first and the last thousand tokens get
     their share. A float32 CDF would bias the tail by up to ~1% per token (its partial sums near 1 round to 6e-8)."""

@@ -208,6 +208,7 @@ def test_a_server_that_dies_mid_run_stops_it_and_the_resumed_run_is_exact(vllm_s
     assert without_timing(metrics(tmp_path / "reference")) == without_timing(metrics(killed))
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_two_ranks_sample_and_train_as_one_does(vllm_servers, files, tmp_path):
     """Rank 0 alone pushes and verifies; rank 1 waits for it in the loop's all-reduce. Per-row seeds: the same rows
@@ -257,6 +258,7 @@ def bf16_server(tmp_path_factory):
     stop_vllm(server.process)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_a_bf16_sync_passes_when_correct_and_fails_one_skipped_step(bf16_server, tokenizer):
     """The server in bf16, the trainer's forward under bf16 autocast on fp32 master weights (as on CUDA): they round

@@ -25,6 +25,7 @@ def test_the_last_step_of_a_max_steps_run_is_logged(tiny_config_path, chat_jsonl
     assert "step 3/3 100%" in capsys.readouterr().out
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_each_rank_builds_its_model_on_its_own_device(tiny_config_path):
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"

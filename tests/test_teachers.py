@@ -97,6 +97,7 @@ def split_by_name(rows: list[dict], mask: torch.Tensor) -> dict[str, torch.Tenso
     return out
 
 
+@pytest.mark.slow  # long for the fast tier: the whole suite runs it
 def test_kd_with_two_teachers_is_the_token_weighted_combination_of_each_on_its_rows(tiny_config_path, two_teachers,
                                                                                      tmp_path):
     """One step, 2 micro-batches of 2 rows, each with rows of both teachers: the logged ce / kd / loss, each
@@ -200,6 +201,7 @@ def test_one_teacher_named_in_the_file_trains_as_the_teacher_path_flag(tiny_conf
     assert all(torch.equal(file[k], flag[k]) for k in file)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_two_sharded_ranks_finish_when_one_has_no_row_for_a_teacher(tiny_config_path, two_teachers, tmp_path):
     """--fsdp 1 on 2 ranks with sharded teachers; only every 8th row is "code"'s, so most micro-batches leave a

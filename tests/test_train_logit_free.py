@@ -172,6 +172,7 @@ def test_a_partial_no_template_can_hand_over_is_not_asked():
     assert kept == chunks[:1] and requests[0].partial == " one two"
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_weight", ["posterior", "advantage"])
 def test_accumulation_and_two_ranks_equal_one_batch(tiny_config_path, chat_jsonl, tmp_path, teacher, one_thread,

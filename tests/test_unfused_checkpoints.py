@@ -111,6 +111,7 @@ def test_a_resume_file_from_before_the_fusion_resumes_as_todays(tiny_config_path
     assert max_weight_diff(weights(tmp_path / "old"), weights(tmp_path / "new")) == 0
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_a_shard_folder_from_before_the_fusion_resumes_as_todays_on_three_ranks(tiny_config_path, long_chat_jsonl,
                                                                                  tmp_path):
