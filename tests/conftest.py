@@ -49,6 +49,7 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups to schedule by
 def pytest_collection_modifyitems(config, items):
     """--order first; tests that need vLLM all go to one xdist worker (the session's server pair starts once, and no
     two tests' servers share the machine's memory); then tests marked `cuda` skip on a machine without a CUDA
