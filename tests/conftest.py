@@ -68,27 +68,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
-def machine_share(config, alone: bool):
-    """Under pytest-xdist: a test marked `serial` runs with no other test beside it, the others two at a time. A
-    readers-writer lock on two files in the run's temporary folder (shared by the workers): every test holds
-    `tests.lock` shared, a serial test exclusively; a serial test waiting for it holds `turnstile.lock`, which a
-    test takes on its way in, so that the other worker's next tests wait instead of keeping it out for good."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+def one_at_a_time(config, serial: bool):
+    """Under pytest-xdist: a test marked `serial` (its processes take both cores: torchrun's two ranks) never runs
+    beside another serial test -- an exclusive lock on a file in the run's temporary folder, which the workers share
+    -- but may beside a single-process one: 3 busy processes on 2 cores, none idle. (Running each serial test with
+    no test at all beside it made it wait, a core idle, for the other worker's current test to end, a vLLM test's
+    minutes included, at each of the suite's 49 serial tests.)"""
+    if not serial or not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
     folder = config._tmp_path_factory.getbasetemp().parent  # the run's folder; each worker's basetemp is inside
-    with open(folder / "turnstile.lock", "a") as turnstile, open(folder / "tests.lock", "a") as tests:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield  # both files' locks end when they close
+    with open(folder / "serial.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # the lock ends when the file closes
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Each test's set-up, call and tear-down in its share of the machine (`machine_share`)."""
-    with machine_share(item.config, alone=item.get_closest_marker("serial") is not None):
+    """Each test's set-up, call and tear-down, a serial one's under its lock (`one_at_a_time`)."""
+    with one_at_a_time(item.config, serial=item.get_closest_marker("serial") is not None):
         return (yield)
 
 
