@@ -26,8 +26,8 @@ root, exactly as printed (its leading `python` is this interpreter), writing int
   kd        classic KD (CE + T^2 KL) on the worked solutions, the teacher's logits
   opd       white-box on-policy distillation (reverse KL over the full vocabulary)
   opd_lora  the same with a LoRA student (--lora_rank 16: the base frozen, only the adapters trained); its base is
-            held in bf16, so it starts from another model than the student: its step 0 (--export_steps 0) is
-            graded too, and its rows are tested against that
+            held in the runs' --dtype (under bfloat16 another model than the student): its step 0 (--export_steps
+            0) is graded too, and its rows are tested against that
   lf_vllm   logit-free OPD, the teacher served by vLLM as a black box (text only)
   lf_rule   logit-free OPD from benchmarks/rule_teacher.py: a rule-based solver behind an OpenAI-compatible endpoint,
             a stand-in for an API better than any local model
@@ -100,9 +100,11 @@ class Scale:
 
 
 SCALES = {
-    # 2 CPU cores: the teacher about 21 min, the table about 105 min (the README's numbers)
+    # 2 CPU cores, in fp32: a CPU without bf16 instructions (this project's AMD EPYC, AVX2) computes a bf16 GEMM
+    # ~50x slower than an fp32 one (the teacher's step: 31-38 s against 0.75 s, measured); --dtype bfloat16 where
+    # the CPU has them (AVX-512 BF16, AMX)
     "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=800, snapshots=tuple(range(300, 725, 25)),
-                 budget_steps=32, seeds=(1, 2), teacher_eval_interval=50),
+                 budget_steps=32, seeds=(1, 2), dtype="float32", teacher_eval_interval=50),
     # the code path: a few steps of the smallest model, 8 problems
     "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=2,
                   seeds=(1,), dtype="float32", eval_rows=8, student_band=(0.0, 1.0)),
@@ -120,7 +122,7 @@ class Method:
     flags: str           # the method's own flags ({teacher}: the teacher's folder, {url}: its endpoint)
     learning_rate: float
     needs: str | None = None   # "vllm": the teacher served by vLLM; "rule": the rule-based teacher
-    # its runs start from another model than the student (a LoRA student's base is held in bf16): each exports its
+    # its runs start from another model than the student (a LoRA student's base is held in bf16 under --dtype bfloat16): each exports its
     # start (--export_steps 0), the first seed's graded as the baseline the method's rows are tested against
     own_start: bool = False
 
@@ -810,6 +812,8 @@ def sweep_report(results: Sequence[Result]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", default="cpu", choices=sorted(SCALES), help="how big (SCALES)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="every run's --dtype (default: the scale's: float32 on a CPU, bfloat16 on CUDA)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
                         help=f"move an earlier table's runs in {SAVE_DIR}/ into {SAVE_DIR}/previous-TIME/ first")
@@ -841,7 +845,7 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
     """`root` (where the commands run), `runner` (command, cwd -> seconds), `teachers` ({"vllm", "rule"}: their
     start and stop) and `statistics` are for the tests."""
     args = parse_args(argv)
-    scale = SCALES[args.scale]
+    scale = replace(SCALES[args.scale], dtype=args.dtype or SCALES[args.scale].dtype)
     teacher = teacher_row(scale)
     if args.dry_run:
         print_plan(args, scale, teacher)

@@ -213,6 +213,15 @@ def test_dry_run_prints_the_commands_only(root, capsys):
     assert not os.path.exists(root / demo.SAVE_DIR)
 
 
+def test_every_run_takes_the_dtype_flag_or_the_scales(root, capsys):
+    """fp32 on a CPU by default (a CPU without bf16 instructions computes a bf16 GEMM tens of times slower), bf16 on
+    request, for the teacher and every method alike."""
+    for argv, dtype in (([], "float32"), (["--dtype", "bfloat16"], "bfloat16"), (["--scale", "cuda"], "bfloat16")):
+        assert demo.main(["--dry_run", *argv], root=str(root), runner=None) == 0
+        commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python trainer/")]
+        assert commands and all(f"--dtype {dtype} " in line for line in commands), argv
+
+
 # ------------------------------------------------------------------------------------------ running the table
 
 def test_the_table_runs_every_row_and_reads_back_what_the_commands_wrote(root, capsys):
