@@ -301,8 +301,10 @@ def test_loading_and_collating_dapo_shaped_rows(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_bf16_sync_criterion_against_a_served_model(tmp_path):
-    """One bf16 vLLM CPU server (about 2-4 minutes): at 2 layers every correct sync passes the tolerance and a
-    skipped step fails it."""
+    """One bf16 vLLM CPU server (about 2-4 minutes), the trainer's forward under bf16 autocast on fp32 master
+    weights (as on CUDA): they round differently at every token, yet at 2 layers every correct sync passes the
+    tolerance and one skipped AdamW step at lr 1e-5 fails it -- by the mean over the probe's tokens, not by its
+    largest difference (the max-only tolerance of before, 0.05, let it pass)."""
     from vllm_servers import free_port, require_vllm
     require_vllm()
     results = measured(bench_sync.main, ["--layers", "2", "--port", str(free_port()), "--workdir",
@@ -310,6 +312,8 @@ def test_the_bf16_sync_criterion_against_a_served_model(tmp_path):
     cases = {case["case"]: case for case in results["depths"]["2"]}
     assert all(case["passes"] for case in cases.values() if case["must_pass"])
     assert not cases["stale: 1 step skipped"]["passes"]
+    skipped, tolerance = cases["stale: 1 step skipped"], results["tolerance"]
+    assert skipped["max"] < tolerance["max"] == 0.05 and skipped["mean"] > tolerance["mean"]
     # the stock reload's head: stale where vLLM computes from a packed copy of it (caught), else refreshed (passes)
     from serving.vllm_launch import keeps_packed_copy, vllm_python
     assert cases["stale head: 10 steps old"]["passes"] != keeps_packed_copy(vllm_python(), "bfloat16")

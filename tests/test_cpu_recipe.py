@@ -118,11 +118,13 @@ def assert_trained(save_dir, dtype: str, evaluated: bool = True) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------- one process
 
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda), "cpu"])
 @pytest.mark.parametrize("loop, dtype", [("sft", "bfloat16"), ("sft", "float16"), ("kd", "bfloat16"),
                                          ("kd", "float16"), ("opd", "bfloat16"), ("opd", "float16")])
-def test_each_loop_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, dtype):
+def test_each_loop_trains_and_evaluates_under_the_recipe(files, tmp_path, loop, dtype, device):
+    """On the CPU, and on CUDA where there is one (`python -m pytest -m cuda`): the same checks on both devices."""
     main, _ = LOOPS[loop]
-    main(recipe_args(files, loop, tmp_path, dtype, **EVAL))
+    main(recipe_args(files, loop, tmp_path, dtype, device=device, **EVAL))
     steps = assert_trained(tmp_path, dtype)
     if loop != "sft":  # the teacher's divergence, on the data (KD) or the student's samples (OPD), and held out:
         # two random tiny models, near-uniform over the vocabulary, are ~0.03 apart

@@ -4,19 +4,14 @@ a CUDA device) and on the CPU, in the normal tier, with the CPU's twin of each C
 bf16, fp16 with torch.amp.GradScaler("cpu"), torch.compile through inductor's C++ kernels -- so that a test's logic
 runs in every CI run and cannot rot while no GPU runs it: bf16 autocast numerics, the KV cache in the autocast dtype,
 the compiled decode step computing the eager tokens (on CUDA replayed as CUDA graphs, which only CUDA can show),
-each loop training in bf16 and in fp16 with a GradScaler. `benchmarks/bench_gpu.py` exercises the rest (compile,
-gradient checkpointing, throughput) in one command."""
+each loop training in bf16 and in fp16 with a GradScaler (tests/test_cpu_recipe.py, its `device` parameter).
+`benchmarks/bench_gpu.py` exercises the rest (compile, gradient checkpointing, throughput) in one command."""
 import importlib
-import math
 
 import pytest
 import torch
 
-from loop_helpers import loop_args, metrics
-from model import Decoder, Qwen3Config, create_model, generate, save_pretrained
-from trainer.train_distillation import main as train_distillation
-from trainer.train_opd import main as train_opd
-from trainer.train_sft import main as train_sft
+from model import Decoder, Qwen3Config, create_model, generate
 
 # `import model.generate as ...` would give the function model/__init__.py exports under the module's name
 generate_module = importlib.import_module("model.generate")
@@ -90,18 +85,3 @@ def test_the_compiled_decode_step_replays_cuda_graphs_and_samples_the_eager_toke
     with torch.autocast(device, dtype=torch.bfloat16):
         out = generate(tiny_model, ids, mask, 8, do_sample=False, decoder=decoder)
     assert out.completion_ids.shape == (4, 8)
-
-
-@pytest.mark.slow  # long for the fast tier: the whole suite runs it
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("loop", ["sft", "kd", "opd"])
-def test_each_loop_trains_in_bf16_and_in_fp16_with_a_grad_scaler(loop, dtype, device, tiny_config_path, chat_jsonl,
-                                                                 tmp_path, one_thread):
-    teacher = str(tmp_path / "teacher")
-    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=1), teacher)
-    main = {"sft": train_sft, "kd": train_distillation, "opd": train_opd}[loop]
-    extra = {} if loop == "sft" else {"teacher_path": teacher}
-    main(loop_args(tiny_config_path, chat_jsonl, tmp_path / "run", device=device, dtype=dtype, max_steps=3,
-                   **({"max_new_tokens": 8} if loop == "opd" else {}), **extra))
-    losses = [m["loss"] for m in metrics(tmp_path / "run")]
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
