@@ -6,8 +6,11 @@ at its tiny scale (slow), and benchmarks/demo_stats.py's reverse KL against a fl
 import contextlib
 import json
 import os
+import runpy
 import shlex
 import socket
+import sys
+import time
 
 import pytest
 import torch
@@ -417,17 +420,38 @@ def test_paired_test_reads_two_gradings_of_the_same_problems(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the real thing
 
+def in_this_process(monkeypatch):
+    """A runner for demo.main: each command's script run as `__main__` in this process, in the command's folder with
+    its arguments and the demo's environment -- what run_command starts, without an interpreter and torch's import
+    per command (about 25 commands)."""
+    def run(command: str, cwd: str) -> float:
+        start, (python, script, *argv) = time.perf_counter(), shlex.split(command)
+        assert python == "python", command
+        with monkeypatch.context() as patch:
+            patch.chdir(cwd)
+            patch.setattr(sys, "argv", [script, *argv])
+            patch.setenv("OPENAI_API_KEY", "EMPTY")
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as stop:
+                assert stop.code in (0, None), f"{command}: exit code {stop.code}"
+        return time.perf_counter() - start
+    return run
+
+
 @pytest.mark.slow
-def test_the_demo_runs_at_its_tiny_scale(tmp_path):
-    """Every command for real at --scale tiny (the code path, not the numbers), in a copy of the repository made of
-    links (its checkpoints/ its own); the vLLM rows skipped (their teacher faked unavailable: tests/test_serving.py
-    proves the served teacher), the rule-based teacher served for real."""
+def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
+    """Every command for real at --scale tiny (the code path, not the numbers), each script run as `__main__` in
+    this process, in a copy of the repository made of links (its checkpoints/ its own); the vLLM rows skipped (their
+    teacher faked unavailable: tests/test_serving.py proves the served teacher), the rule-based teacher served for
+    real."""
     for name in os.listdir(ROOT):
         if name not in ("checkpoints", ".git"):
             os.symlink(os.path.join(ROOT, name), tmp_path / name)
     (tmp_path / "checkpoints").mkdir()
     teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": demo.RuleTeacher()}
-    assert demo.main(["--scale", "tiny"], root=str(tmp_path), teachers=teachers) == 0
+    assert demo.main(["--scale", "tiny"], root=str(tmp_path), runner=in_this_process(monkeypatch),
+                     teachers=teachers) == 0
     saved = json.load(open(tmp_path / demo.SAVE_DIR / "demo.json"))
     rows = {r["name"]: r for r in saved["rows"]}
     student = f"teacher_step{demo.SCALES['tiny'].snapshots[0]}"

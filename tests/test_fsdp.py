@@ -5,6 +5,7 @@ whole model, two "nodes" (two torchrun launches on 127.0.0.1) train as one proce
 with a sharded student sample on a real vLLM server."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread
                           loop_args, max_weight_diff, metrics, run_command, script_exit, torchrun_command, weights)
 from model import Qwen3Config, create_model, load_pretrained, save_pretrained
 from model.checkpoint_io import hf_weights
-from support import ROOT, SERVED_CONFIG, write_chat_jsonl
+from support import ROOT, SERVED_CONFIG, TINY_CONFIG, write_chat_jsonl
 from trainer.skeleton.sharding import load_shards
 from trainer.train_distillation import main as train_distillation
 from trainer.train_logit_free import main as train_logit_free
@@ -103,35 +104,55 @@ def test_two_sharded_ranks_packed_train_as_one_padded_process(tiny_config_path, 
     assert [m["grad_norm"] for m in one] == pytest.approx([m["grad_norm"] for m in two], rel=1e-5)
 
 
-@pytest.mark.serial
-@pytest.mark.slow
-def test_a_killed_sharded_run_resumes_bit_identically(tiny_config_path, long_chat_jsonl, tmp_path):
-    flags = dict(batch=2, accumulation=2, save_interval=1)
-    run_command(torchrun_command(SFT, sharded_args(tiny_config_path, long_chat_jsonl, tmp_path / "full", **flags)))
-    killed = sharded_args(tiny_config_path, long_chat_jsonl, tmp_path / "killed", **flags)
-    kill_after_first_checkpoint(torchrun_command(SFT, killed), str(tmp_path / "killed" / "run_resume.pt"))
-    assert checkpoint_step(tmp_path / "killed" / "run_resume.pt") < 3, "the run finished before it could be killed"
-    run_command(torchrun_command(SFT, [*killed, "--from_resume", "1"]))
-    full, resumed = weights(tmp_path / "full"), weights(tmp_path / "killed")
-    assert all(torch.equal(full[k], resumed[k]) for k in full)
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory) -> dict:
+    """24 rows, global batch 8 (batch 2 x accumulation 4 / ranks): 3 steps, a checkpoint each. The uninterrupted run
+    in one process (what a resume at another world size must reach) and on 2 sharded ranks (what a resume at 2
+    equals bit for bit), and the run SIGKILLed after its first checkpoint at 1 and at 2 ranks (each test resumes a
+    copy of one) -> {name: its folder}, with each command's flags."""
+    folder = tmp_path_factory.mktemp("killed_runs")
+    config = folder / "tiny.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    data = write_chat_jsonl(folder / "long.jsonl", 24, seed=1)
+    runs = {"full_1": folder / "full_1", "full_2": folder / "full_2", "killed_1": folder / "killed_1",
+            "killed_2": folder / "killed_2"}
+    run_command(sharded_command(str(config), data, runs["full_1"], 1))
+    run_command(sharded_command(str(config), data, runs["full_2"], 2))
+    for ranks in (1, 2):
+        killed = runs[f"killed_{ranks}"]
+        kill_after_first_checkpoint(sharded_command(str(config), data, killed, ranks), str(killed / "run_resume.pt"))
+        assert checkpoint_step(killed / "run_resume.pt") < 3, "the run finished before it could be killed"
+    return {**runs, "config": str(config), "data": data}
+
+
+def sharded_command(config: str, data: str, save_dir, ranks: int, **flags) -> list[str]:
+    args = sharded_args(config, data, save_dir, batch=2, accumulation=4 // ranks, save_interval=1, **flags)
+    return torchrun_command(SFT, args, nproc=ranks) if ranks > 1 else [sys.executable, SFT, *args]
+
+
+def resumed(killed_runs: dict, killed: str, ranks: int, save_dir) -> dict[str, torch.Tensor]:
+    """A copy of the killed run `killed`, resumed at `ranks` -> its final weights."""
+    shutil.copytree(killed_runs[killed], save_dir)
+    run_command(sharded_command(killed_runs["config"], killed_runs["data"], save_dir, ranks, from_resume=1))
+    return weights(save_dir)
 
 
 @pytest.mark.serial
 @pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_killed_runs")  # under -n 2: the runs made once, on one worker
+def test_a_killed_sharded_run_resumes_bit_identically(killed_runs, tmp_path):
+    full, resumed_2 = weights(killed_runs["full_2"]), resumed(killed_runs, "killed_2", 2, tmp_path / "killed")
+    assert all(torch.equal(full[k], resumed_2[k]) for k in full)
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+@pytest.mark.xdist_group("fsdp_killed_runs")
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_a_sharded_checkpoint_resumes_at_another_world_size(first, then, tiny_config_path, long_chat_jsonl,
-                                                           tmp_path):
-    """24 rows, global batch 8: 3 steps. Killed after its first checkpoint at `first` ranks, resumed at `then`."""
-    def command(ranks: int, save_dir, **flags) -> list[str]:
-        args = sharded_args(tiny_config_path, long_chat_jsonl, save_dir, batch=2, accumulation=4 // ranks,
-                            save_interval=1, **flags)
-        return torchrun_command(SFT, args, nproc=ranks) if ranks > 1 else [sys.executable, SFT, *args]
-
-    run_command(command(1, tmp_path / "reference"))
-    kill_after_first_checkpoint(command(first, tmp_path / "ws"), str(tmp_path / "ws" / "run_resume.pt"))
-    assert checkpoint_step(tmp_path / "ws" / "run_resume.pt") < 3, "the run finished before it could be killed"
-    run_command(command(then, tmp_path / "ws", from_resume=1))
-    assert max_weight_diff(weights(tmp_path / "reference"), weights(tmp_path / "ws")) <= 1e-5
+def test_a_sharded_checkpoint_resumes_at_another_world_size(first, then, killed_runs, tmp_path):
+    """Killed after its first checkpoint at `first` ranks, resumed at `then`: the one-process run's weights."""
+    assert max_weight_diff(weights(killed_runs["full_1"]),
+                           resumed(killed_runs, f"killed_{first}", then, tmp_path / "ws")) <= 1e-5
 
 
 @pytest.mark.serial
