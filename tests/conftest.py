@@ -40,9 +40,9 @@ def reorder(config, items) -> None:
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (-n 2, docs/testing.md) each worker and every process its tests start use one intra-op thread:
-    two workers on two cores, each with OpenMP's two spin-waiting threads, run tiny models up to 100x slower (see
-    `one_thread`)."""
+    """Under pytest-xdist (pytest.ini's -n 2, docs/testing.md) each worker and every process its tests start use
+    one intra-op thread: two workers on two cores, each with OpenMP's two spin-waiting threads, run tiny models up to
+    100x slower (see `one_thread`)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
         torch.set_num_threads(1)

@@ -277,8 +277,10 @@ def test_a_teacher_with_another_tokenizer_trains_the_student(bpe_teacher, data, 
     server, bpe_dir, student_dir = bpe_teacher
     bpe, qwen = load_tokenizer(bpe_dir), load_tokenizer(student_dir)
     assert 1000 < len(bpe) <= 4096 and len(qwen) == 151669
+    # the question ends in Chinese, which the BPE (trained on English docs and arithmetic) splits into bytes and
+    # Qwen3's vocabulary does not: the two token counts differ by construction, not by what the docs say today
     request = ContinuationRequest([{"role": "user", "content": "What is 47 + 38? Put the final answer in "
-                                                               "\\boxed{}."}], "First 47 + 30 = 77, then",
+                                                               "\\boxed{}. 答案是多少？"}], "First 47 + 30 = 77, then",
                                   max_tokens=6, seed=5, name="by hand")
     params = SamplingParams(temperature=1.0, n=2)
     with ContinuationClient(server.url, "teacher", form="completions", tokenizer_dir=bpe_dir, params=params,
