@@ -122,8 +122,9 @@ class Method:
     flags: str           # the method's own flags ({teacher}: the teacher's folder, {url}: its endpoint)
     learning_rate: float
     needs: str | None = None   # "vllm": the teacher served by vLLM; "rule": the rule-based teacher
-    # its runs start from another model than the student (a LoRA student's base is held in bf16 under --dtype bfloat16): each exports its
-    # start (--export_steps 0), the first seed's graded as the baseline the method's rows are tested against
+    # its runs may start from another model than the student (a LoRA student's base is held in bf16 under --dtype
+    # bfloat16): each exports its start (--export_steps 0), the first seed's graded as the baseline the method's rows
+    # are tested against
     own_start: bool = False
 
 

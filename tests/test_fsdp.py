@@ -109,7 +109,7 @@ def killed_runs(tmp_path_factory) -> dict:
     """24 rows, global batch 8 (batch 2 x accumulation 4 / ranks): 3 steps, a checkpoint each. The uninterrupted run
     in one process (what a resume at another world size must reach) and on 2 sharded ranks (what a resume at 2
     equals bit for bit), and the run SIGKILLed after its first checkpoint at 1 and at 2 ranks (each test resumes a
-    copy of one) -> {name: its folder}, with each command's flags."""
+    copy of one) -> {name: its folder}, and the config and data the commands read."""
     folder = tmp_path_factory.mktemp("killed_runs")
     config = folder / "tiny.json"
     config.write_text(json.dumps(TINY_CONFIG))
