@@ -8,6 +8,7 @@ import transformers
 from jinja2.exceptions import SecurityError
 
 from model import default_tokenizer_dir, load_tokenizer
+from support import give_another_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,18 @@ def test_chat_template_stays_sandboxed(tokenizers, source):
             odd.apply_chat_template([{"role": "user", "content": "hi"}])
     odd.chat_template = "{{ messages[0].content.upper() }}{{ 'a,b'.split(',') | length }}"
     assert odd.apply_chat_template([{"role": "user", "content": "hi"}]) == "HI2"
+
+
+def test_a_tokenizer_json_is_parsed_once_per_content(tmp_path):
+    """A run loads its tokenizer several times (data, each teacher's vocabulary check, every export): the same bytes
+    give the same parse, in any folder, each load keeping its own folder; a file changed in place is parsed anew."""
+    import shutil
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(default_tokenizer_dir(), copy_dir)
+    packaged, copied = load_tokenizer(None), load_tokenizer(str(copy_dir))
+    assert copied._tok is packaged._tok and copied.folder == str(copy_dir) != packaged.folder
+    assert copied.same_vocabulary(packaged)
+    give_another_tokenizer(copy_dir)
+    edited = load_tokenizer(str(copy_dir))
+    assert edited._tok is not packaged._tok and "<|a_token_only_the_teacher_has|>" in edited.get_vocab()
+    assert not edited.same_vocabulary(packaged)

@@ -36,7 +36,7 @@ def same_vocabulary(path: str, tokenizer, role: str = "teacher"):
     """The tokenizer of the model at `path` (its folder's files, else the packaged Qwen3 ones), refused unless its
     vocabulary is the student's `tokenizer`'s."""
     own_tokenizer = load_tokenizer(path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None)
-    if own_tokenizer.get_vocab() != tokenizer.get_vocab():
+    if not own_tokenizer.same_vocabulary(tokenizer):
         refuse(f"the {role}'s tokenizer ({own_tokenizer.folder}) differs from the student's ({tokenizer.folder}); "
                f"token-level distillation needs the same vocabulary")
     return own_tokenizer
