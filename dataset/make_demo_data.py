@@ -1,37 +1,49 @@
-"""Built-in demo data: two-digit addition in DAPO-Math-17K's schema, with a worked solution a tiny model can learn.
+"""Built-in demo data in DAPO-Math-17K's schema, two tasks with worked solutions a tiny model can learn.
 
     python dataset/make_demo_data.py                 # writes dataset/demo/*.parquet if missing or out of date
+    python dataset/make_demo_data.py --task running_sum   # the long-answer task: dataset/demo/running_sum/
     python dataset/make_demo_data.py --force         # rewrite them
     python dataset/make_demo_data.py --out_dir /tmp/demo
 
 Every row has DAPO's columns:
-    data_source  "demo_arithmetic"
+    data_source  "demo_arithmetic" (addition) or "demo_running_sum"
     prompt       [{"role": "user", "content": "What is 47 + 38? Put the final answer in \\boxed{}."}]
                  (sft_train adds {"role": "assistant", "content": "7+8=15, 4+3+1=8. \\boxed{85}"})
     ability      "math"
     reward_model {"style": "rule", "ground_truth": "85"}
     extra_info   {"index": i, "split": "sft_train" | "opd_prompts" | "eval" | "val"}
 
-The solution is column addition, ones first: the ones digits and their sum, the tens digits plus the carry, the boxed
-sum. Every step is one fact of the single-digit table, so a problem never seen in training is solved from facts seen
-thousands of times; the compact form (no spaces) keeps it at 29-32 tokens with the template's
-`<think>\n\n</think>\n\n` and `<|im_end|>\n`, because the 151,936-row head costs most of a tiny model's time per
-labelled token.
+addition (the default, every loop's data without --data_path): two-digit addition as column addition, ones first:
+the ones digits and their sum, the tens digits plus the carry, the boxed sum. Every step is one fact of the
+single-digit table, so a problem never seen in training is solved from facts seen thousands of times; the compact
+form (no spaces) keeps it at 29-32 tokens with the template's `<think>\n\n</think>\n\n` and `<|im_end|>\n`,
+because the 151,936-row head costs most of a tiny model's time per labelled token. A problem is an unordered operand
+pair {a, b}: no split holds a + b and another b + a. The pool (a, b in 10..99, 4,095 pairs) is shuffled with a
+fixed seed.
 
-Files (disjoint problems: a problem is an unordered operand pair {a, b}, so no split holds a + b and another b + a):
+running_sum (benchmarks/demo.py --task running_sum): 6 to 9 digits 1..9 added left to right, every running total
+written: "What is 3 + 8 + 5 + 9 + 2 + 7? ..." -> "3+8=11, 11+5=16, 16+9=25, 25+2=27, 27+7=34. \\boxed{34}", 41 to
+76 answer tokens (median 65). Each step is a fact "total + digit" (at most 81 + 9: 819 facts), but takes the
+previous step's total, so one wrong total makes every later one and the box wrong: the regime of long generations
+where a student's early mistake decides the rest. A problem is the multiset of its digits: no split holds a
+reordering of another's.
+
+Files per task (disjoint problems), the same on every machine:
     sft_train.parquet    3,000 rows with the worked solution
     opd_prompts.parquet    512 prompt-only rows, for on-policy distillation and RL
     eval.parquet           200 prompt-only held-out rows
     val.parquet            200 prompt-only rows for choosing learning rates (benchmarks/demo.py --sweep), so that
                            the eval problems choose nothing
-The pool (a, b in 10..99) is shuffled with a fixed seed, so the files are the same on every machine. A file written
-by an earlier version of this script (its schema metadata carries VERSION) is rewritten on first use.
+A file written by an earlier version of this script (its schema metadata carries the task's version) is rewritten
+on first use.
 """
 from __future__ import annotations
 
 import os
 import random
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -45,32 +57,72 @@ from common.files import atomic_write, check_writable  # noqa: E402
 
 DEFAULT_OUT_DIR = os.path.join(ROOT, "dataset", "demo")
 SEED = 1234
-VERSION = "2"  # 1: addition and subtraction with "First a + tens = x, then ..."; 2: column addition, pair-disjoint
-# taken from the shuffled pool in this order; the pool holds 4,095 unordered pairs
+# taken from each task's shuffled problems in this order
 SPLIT_SIZES = {"eval": 200, "opd_prompts": 512, "sft_train": 3000, "val": 200}
-QUESTION = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
+QUESTION = "What is {}? Put the final answer in \\boxed{{}}."
 
 
-def problem_pool() -> list[tuple[int, int]]:
-    """Every unordered operand pair (a <= b) the demo can ask, in a fixed order."""
-    return [(a, b) for a in range(10, 100) for b in range(a, 100)]
+def question(numbers: tuple[int, ...]) -> str:
+    return QUESTION.format(" + ".join(map(str, numbers)))
 
 
-def solve(a: int, b: int) -> tuple[int, str]:
-    """-> (a + b, worked solution): the ones column, the tens column with its carry, the boxed sum."""
-    ones = a % 10 + b % 10
-    carry = "+1" if ones >= 10 else ""
-    tens = a // 10 + b // 10 + ones // 10
-    return a + b, f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}{carry}={tens}. \\boxed{{{a + b}}}"
+def solve(*numbers: int) -> tuple[int, str]:
+    """-> (the sum, worked solution): two numbers by columns (the ones, the tens with the carry), more as a running
+    sum, every total written."""
+    if len(numbers) == 2:
+        a, b = numbers
+        ones = a % 10 + b % 10
+        carry = "+1" if ones >= 10 else ""
+        tens = a // 10 + b // 10 + ones // 10
+        return a + b, f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}{carry}={tens}. \\boxed{{{a + b}}}"
+    steps, total = [], numbers[0]
+    for number in numbers[1:]:
+        steps.append(f"{total}+{number}={total + number}")
+        total += number
+    return total, ", ".join(steps) + f". \\boxed{{{total}}}"
 
 
-def make_row(index: int, split: str, a: int, b: int, with_solution: bool) -> dict:
-    answer, solution = solve(a, b)
-    prompt = [{"role": "user", "content": QUESTION.format(a=a, b=b)}]
+def addition_problems(rng: random.Random) -> list[tuple[int, ...]]:
+    """Every unordered operand pair (a <= b, a and b in 10..99) once, shuffled, each in a random operand order."""
+    pool = [(a, b) for a in range(10, 100) for b in range(a, 100)]
+    rng.shuffle(pool)
+    return [(a, b) if rng.random() < 0.5 else (b, a) for a, b in pool[:sum(SPLIT_SIZES.values())]]
+
+
+def running_sum_problems(rng: random.Random) -> list[tuple[int, ...]]:
+    """6 to 9 digits 1..9, drawn until as many distinct multisets as the splits take."""
+    problems, seen = [], set()
+    while len(problems) < sum(SPLIT_SIZES.values()):
+        numbers = tuple(rng.randint(1, 9) for _ in range(rng.randint(6, 9)))
+        if tuple(sorted(numbers)) not in seen:
+            seen.add(tuple(sorted(numbers)))
+            problems.append(numbers)
+    return problems
+
+
+@dataclass(frozen=True)
+class Task:
+    data_source: str
+    version: str
+    folder: str  # under DEFAULT_OUT_DIR
+    problems: Callable[[random.Random], list[tuple[int, ...]]]  # disjoint, in the splits' order
+
+
+TASKS = {
+    # 1: addition and subtraction with "First a + tens = x, then ..."; 2: column addition, pair-disjoint
+    "addition": Task("demo_arithmetic", "2", "", addition_problems),
+    "running_sum": Task("demo_running_sum", "1", "running_sum", running_sum_problems),
+}
+VERSION = TASKS["addition"].version
+
+
+def make_row(index: int, split: str, numbers: tuple[int, ...], with_solution: bool, task: str = "addition") -> dict:
+    answer, solution = solve(*numbers)
+    prompt = [{"role": "user", "content": question(numbers)}]
     if with_solution:
         prompt.append({"role": "assistant", "content": solution})
     return {
-        "data_source": "demo_arithmetic",
+        "data_source": TASKS[task].data_source,
         "prompt": prompt,
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
@@ -78,52 +130,52 @@ def make_row(index: int, split: str, a: int, b: int, with_solution: bool) -> dic
     }
 
 
-def build_splits(seed: int = SEED) -> dict[str, list[dict]]:
-    """The three splits as lists of rows; disjoint because each takes its own slice of one shuffled pool (each pair
-    asked in a random order of its operands)."""
-    rng = random.Random(seed)
-    pool = problem_pool()
-    rng.shuffle(pool)
+def build_splits(task: str = "addition", seed: int = SEED) -> dict[str, list[dict]]:
+    """The splits as lists of rows; disjoint because each takes its own slice of one list of distinct problems."""
+    problems = TASKS[task].problems(random.Random(seed))
     splits, start = {}, 0
     for split, size in SPLIT_SIZES.items():
-        pairs = pool[start:start + size]
+        splits[split] = [make_row(i, split, numbers, split == "sft_train", task)
+                         for i, numbers in enumerate(problems[start:start + size])]
         start += size
-        splits[split] = [make_row(i, split, *((a, b) if rng.random() < 0.5 else (b, a)), split == "sft_train")
-                         for i, (a, b) in enumerate(pairs)]
     return splits
 
 
-def up_to_date(path: str) -> bool:
-    """Whether the file exists and was written by this version of the script."""
+def up_to_date(path: str, task: str = "addition") -> bool:
+    """Whether the file exists and was written by this version of the script's `task`."""
     if not os.path.isfile(path):
         return False
     metadata = pq.read_schema(path).metadata or {}
-    return metadata.get(b"demo_version") == VERSION.encode()
+    return metadata.get(b"demo_version") == TASKS[task].version.encode()
 
 
-def ensure_demo_data(out_dir: str = DEFAULT_OUT_DIR, force: bool = False) -> dict[str, str]:
-    """Write the demo parquet files if any is missing or out of date (or if force); -> {split: path}."""
+def ensure_demo_data(out_dir: str | None = None, force: bool = False, task: str = "addition") -> dict[str, str]:
+    """Write `task`'s parquet files (into `out_dir`, by default its folder under dataset/demo/) if any is missing or
+    out of date (or if force); -> {split: path}."""
+    out_dir = out_dir or os.path.join(DEFAULT_OUT_DIR, TASKS[task].folder)
     paths = {split: os.path.join(out_dir, f"{split}.parquet") for split in SPLIT_SIZES}
-    if force or not all(up_to_date(p) for p in paths.values()):
+    if force or not all(up_to_date(p, task) for p in paths.values()):
         stale = any(os.path.isfile(p) for p in paths.values())
         why = "--force" if force else "written by an earlier version" if stale else "first use"
         # stdout, like the loops' log lines: stderr is for the one-line errors
         print(f"writing the demo data to {out_dir} ({why})", flush=True)
         check_writable(out_dir, "the demo data folder")
-        for split, rows in build_splits().items():
+        for split, rows in build_splits(task).items():
             # Atomic: a crash never leaves a half-written file, and ranks racing here write identical bytes.
             with atomic_write(paths[split]) as f:
                 table = pa.Table.from_pylist(rows)
-                pq.write_table(table.replace_schema_metadata({"demo_version": VERSION}), f)
+                pq.write_table(table.replace_schema_metadata({"demo_version": TASKS[task].version}), f)
     return paths
 
 
 def main() -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR, help="folder for the three parquet files")
+    parser.add_argument("--task", default="addition", choices=list(TASKS), help="which task's files")
+    parser.add_argument("--out_dir", default=None,
+                        help="folder for the four parquet files (default: dataset/demo/, a task's own folder under it)")
     parser.add_argument("--force", action="store_true", help="rewrite the files even if they exist")
     args = parser.parse_args()
-    for split, path in ensure_demo_data(args.out_dir, force=args.force).items():
+    for split, path in ensure_demo_data(args.out_dir, force=args.force, task=args.task).items():
         print(f"{split:12s} {pq.read_metadata(path).num_rows:6d} rows  {path}")
 
 

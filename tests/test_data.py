@@ -346,3 +346,60 @@ def test_demo_solutions_add_by_columns_and_a_shortcut_scores_nothing():
     for row in build_splits()["sft_train"][:200]:
         a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
         assert row["prompt"][1]["content"] == solve(a, b)[1]
+
+
+# ---------------------------------------------------------------- the long-answer demo task
+
+
+def digit_multisets(rows) -> list[tuple[int, ...]]:
+    return [tuple(sorted(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))) for row in rows]
+
+
+def test_running_sum_data_is_disjoint_deterministic_long_and_in_its_own_folder(tmp_path, tok, capsys):
+    """benchmarks/demo.py --task running_sum's data: no split holds a reordering of another split's problem (nor two
+    of one), the same rows on every call, answers of 41-76 tokens with a median of at least 50 (the addition's: 22),
+    written to its own folder beside the addition files, which stay as they are."""
+    splits = build_splits("running_sum")
+    assert splits == build_splits("running_sum")
+    problems = {name: digit_multisets(rows) for name, rows in splits.items()}
+    assert all(len(set(p)) == len(p) for p in problems.values())
+    names = list(problems)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            assert not set(problems[first]) & set(problems[second]), (first, second)
+    assert all(6 <= len(p) <= 9 and 1 <= min(p) and max(p) <= 9 for rows in problems.values() for p in rows)
+    lengths = sorted(len(tok.encode(row["prompt"][1]["content"])) for row in splits["sft_train"])
+    assert 41 <= lengths[0] and lengths[-1] <= 76 and lengths[len(lengths) // 2] >= 50
+    paths = ensure_demo_data(str(tmp_path), task="running_sum")
+    assert capsys.readouterr().out == f"writing the demo data to {tmp_path} (first use)\n"
+    assert RowDataset(paths["eval"])[0]["data_source"] == "demo_running_sum"
+    assert ensure_demo_data(task="running_sum")["eval"] == os.path.join(
+        os.path.dirname(ensure_demo_data()["eval"]), "running_sum", "eval.parquet")
+
+
+def test_running_sum_solutions_carry_every_total_and_grade_right_and_shortcuts_score_at_most_2_percent():
+    """Every step adds the next digit to the last total; the grader takes every worked solution as right; a model
+    that copies a digit, stops after k < n - 1 steps (boxes a partial total), repeats its last total or writes one
+    answer for every problem solves at most 2% of the held-out problems, but one answer for every problem: sums of 6-9
+    digits bunch around 37, and the most common one is right on 5.5% of them (the bound: 6%)."""
+    assert solve(3, 8, 5, 9, 2, 7) == (34, "3+8=11, 11+5=16, 16+9=25, 25+2=27, 27+7=34. \\boxed{34}")
+    splits = build_splits("running_sum")
+    rows = [row for split in ("sft_train", "eval") for row in splits[split]]
+    from eval.grader import grade_batch
+    graded = grade_batch([row["prompt"][1]["content"] for row in splits["sft_train"]],
+                         [row["reward_model"]["ground_truth"] for row in splits["sft_train"]])
+    assert all(g.correct for g in graded)
+    held_out = splits["eval"]
+    truths = [int(row["reward_model"]["ground_truth"]) for row in held_out]
+    numbers = [list(map(int, re.findall(r"\d+", row["prompt"][0]["content"]))) for row in held_out]
+    shortcuts = {f"copy digit {i}": [n[i] for n in numbers] for i in range(6)}
+    shortcuts.update({f"stop after {k} steps": [sum(n[:k + 1]) for n in numbers] for k in range(1, 5)})
+    shortcuts["the total before the last"] = [sum(n[:-1]) for n in numbers]
+    shortcuts["the last total repeated"] = [int(str(sum(n[:-1]))[-1] + str(sum(n[:-1]))) for n in numbers]
+    for name, answers in shortcuts.items():
+        assert sum(a == t for a, t in zip(answers, truths)) / len(truths) <= 0.02, name
+    assert max(truths.count(t) for t in truths) / len(truths) <= 0.06
+    for row in rows[:500]:
+        digits = list(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))
+        if len(row["prompt"]) == 2:
+            assert row["prompt"][1]["content"] == solve(*digits)[1]

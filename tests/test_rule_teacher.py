@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import trainer.train_logit_free as logit_free
 from benchmarks.rule_teacher import BadRequest, RuleTeacher, continue_solution, correct_solution
 from common.errors import RuntimeFailure
 from dataset.continuations import ContinuationCache, ContinuationClient, ContinuationRequest
-from dataset.make_demo_data import QUESTION, make_row, problem_pool, solve
+from dataset.make_demo_data import build_splits, make_row, question as demo_question, solve
 from dataset.teacher import SamplingParams
 from loop_helpers import assert_one_line_error, checkpoint_step, env_one_thread, loop_args, metrics
 from model.tokenizer import default_tokenizer_dir
@@ -52,13 +53,14 @@ def teacher(server):
     return server
 
 
-def question(a: int, b: int) -> str:
-    return QUESTION.format(a=a, b=b)
+def question(*numbers: int) -> str:
+    return demo_question(numbers)
 
 
 def demo_problems(count: int, seed: int = 0) -> list[tuple[int, int]]:
     rng = random.Random(seed)
-    return [(a, b) if rng.random() < 0.5 else (b, a) for a, b in rng.sample(problem_pool(), count)]
+    pool = [(a, b) for a in range(10, 100) for b in range(a, 100)]  # the addition task's unordered pairs
+    return [(a, b) if rng.random() < 0.5 else (b, a) for a, b in rng.sample(pool, count)]
 
 
 def continuation_posts(teacher) -> list[dict]:
@@ -106,6 +108,19 @@ def test_a_partial_that_went_wrong_is_continued_in_the_format(a, b, partial, con
     rest; another format -> the segment's separator and the correct segments after it."""
     for lead in LEADS:
         assert continue_solution(question(a, b), lead + partial) == continuation
+
+
+def test_every_prefix_of_a_running_sum_continues_to_its_solution():
+    """The long task's answers (dataset/make_demo_data.py, running_sum): the same segment rule, one segment a step;
+    a wrong total is kept and the later steps are the correct solution's."""
+    for row in build_splits("running_sum")["eval"][:40]:
+        numbers = tuple(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))
+        solution = solve(*numbers)[1]
+        assert correct_solution(question(*numbers)) == solution
+        for k in range(len(solution) + 1):
+            assert solution[:k] + continue_solution(question(*numbers), LEADS[0] + solution[:k]) == solution
+    assert continue_solution(question(3, 8, 5, 9), "3+8=12") == ", 11+5=16, 16+9=25. \\boxed{25}"
+    assert continue_solution(question(3, 8, 5, 9), "3+8=11, 11+5=16, 16+9=25. \\boxed{2") == "5}"
 
 
 def test_a_question_it_cannot_parse_is_refused():
@@ -225,7 +240,7 @@ def demo_rows(path, count: int) -> str:
     """`count` demo prompts (the opd_prompts rows' schema) as a JSONL file."""
     with open(path, "w", encoding="utf-8") as f:
         for i, (a, b) in enumerate(demo_problems(count, seed=3)):
-            f.write(json.dumps(make_row(i, "opd_prompts", a, b, with_solution=False)) + "\n")
+            f.write(json.dumps(make_row(i, "opd_prompts", (a, b), with_solution=False)) + "\n")
     return str(path)
 
 
