@@ -16,8 +16,10 @@ whole): `--model_path checkpoints/sft` on the demo set writes checkpoints/sft_ev
 checkpoints/sft_eval_eval.summary.json.
 
 The interval is Wilson's 95% score interval. With n_samples > 1 the summary adds pass@k for k = 1, 2, 4, ..., n
-(the unbiased estimator of Chen et al. 2021, averaged over problems) and mean@n (the mean per-sample accuracy);
-the interval then counts every sample as a trial, which is too narrow when problems differ in difficulty.
+(the unbiased estimator of Chen et al. 2021, averaged over problems) and mean@n (the mean per-sample accuracy, the
+papers' avg@n), each with a 95% interval over problems (eval/grader.py's problem_interval: a bootstrap of the
+problems, since one problem's samples are not independent trials); the accuracy's Wilson interval then counts every
+sample as a trial, which is too narrow when problems differ in difficulty.
 
 Prompts are sorted by length (longest first) so that a batch holds similar lengths and little padding, and an
 out-of-memory shows in the first batch rather than after an hour. Greedy decoding is batch-independent (left
@@ -51,7 +53,7 @@ from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from eval.grader import grade, wilson_interval  # noqa: E402
+from eval.grader import grade, problem_interval, wilson_interval  # noqa: E402
 from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
 from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
 from model.precision import inference_dtype  # noqa: E402
@@ -169,9 +171,11 @@ def summarize(records: list[dict], num_rows: int, n_samples: int, seconds: float
     }
     if n_samples > 1:
         per_row = Counter(r["index"] for r in records if r["correct"])
-        summary["pass@k"] = {str(k): sum(pass_at_k(n_samples, per_row[i], k) for i in range(num_rows)) / num_rows
-                             for k in pass_ks(n_samples)}
+        per_k = {str(k): [pass_at_k(n_samples, per_row[i], k) for i in range(num_rows)] for k in pass_ks(n_samples)}
+        summary["pass@k"] = {k: sum(values) / num_rows for k, values in per_k.items()}
+        summary["pass@k_ci95"] = {k: list(problem_interval(values)) for k, values in per_k.items()}
         summary[f"mean@{n_samples}"] = correct / total
+        summary[f"mean@{n_samples}_ci95"] = list(problem_interval([per_row[i] / n_samples for i in range(num_rows)]))
     return summary
 
 
@@ -182,8 +186,10 @@ def format_summary(summary: dict) -> str:
             f" | {summary['seconds']:.1f} s")
     if summary["n_samples"] > 1:
         n = summary["n_samples"]
-        line += " | " + " ".join(f"pass@{k} {v:.3f}" for k, v in summary["pass@k"].items())
-        line += f" | mean@{n} {summary[f'mean@{n}']:.3f}"
+        line += " | " + " ".join(f"pass@{k} {v:.3f} [{summary['pass@k_ci95'][k][0]:.3f}, "
+                                 f"{summary['pass@k_ci95'][k][1]:.3f}]" for k, v in summary["pass@k"].items())
+        low, high = summary[f"mean@{n}_ci95"]
+        line += f" | mean@{n} {summary[f'mean@{n}']:.3f} [{low:.3f}, {high:.3f}]"
     return line
 
 

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import pickle
+import random
 import re
 import select
 import signal
@@ -311,6 +312,19 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     center = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, center - half), min(1.0, center + half)
+
+
+def problem_interval(values: Sequence[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of per-problem values (a problem's share of correct samples,
+    its pass@k estimate): the problems resampled, not the samples, since samples of one problem are not independent
+    trials (Wilson's interval over every sample is too narrow when problems differ in difficulty). Seeded: the same
+    values give the same interval."""
+    if not values:
+        raise ValueError("need at least one problem")
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def mcnemar_exact(first: Sequence[bool], second: Sequence[bool]) -> tuple[int, int, float]:

@@ -156,6 +156,13 @@ def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
     assert {(r["index"], r["sample"]) for r in records if r["correct"]} == right
     assert summary["pass@k"] == pytest.approx({"1": (0.25 + 1 + 0) / 3, "2": (0.5 + 1 + 0) / 3, "4": 2 / 3})
     assert summary["mean@4"] == pytest.approx(5 / 12) and summary["eos_share"] == 0.0
+    # the intervals resample the 3 problems (per-problem values 1/4, 1, 0 for mean@4): within the extremes, around
+    # the mean; every pass@k's too
+    low, high = summary["mean@4_ci95"]
+    assert 0.0 <= low < 5 / 12 < high <= 1.0
+    assert all(low <= summary["pass@k"][k] <= high for k, (low, high) in summary["pass@k_ci95"].items())
+    line = eval_math.format_summary(summary)
+    assert f"mean@4 0.417 [{low:.3f}, {high:.3f}]" in line and "pass@4 0.667 [" in line
     with pytest.raises(ValueError, match="temperature > 0"):
         evaluate_math(setup["model"], setup["tokenizer"], rows_of(setup["data"]), n_samples=4, temperature=0.0)
     with pytest.raises(UserError, match="temperature > 0"):

@@ -4,6 +4,7 @@
 Every expected verdict below was checked against math-verify 0.9.0 first. Where its verdict is not what a math grader
 should say, the case sits in QUIRKS with the verdict it actually gives, so an upgrade that changes it shows up here.
 """
+import math
 import signal
 import threading
 import time
@@ -11,7 +12,8 @@ import time
 import pytest
 
 from eval import grader
-from eval.grader import GradeResult, extract_answer, grade, grade_batch, mcnemar_exact, wilson_interval
+from eval.grader import (GradeResult, extract_answer, grade, grade_batch, mcnemar_exact, problem_interval,
+                          wilson_interval)
 
 # (completion, ground truth, expected correct)
 MATCH = [
@@ -278,3 +280,20 @@ def test_mcnemar_exact_counts_discordant_problems_and_gives_the_binomial_tail():
 def test_mcnemar_exact_refuses_gradings_of_different_problems():
     with pytest.raises(ValueError, match="same ones"):
         mcnemar_exact([True], [True, False])
+
+
+def test_the_problem_interval_resamples_problems():
+    """Per-problem values all equal: no spread. 0/1 values (one sample per problem): the bootstrap's interval is the
+    normal approximation's p +- 1.96 sqrt(p (1 - p) / n) to about a point at n = 200. Problems whose samples agree
+    (each problem all right or all wrong, 8 samples) keep that width: the interval is over problems, not over the
+    1,600 samples, whose Wilson interval is a third as wide. Seeded: the same interval twice."""
+    assert problem_interval([0.5] * 50) == (0.5, 0.5)
+    values = [1.0 if i % 10 < 3 else 0.0 for i in range(200)]
+    low, high = problem_interval(values)
+    half = 1.96 * math.sqrt(0.3 * 0.7 / 200)
+    assert low == pytest.approx(0.3 - half, abs=0.012) and high == pytest.approx(0.3 + half, abs=0.012)
+    samples_low, samples_high = wilson_interval(480, 1600)
+    assert (high - low) > 2 * (samples_high - samples_low)
+    assert problem_interval(values) == (low, high)
+    with pytest.raises(ValueError):
+        problem_interval([])
