@@ -43,22 +43,30 @@ def pytest_configure(config):
     """Under pytest-xdist (pytest.ini's -n 2, docs/testing.md) each worker and every process its tests start use
     one intra-op thread: two workers on two cores, each with OpenMP's two spin-waiting threads, run tiny models up to
     100x slower (see `one_thread`)."""
+    if config.getoption("dist", None) == "loadgroup" and pytest.version_tuple[:2] >= (9, 2):
+        # pytest-xdist names a grouped test NODEID@GROUP, and from pytest 9.2 on a node's id is stored where xdist 3.8
+        # cannot rename it: every group would spread over both workers, silently (measured: the session's vLLM
+        # servers started twice, each loop's reference run made twice)
+        raise pytest.UsageError(f"pytest {pytest.__version__} breaks pytest-xdist's --dist loadgroup (pytest.ini): "
+                                f"pip install -r requirements.txt (pytest < 9.2)")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups to schedule by
+def pytest_itemcollected(item):
+    """Tests that need vLLM all go to one xdist worker (the session's server pair starts once, and no two tests'
+    servers share the machine's memory): marked as each test is collected, before pytest-xdist reads the groups (in
+    its pytest_collection_modifyitems)."""
+    if "vllm" in item.keywords or "vllm_servers" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("vllm"))
+
+
 def pytest_collection_modifyitems(config, items):
-    """--order first; tests that need vLLM all go to one xdist worker (the session's server pair starts once, and no
-    two tests' servers share the machine's memory); then tests marked `cuda` skip on a machine without a CUDA
-    device, saying where they run."""
+    """--order first; then tests marked `cuda` skip on a machine without a CUDA device, saying where they run."""
     import torch
     reorder(config, items)
-    for item in items:
-        if "vllm" in item.keywords or "vllm_servers" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: on a GPU machine, python -m pytest -m cuda")

@@ -197,8 +197,10 @@ def test_sigterm_stops_a_two_process_run_on_the_same_step_and_it_resumes_bit_ide
     _, stderr = process.communicate(timeout=300)
     assert stderr.count("stopped by SIGTERM") == 1, stderr[-3000:]  # rank 0 says it once; no worker traceback
     assert "trainer/" not in stderr, stderr[-3000:]
-    # every worker exits 75; torchrun itself then reports the signal it got in its own way (a traceback, exit 1)
-    assert process.returncode == 1 and "SignalException" in stderr, stderr[-3000:]
+    # every worker exits 75; torchrun itself then reports the signal it got in its own way: a traceback and exit 1,
+    # or (seen once in a whole-suite run) that traceback and an abort, its interpreter's exit racing a thread of its
+    # own ("terminate called without an active exception")
+    assert process.returncode in (1, -signal.SIGABRT) and "SignalException" in stderr, stderr[-3000:]
     assert torch.load(tmp_path / "stopped" / "run_resume.pt", weights_only=False)["step"] < 5
     resumed = run(torchrun_command(SFT, args(tmp_path / "stopped", from_resume=1)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
