@@ -20,6 +20,7 @@ rows are never a token).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -31,13 +32,13 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.harness import add_json_arg, prompt_batch, write_json  # noqa: E402
-from benchmarks.rule_teacher import SUM, segments  # noqa: E402
+from benchmarks.rule_teacher import correct_solution, segments  # noqa: E402
 from common.errors import ArgumentParser, run_script  # noqa: E402
-from common.seeds import derived_seed  # noqa: E402
 from dataset.collators import build_sequences  # noqa: E402
-from dataset.make_demo_data import TASKS, ensure_demo_data, solve  # noqa: E402
+from dataset.make_demo_data import TASKS, ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
 from model import generate, load_pretrained, load_tokenizer  # noqa: E402
+from trainer.evaluation.heldout import sample_prompts  # noqa: E402
 from trainer.losses.chunked import completion_hidden  # noqa: E402
 
 TOP_KS = (1, 5, 16)
@@ -67,8 +68,7 @@ def token_sums(student, teacher, sequences: tuple, vocab_size: int, ks: Sequence
 def first_wrong_step(question: str, answer: str) -> int | None:
     """The index of the first segment (step, then the boxed answer; its separator aside) of `answer` that differs
     from the correct worked solution's, a missing one included; None when every segment is right."""
-    numbers = tuple(map(int, SUM.search(question).group(1).split(" + ")))
-    correct = [segment.strip().rstrip(",.") for segment in segments(solve(*numbers)[1])]
+    correct = [segment.strip().rstrip(",.") for segment in segments(correct_solution(question))]
     written = [segment.strip().rstrip(",.") for segment in segments(answer.strip())]
     for index, segment in enumerate(correct):
         if index >= len(written) or written[index] != segment:
@@ -86,12 +86,14 @@ def step_profile(firsts: Sequence[int | None], steps: int) -> dict[str, list[flo
 
 
 def answers(model, tokenizer, batch: dict, max_new_tokens: int, sampled: bool, seed: int) -> tuple:
-    """The model's answers to the batch's prompts (greedy, or sampled at temperature 1 with each row's seed) ->
-    (build_sequences' sequences, the decoded texts)."""
-    generators = [torch.Generator().manual_seed(derived_seed(seed, -1, row["row_index"])) for row in batch["rows"]]
-    out = generate(model, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=sampled,
-                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                   generator=generators if sampled else None, vocab_size=len(tokenizer))
+    """The model's answers to the batch's prompts (greedy, or sampled at temperature 1 with each row's seed, as the
+    held-out evaluation samples them) -> (build_sequences' sequences, the decoded texts)."""
+    if sampled:
+        out = sample_prompts(model, tokenizer, batch, max_new_tokens, contextlib.nullcontext, seed)
+    else:
+        out = generate(model, batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens, do_sample=False,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       vocab_size=len(tokenizer))
     texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
              for ids, mask in zip(out.completion_ids, out.completion_mask)]
     sequences = build_sequences(batch["prompt_ids"], batch["prompt_attention_mask"], out.completion_ids,
@@ -108,14 +110,14 @@ def measure(student, teacher, tokenizer, rows: list[dict], max_new_tokens: int, 
     firsts = []
     for start in range(0, len(rows), batch_size):
         batch = prompt_batch(tokenizer, rows[start:start + batch_size])
-        for key, model, sampled, into in (("own", student, True, own), ("teacher", teacher, False, teachers)):
+        for model, sampled, into in ((student, True, own), (teacher, False, teachers)):
             sequences, _ = answers(model, tokenizer, batch, max_new_tokens, sampled, seed)
             for name, value in token_sums(student, teacher, sequences, len(tokenizer)).items():
                 into[name] = into.get(name, 0.0) + value
         _, greedy = answers(student, tokenizer, batch, max_new_tokens, False, seed)
         firsts += [first_wrong_step(row["messages"][-1]["content"], text) for row, text in zip(batch["rows"], greedy)]
     questions = [row["messages"][-1]["content"] for row in rows]
-    steps = max(len(segments(solve(*map(int, SUM.search(q).group(1).split(" + ")))[1])) for q in questions)
+    steps = max(len(segments(correct_solution(question))) for question in questions)
     return {
         "rows": len(rows),
         "agreement_on_own_samples": own["agree"] / own["tokens"],
