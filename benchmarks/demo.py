@@ -74,11 +74,23 @@ from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script 
 from common.version import code_commit, is_exact  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 
-SAVE_DIR = "checkpoints/demo"
 TEACHER_PORT = 8001  # the teacher served by vLLM, a background process of the demo
 TEACHER_URL = f"http://127.0.0.1:{TEACHER_PORT}/v1"
-EVAL_NEW_TOKENS = 64  # every demo answer is 20-25 tokens
-TEACHER_DATA = f"{SAVE_DIR}/teacher_answers.parquet"  # the sft_data rows' training data, from the served teacher
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What the demo is about: its data (dataset/make_demo_data.py's task), where its runs go, its answers' budget."""
+    name: str
+    data_dir: str          # the task's four parquet files
+    save_dir: str          # every run, evaluation and table of the task
+    eval_new_tokens: int   # every evaluation's and rollout's completion budget
+    # the loops' data flags: the addition's files are every loop's default data, so its commands name none
+    explicit_data: bool = True
+
+
+ADDITION = DemoTask("addition", "dataset/demo", "checkpoints/demo", 64, explicit_data=False)  # answers: 20-25 tokens
+RUNNING_SUM = DemoTask("running_sum", "dataset/demo/running_sum", "checkpoints/demo_running_sum", 128)  # 57-101
 
 
 @dataclass(frozen=True)
@@ -86,9 +98,10 @@ class Scale:
     """How big the demo is: the models, the teacher's and the student's training, every method's budget."""
     model_config: str
     teacher_steps: int    # optimizer steps of 16 rows
-    snapshots: tuple[int, ...]  # the teacher's exports (--export_steps): the student is one of them
+    snapshots: tuple[int, ...]  # the student's candidates (--export_steps of the run it comes from)
     budget_steps: int     # optimizer steps of every method, 16 student sequences each
     seeds: tuple[int, ...]
+    task: DemoTask = ADDITION
     device: str = "cpu"
     dtype: str = "bfloat16"
     eval_rows: int = 0    # eval_math --max_rows (0: all 200)
@@ -97,9 +110,14 @@ class Scale:
     # step: the curve is steep there (12.5% at one step, 35.9% 100 steps later, measured), so a fixed step lands
     # tens of points apart from one commit's rounding to the next's
     student_band: tuple[float, float] = (0.25, 0.45)
+    # a student smaller than the teacher: this config trained by its own SFT for student_steps, exported at each of
+    # `snapshots`; None: the student is one of the teacher's own exports (the same capacity)
+    student_config: str | None = None
+    student_steps: int = 0
+    curve: tuple[int, ...] = ()  # every method's run also exported (--export_steps) and graded at these steps
 
 
-SCALES = {
+SCALES = {"addition": {
     # 2 CPU cores, in fp32: a CPU without bf16 instructions (this project's AMD EPYC, AVX2) computes a bf16 GEMM
     # ~50x slower than an fp32 one (the teacher's step: 31-38 s against 0.75 s, measured); --dtype bfloat16 where
     # the CPU has them (AVX-512 BF16, AMX)
@@ -111,7 +129,19 @@ SCALES = {
     # one CUDA GPU: the same table, a wider model trained longer
     "cuda": Scale("model/configs/qwen3-demo.json", teacher_steps=2000, snapshots=tuple(range(300, 1250, 50)),
                   budget_steps=64, seeds=(1, 2), device="cuda", teacher_eval_interval=250),
-}
+}, "running_sum": {
+    # the teacher: the addition's 8-layer model; the student: 4 layers and a narrower MLP (qwen3-tiny.json), trained
+    # by its own SFT on the same worked solutions until its val accuracy is in the band; every method's curve at
+    # 8, 16, 32 and 64 steps
+    # (the teacher's val accuracy, measured: 2% at step 200, 8.5% at 500 and 37.5% at 600 of a 600-step run)
+    "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=1200, snapshots=tuple(range(200, 625, 50)),
+                 budget_steps=64, seeds=(1, 2), task=RUNNING_SUM, dtype="float32", teacher_eval_interval=200,
+                 student_band=(0.10, 0.50), student_config="model/configs/qwen3-tiny.json", student_steps=600,
+                 curve=(8, 16, 32)),
+    "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=4,
+                  seeds=(1,), task=RUNNING_SUM, dtype="float32", eval_rows=8, student_band=(0.0, 1.0),
+                  student_config="model/configs/qwen3-tiny-student.json", student_steps=2, curve=(2,)),
+}}
 
 
 @dataclass(frozen=True)
@@ -122,6 +152,8 @@ class Method:
     flags: str           # the method's own flags ({teacher}: the teacher's folder, {url}: its endpoint)
     learning_rate: float
     needs: str | None = None   # "vllm": the teacher served by vLLM; "rule": the rule-based teacher
+    # the task's split its loop trains on (its --data_path where the task names its data; None: its flags name it)
+    data: str | None = "opd_prompts"
     # its runs may start from another model than the student (a LoRA student's base is held in bf16 under --dtype
     # bfloat16): each exports its start (--export_steps 0), the first seed's graded as the baseline the method's rows
     # are tested against
@@ -136,12 +168,12 @@ class Method:
 LOGIT_FREE = "--similarity exact --chunk_len 4 --audit_chunks 4 --continuations 4"
 METHODS = (
     Method("sft_data", "SFT on the teacher's sampled answers", "trainer/train_sft.py",
-           f"--data_path {TEACHER_DATA}", 3e-4, needs="vllm"),
+           "--data_path {teacher_data}", 3e-4, needs="vllm", data=None),
     Method("kd", "KD (CE + KL to the teacher's logits)", "trainer/train_distillation.py",
-           "--teacher_path {teacher}", 3e-4),
+           "--teacher_path {teacher}", 3e-4, data="sft_train"),
     Method("opd", "white-box OPD (reverse KL)", "trainer/train_opd.py", "--teacher_path {teacher}", 3e-4),
     Method("opd_lora", "white-box OPD, a LoRA student (rank 16)", "trainer/train_opd.py",
-           "--teacher_path {teacher} --lora_rank 16 --export_steps 0", 3e-3, own_start=True),
+           "--teacher_path {teacher} --lora_rank 16", 3e-3, own_start=True),
     Method("lf_vllm", "logit-free OPD, the teacher served as a black box", "trainer/train_logit_free.py",
            "--teacher_url {url} --teacher_form chat --teacher_probe request " + LOGIT_FREE, 1e-4, needs="vllm"),
     Method("lf_rule", "logit-free OPD, the rule-based black-box teacher", "trainer/train_logit_free.py",
@@ -153,9 +185,9 @@ METHODS = (
 
 @dataclass(frozen=True)
 class Row:
-    name: str                    # SAVE_DIR/NAME/, NAME_metrics.jsonl, NAME_eval_eval.jsonl
+    name: str                    # in the task's save_dir: NAME/, NAME_metrics.jsonl, NAME_eval_eval.jsonl
     label: str
-    commands: tuple[str, ...]    # training (absent for an evaluated-only row), then its evaluation
+    commands: tuple[str, ...]    # training (absent for an evaluated-only row), its curve's evaluations, its own
     method: Method | None = None
     seed: int | None = None
     learning_rate: float | None = None
@@ -164,59 +196,99 @@ class Row:
 
 
 def common_flags(scale: Scale) -> str:
-    return f"--device {scale.device} --dtype {scale.dtype} --save_dir {SAVE_DIR}"
+    return f"--device {scale.device} --dtype {scale.dtype} --save_dir {scale.task.save_dir}"
 
 
 def evaluation(name: str, scale: Scale, data: str = "eval") -> str:
+    task = scale.task
     rows = f" --max_rows {scale.eval_rows}" if scale.eval_rows else ""
-    where = "" if data == "eval" else f" --data_path dataset/demo/{data}.parquet"
-    return (f"python eval/eval_math.py --model_path {SAVE_DIR}/{name} --max_new_tokens {EVAL_NEW_TOKENS} "
+    where = f" --data_path {task.data_dir}/{data}.parquet" if data != "eval" or task.explicit_data else ""
+    return (f"python eval/eval_math.py --model_path {task.save_dir}/{name} --max_new_tokens {task.eval_new_tokens} "
             f"--device {scale.device}{where}{rows}")
 
 
-def teacher_row(scale: Scale) -> Row:
-    """The teacher: SFT of SCALE.model_config, exported at each of SCALE.snapshots (the candidates for the student),
-    its learning curve on the val problems (--eval_interval)."""
-    steps = scale.teacher_steps
+def sft_command(scale: Scale, model_config: str, steps: int, name: str, exports: Sequence[int],
+                eval_interval: int = 0) -> str:
+    """SFT from random weights on the task's worked solutions, resumed where an earlier demo left it."""
+    task = scale.task
     epochs = math.ceil(steps * 16 / 3000)  # enough passes over the 3,000 rows for the steps
-    curve = (f" --eval_interval {scale.teacher_eval_interval} --eval_data_path dataset/demo/val.parquet"
-             if scale.teacher_eval_interval else "")
-    train = (f"python trainer/train_sft.py --model_config {scale.model_config} {common_flags(scale)} --epochs {epochs} "
-             f"--max_steps {steps} --export_steps {','.join(map(str, scale.snapshots))}{curve} --save_weight teacher "
-             f"--from_resume 1")
+    data = (f" --data_path {task.data_dir}/sft_train.parquet --eval_max_new_tokens {task.eval_new_tokens}"
+            if task.explicit_data else "")
+    curve = f" --eval_interval {eval_interval} --eval_data_path {task.data_dir}/val.parquet" if eval_interval else ""
+    snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
+    return (f"python trainer/train_sft.py --model_config {model_config} {common_flags(scale)}{data} --epochs {epochs} "
+            f"--max_steps {steps}{snapshots}{curve} --save_weight {name} --from_resume 1")
+
+
+def teacher_row(scale: Scale) -> Row:
+    """The teacher: SFT of SCALE.model_config, its learning curve on the val problems (--eval_interval); exported
+    at each of SCALE.snapshots where those are the candidates for the student."""
+    exports = () if scale.student_config else scale.snapshots
+    train = sft_command(scale, scale.model_config, scale.teacher_steps, "teacher", exports,
+                        scale.teacher_eval_interval)
     return Row("teacher", "teacher (SFT)", (train, evaluation("teacher", scale)))
 
 
+STUDENT_SFT = "student_sft"  # a smaller student's own SFT (SCALE.student_config): its exports are the candidates
+
+
+def student_sft_row(scale: Scale) -> Row:
+    """A student smaller than the teacher: SFT of SCALE.student_config on the same worked solutions, exported at
+    each of SCALE.snapshots (the candidates for the student)."""
+    train = sft_command(scale, scale.student_config, scale.student_steps, STUDENT_SFT, scale.snapshots)
+    return Row(STUDENT_SFT, "the student's own SFT", (train,))
+
+
 def snapshot_row(scale: Scale, step: int) -> Row:
-    """One of the teacher's exports graded on the val problems: a candidate for the student."""
-    name = student_name(step)
-    return Row(name, f"the teacher's SFT at step {step}", (evaluation(name, scale, "val"),))
+    """One of the candidates' exports graded on the val problems."""
+    name = student_name(scale, step)
+    return Row(name, f"{source_label(scale)} at step {step}", (evaluation(name, scale, "val"),))
 
 
 def student_row(scale: Scale, step: int) -> Row:
     low, high = scale.student_band
-    return Row(student_name(step), f"starting student (the teacher's SFT at step {step}, the first export at "
-                                   f"{low:.0%}-{high:.0%} on val)", (evaluation(student_name(step), scale),),
-               student=True)
+    return Row(student_name(scale, step), f"starting student ({source_label(scale)} at step {step}, the first export "
+                                          f"at {low:.0%}-{high:.0%} on val)",
+               (evaluation(student_name(scale, step), scale),), student=True)
 
 
-def student_name(step: int) -> str:
-    """The student's folder in SAVE_DIR: the teacher's export at `step`."""
-    return f"teacher_step{step}"
+def source_label(scale: Scale) -> str:
+    if scale.student_config is None:
+        return "the teacher's SFT"
+    return f"the student's own SFT ({os.path.basename(scale.student_config)})"
 
 
-STUDENT = "teacher_stepN"  # the student's name before it is chosen (--dry_run)
+def student_name(scale: Scale, step: int | str) -> str:
+    """The student's folder in the task's save_dir: the export at `step` of the teacher's run or of the smaller
+    student's own SFT ("N" before it is chosen: --dry_run)."""
+    return f"{STUDENT_SFT if scale.student_config else 'teacher'}_step{step}"
+
+
+def data_flags(method: Method, task: DemoTask) -> str:
+    """The task's data for the method's loop, and the rollouts' budget where the loop samples (none for the addition:
+    its files and budget are every loop's defaults)."""
+    if not task.explicit_data or method.data is None:
+        return ""
+    budget = f" --max_new_tokens {task.eval_new_tokens}" if method.data == "opd_prompts" else ""
+    return f" --data_path {task.data_dir}/{method.data}.parquet{budget}"
 
 
 def method_row(method: Method, seed: int, scale: Scale, student: str, learning_rate: float | None = None,
-               name: str | None = None, data: str = "eval") -> Row:
+               name: str | None = None, data: str = "eval", curve: Sequence[int] = ()) -> Row:
+    """One run of `method` from `student` and its grading on `data`; with a `curve`, the run's exports at those steps
+    (--export_steps) graded before it."""
+    task = scale.task
     rate = method.learning_rate if learning_rate is None else learning_rate
     name = name or f"{method.name}_s{seed}"
-    flags = method.flags.format(teacher=f"{SAVE_DIR}/teacher", url=RULE_URL if method.needs == "rule" else TEACHER_URL)
-    train = (f"python {method.script} --model_path {SAVE_DIR}/{student} {flags} "
+    flags = method.flags.format(teacher=f"{task.save_dir}/teacher", teacher_data=teacher_data(task),
+                                url=RULE_URL if method.needs == "rule" else TEACHER_URL)
+    exports = ([0] if method.own_start else []) + list(curve)
+    snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
+    train = (f"python {method.script} --model_path {task.save_dir}/{student} {flags}{data_flags(method, task)} "
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
-             f"--save_weight {name}")
-    return Row(name, method.label, (train, evaluation(name, scale, data)), method, seed, rate)
+             f"--save_weight {name}{snapshots}")
+    graded = [evaluation(f"{name}_step{step}", scale, data) for step in curve]
+    return Row(name, method.label, (train, *graded, evaluation(name, scale, data)), method, seed, rate)
 
 
 def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) -> list[Row]:
@@ -224,7 +296,7 @@ def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) 
     rows = []
     for method in methods:
         start = start_row(method, scale) if method.own_start else None
-        rows += [replace(method_row(method, seed, scale, student), baseline=start and start.name)
+        rows += [replace(method_row(method, seed, scale, student, curve=scale.curve), baseline=start and start.name)
                  for seed in scale.seeds]
         rows += [start] if start else []
     return rows
@@ -258,14 +330,25 @@ def sweep_rows(scale: Scale, student: str, rates: Sequence[float], methods: Sequ
             for method in methods for rate in rates]
 
 
-TEACHER_GENERATE = (f"python dataset/teacher_generate.py --data_path dataset/demo/opd_prompts.parquet "
-                    f"--out {TEACHER_DATA} --base_url {TEACHER_URL} --model teacher --temperature 1.0 "
-                    f"--max_tokens {EVAL_NEW_TOKENS} --seed 0 "
-                    "--extra '{\"chat_template_kwargs\": {\"enable_thinking\": false}}'")
-# vLLM's CPU engine dies on a seeded request whose prefill is split over steps ("CPU Generator does not use offset"):
-# every teacher request carries a seed, hence no chunked prefill (measured)
-SERVE_TEACHER = (f"python serving/vllm_launch.py --model {SAVE_DIR}/teacher --name teacher --port {TEACHER_PORT} "
-                 f"-- --no-enable-chunked-prefill")
+def teacher_data(task: DemoTask) -> str:
+    """The sft_data rows' training data: the served teacher's answers to the OPD prompts."""
+    return f"{task.save_dir}/teacher_answers.parquet"
+
+
+def teacher_generate(task: DemoTask) -> str:
+    return (f"python dataset/teacher_generate.py --data_path {task.data_dir}/opd_prompts.parquet "
+            f"--out {teacher_data(task)} --base_url {TEACHER_URL} --model teacher --temperature 1.0 "
+            f"--max_tokens {task.eval_new_tokens} --seed 0 "
+            "--extra '{\"chat_template_kwargs\": {\"enable_thinking\": false}}'")
+
+
+def serve_teacher(task: DemoTask) -> str:
+    # vLLM's CPU engine dies on a seeded request whose prefill is split over steps ("CPU Generator does not use
+    # offset"): every teacher request carries a seed, hence no chunked prefill (measured)
+    return (f"python serving/vllm_launch.py --model {task.save_dir}/teacher --name teacher --port {TEACHER_PORT} "
+            f"-- --no-enable-chunked-prefill")
+
+
 RULE_PORT = 8002
 RULE_URL = f"http://127.0.0.1:{RULE_PORT}/v1"
 ENABLE_VLLM = "serving/setup_vllm_cpu.sh makes one"
@@ -289,9 +372,8 @@ def run_files(save_dir: str, name: str) -> list[str]:
 def table_files(save_dir: str) -> list[str]:
     """The files a table writes besides its runs: the teacher's answers (and their cache), the server's log, the
     JSON."""
-    names = [TEACHER_DATA, f"{TEACHER_DATA}.cache.jsonl", f"{SAVE_DIR}/teacher_server.log", f"{SAVE_DIR}/demo.json"]
-    return [p for p in (os.path.join(os.path.dirname(save_dir), os.path.relpath(n, "checkpoints")) for n in names)
-            if os.path.exists(p)]
+    names = ["teacher_answers.parquet", "teacher_answers.parquet.cache.jsonl", "teacher_server.log", "demo.json"]
+    return [p for p in (os.path.join(save_dir, n) for n in names) if os.path.exists(p)]
 
 
 def existing_runs(save_dir: str, names: Sequence[str]) -> dict[str, list[str]]:
@@ -397,8 +479,11 @@ class ServerFailed(RuntimeFailure):
 
 
 class ServedTeacher:
-    """The teacher served by vLLM (SERVE_TEACHER: the vLLM environment's server behind serving/vllm_launch.py) on
-    127.0.0.1:TEACHER_PORT, a subprocess of the demo in its own process group, stopped when its rows end."""
+    """The task's teacher served by vLLM (serve_teacher: the vLLM environment's server behind serving/vllm_launch.py)
+    on 127.0.0.1:TEACHER_PORT, a subprocess of the demo in its own process group, stopped when its rows end."""
+
+    def __init__(self, task: DemoTask):
+        self.task = task
 
     def unavailable(self) -> str | None:
         """Why it cannot be served here (one line, with how to enable it), or None."""
@@ -411,12 +496,12 @@ class ServedTeacher:
 
     @contextlib.contextmanager
     def serving(self, cwd: str) -> Iterator[None]:
-        """The server started (its output into SAVE_DIR/teacher_server.log) and ready; stopped however the block
-        ends. ServerFailed when it exits or is not ready in 15 minutes."""
+        """The server started (its output into the task's save_dir/teacher_server.log) and ready; stopped however
+        the block ends. ServerFailed when it exits or is not ready in 15 minutes."""
         from serving.vllm_launch import stop_vllm, wait_ready
-        log_path = os.path.join(cwd, SAVE_DIR, "teacher_server.log")
+        log_path = os.path.join(cwd, self.task.save_dir, "teacher_server.log")
         with open(log_path, "w", encoding="utf-8") as log:
-            process = subprocess.Popen(command_argv(SERVE_TEACHER), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(command_argv(serve_teacher(self.task)), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)
         try:
             try:
@@ -477,7 +562,7 @@ def run_teacher(row: Row, root: str, runner: Callable[[str, str], float]) -> Row
     """The teacher: its training resumes (--from_resume 1: an earlier table's finished run says so and stops at
     once, a killed one continues), the commit it started at recorded (TEACHER_COMMIT), then its evaluation."""
     *train, evaluate = row.commands
-    record_teacher_commit(root)
+    record_teacher_commit(os.path.join(root, named_flags(train[0])["--save_dir"]))
     run = run_row(Row(row.name, row.label, tuple(train)), root, runner)
     graded = evaluate_current(Row(row.name, row.label, (evaluate,)), root, runner)
     return RowRun(run.seconds + graded.seconds, reused=graded.reused)
@@ -502,30 +587,34 @@ def is_current(path: str, command: str) -> bool:
             summary = json.load(f)
     except (OSError, ValueError):
         return False
-    argv, made_with = shlex.split(command), summary.get("args") or {}
-    named = {a[2:]: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
-    commit = code_commit()
+    made_with, commit = summary.get("args") or {}, code_commit()
     return (is_exact(commit) and summary.get("commit") == commit
-            and all(str(made_with.get(flag)) == value for flag, value in named.items()))
+            and all(str(made_with.get(flag[2:])) == value for flag, value in named_flags(command).items()))
 
 
-TEACHER_COMMIT = "teacher_commit.json"  # in SAVE_DIR: the commit the teacher's training started at
+def named_flags(command: str) -> dict[str, str]:
+    """{--flag: its value} of a command line (a flag without a value aside)."""
+    argv = shlex.split(command)
+    return {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
 
 
-def record_teacher_commit(root: str) -> None:
+TEACHER_COMMIT = "teacher_commit.json"  # in the save_dir: the commit the teacher's training started at
+
+
+def record_teacher_commit(save_dir: str) -> None:
     """Before the teacher's training: a teacher not yet started gets this commit on record; one an older demo left
     without a record is marked unrecorded (the table then says so)."""
-    path = os.path.join(root, SAVE_DIR, TEACHER_COMMIT)
+    path = os.path.join(save_dir, TEACHER_COMMIT)
     if os.path.exists(path):
         return
-    started = bool(run_files(os.path.join(root, SAVE_DIR), "teacher"))
+    started = bool(run_files(save_dir, "teacher"))
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"commit": "unrecorded (trained by an earlier demo)" if started else code_commit()}, f)
 
 
-def teacher_commit(root: str) -> str:
+def teacher_commit(save_dir: str) -> str:
     try:
-        with open(os.path.join(root, SAVE_DIR, TEACHER_COMMIT), encoding="utf-8") as f:
+        with open(os.path.join(save_dir, TEACHER_COMMIT), encoding="utf-8") as f:
             return json.load(f)["commit"]
     except (OSError, ValueError, KeyError):
         return "unrecorded"
@@ -577,7 +666,7 @@ def run_needing(teacher, rows: Sequence[Row], root: str, runner: Callable[[str, 
 
 
 def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callable[[str, str], float],
-            teachers: dict[str, object]) -> tuple[dict[str, RowRun], dict[str, float]]:
+            teachers: dict[str, object], task: DemoTask) -> tuple[dict[str, RowRun], dict[str, float]]:
     """The student's evaluation (`student`: None for a sweep), then the rows needing the vLLM teacher (after its
     answers for sft_data), those needing the rule-based teacher, the rest, and the rows that only grade (a
     method's own start, after its runs). -> ({name: run}, {what: seconds} of the servers' start-ups and the
@@ -586,7 +675,7 @@ def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callabl
     if student is not None:
         runs[student.name] = evaluate_current(student, root, runner)
     need = {kind: [r for r in rows if r.method and r.method.needs == kind] for kind in ("vllm", "rule")}
-    before = [TEACHER_GENERATE] if any(r.method.name == "sft_data" for r in need["vllm"]) else []
+    before = [teacher_generate(task)] if any(r.method.name == "sft_data" for r in need["vllm"]) else []
     for kind in ("vllm", "rule"):
         done, serve_seconds = run_needing(teachers[kind], need[kind], root, runner, before if kind == "vllm" else ())
         if "before" in done:
@@ -606,16 +695,14 @@ def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callabl
 # ------------------------------------------------------------------------------------------ reading the results
 
 def summary_path(root: str, row: Row) -> str:
-    return os.path.join(root, SAVE_DIR, f"{row.name}_eval_{data_stem(row)}.summary.json")
+    """Where the row's own evaluation (its last command) writes its summary: beside the model's folder."""
+    return gradings_path(root, row)[:-len(".jsonl")] + ".summary.json"
 
 
 def gradings_path(root: str, row: Row) -> str:
-    return os.path.join(root, SAVE_DIR, f"{row.name}_eval_{data_stem(row)}.jsonl")
-
-
-def data_stem(row: Row) -> str:
-    argv = shlex.split(row.commands[-1])
-    return os.path.basename(argv[argv.index("--data_path") + 1]).split(".")[0] if "--data_path" in argv else "eval"
+    named = named_flags(row.commands[-1])
+    stem = os.path.basename(named.get("--data_path", "eval.parquet")).split(".")[0]
+    return os.path.join(root, f"{named['--model_path']}_eval_{stem}.jsonl")
 
 
 def read_json(path: str, written_by: str) -> dict:
@@ -674,7 +761,7 @@ def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
             results.append(Result(row, run))
             continue
         summary = read_json(summary_path(root, row), row.commands[-1])
-        steps = read_steps(os.path.join(root, SAVE_DIR, f"{row.name}_metrics.jsonl"), row.commands[0]) \
+        steps = read_steps(metrics_path(root, row), row.commands[0]) \
             if row.method else []
         start = None if row.student or row.name == "teacher" else by_name[row.baseline] if row.baseline else student
         reverse_kl, paired = statistics(root, row, start)
@@ -682,10 +769,14 @@ def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
     return results
 
 
+def metrics_path(root: str, row: Row) -> str:
+    return os.path.join(root, named_flags(row.commands[0])["--save_dir"], f"{row.name}_metrics.jsonl")
+
+
 def demo_statistics(root: str, row: Row, start: Row | None) -> tuple[float | None, tuple | None]:
     """(the row's held-out reverse KL to the teacher, its paired test against `start` or None)."""
     from benchmarks.demo_stats import paired_test, reverse_kl_to_teacher
-    folder = os.path.join(root, SAVE_DIR)
+    folder = os.path.dirname(gradings_path(root, row))
     reverse_kl = None if row.name == "teacher" else reverse_kl_to_teacher(
         os.path.join(folder, row.name), os.path.join(folder, "teacher"), gradings_path(root, row))
     paired = paired_test(gradings_path(root, row), gradings_path(root, start)) if start else None
@@ -794,7 +885,7 @@ def report(command: str, where: str, scale: Scale, results: Sequence[Result], ex
             f"The teacher trained at commit {teacher}; the student its first export at {low:.0%}-{high:.0%} on the "
             f"val problems (graded: {graded}). "
             f"Every method from the same student, {scale.budget_steps} optimizer steps of 16 student sequences; "
-            f"accuracy on the held-out problems (greedy, {EVAL_NEW_TOKENS} new tokens, math-verify; Wilson 95% "
+            f"accuracy on the held-out problems (greedy, {scale.task.eval_new_tokens} new tokens, math-verify; Wilson 95% "
             f"interval); vs its start: problems only this model solves / only the model it started from solves "
             f"(the starting student; a LoRA row's: the LoRA student at step 0) and McNemar's exact p; reverse KL: "
             f"per answer token, on the model's own greedy answers.\n\n{table(results)}")
@@ -812,12 +903,16 @@ def sweep_report(results: Sequence[Result]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scale", default="cpu", choices=sorted(SCALES), help="how big (SCALES)")
+    parser.add_argument("--task", default="addition", choices=list(SCALES),
+                        help="which built-in task (dataset/make_demo_data.py): its data, models and runs' folder")
+    parser.add_argument("--scale", default="cpu", choices=sorted({s for scales in SCALES.values() for s in scales}),
+                        help="how big (SCALES)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="every run's --dtype (default: the scale's: float32 on a CPU, bfloat16 on CUDA)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, one per line, and stop")
     parser.add_argument("--fresh", action="store_true",
-                        help=f"move an earlier table's runs in {SAVE_DIR}/ into {SAVE_DIR}/previous-TIME/ first")
+                        help="move an earlier table's runs in the task's folder (checkpoints/demo/, "
+                             "checkpoints/demo_running_sum/) into its previous-TIME/ first")
     parser.add_argument("--retrain", action="store_true", help="--fresh, and the teacher and student too")
     parser.add_argument("--sweep", default=None, help="comma-separated learning rates: each method at each, seed 1, "
                                                       "graded on the val problems, instead of the table")
@@ -832,6 +927,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(names)}")
     args.methods = [names[name] for name in args.methods.split(",")]
+    if args.scale not in SCALES[args.task]:
+        parser.error(f"--scale {args.scale}: the {args.task} task has {', '.join(SCALES[args.task])}")
     if args.sweep is not None:
         try:
             args.sweep = [float(x) for x in args.sweep.split(",")]
@@ -846,45 +943,53 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
     """`root` (where the commands run), `runner` (command, cwd -> seconds), `teachers` ({"vllm", "rule"}: their
     start and stop) and `statistics` are for the tests."""
     args = parse_args(argv)
-    scale = replace(SCALES[args.scale], dtype=args.dtype or SCALES[args.scale].dtype)
+    scale = SCALES[args.task][args.scale]
+    scale = replace(scale, dtype=args.dtype or scale.dtype)
     teacher = teacher_row(scale)
     if args.dry_run:
         print_plan(args, scale, teacher)
         return 0
-    save_dir = os.path.join(root, SAVE_DIR)
-    rows = planned_rows(args, scale, STUDENT)  # their names only, before the student is known
-    snapshots = [student_name(step) for step in scale.snapshots]
-    check_no_live_run(save_dir, ["teacher", *snapshots] + [r.name for r in rows])
-    moving = [r.name for r in rows] + (["teacher", *snapshots] if args.retrain else [])
+    relative = scale.task.save_dir
+    save_dir = os.path.join(root, relative)
+    rows = planned_rows(args, scale, student_name(scale, "N"))  # their names only, before the student is known
+    bases = ["teacher", *([STUDENT_SFT] if scale.student_config else []),
+             *(student_name(scale, step) for step in scale.snapshots)]
+    check_no_live_run(save_dir, bases + [r.name for r in rows])
+    moving = [r.name for r in rows] + (bases if args.retrain else [])
     existing = sorted({p for files in existing_runs(save_dir, moving).values() for p in files}) + \
         (table_files(save_dir) if not (args.sweep or args.ablation) else [])  # the teacher's files hold the student's
     if args.retrain and os.path.exists(os.path.join(save_dir, TEACHER_COMMIT)):
         existing.append(os.path.join(save_dir, TEACHER_COMMIT))
     if existing and not (args.fresh or args.retrain):
-        raise UserError(f"{SAVE_DIR}/ holds {describe(existing, save_dir)}: pass --fresh to move them into "
-                        f"{SAVE_DIR}/previous-TIME/ first, or move them yourself")
+        raise UserError(f"{relative}/ holds {describe(existing, save_dir)}: pass --fresh to move them into "
+                        f"{relative}/previous-TIME/ first, or move them yourself")
     if existing:
         folder = move_aside(save_dir, existing)
         print(f"moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)
     os.makedirs(save_dir, exist_ok=True)
     # the commands name the data files (the teacher's --eval_data_path): on a fresh checkout they are written first
-    ensure_demo_data(os.path.join(root, "dataset", "demo"))
+    ensure_demo_data(os.path.join(root, scale.task.data_dir), task=scale.task.name)
     start, where = time.perf_counter(), machine()
     runs = {"teacher": run_teacher(teacher, root, runner)}
+    extra = {}
+    if scale.student_config:  # a smaller student's own SFT, resumed as the teacher's is
+        extra["the student's own SFT"] = sum(run_row(student_sft_row(scale), root, runner).seconds)
     student, choice = choose_student(scale, root, runner)
     rows = planned_rows(args, scale, student.name)
-    done, extra = run_all(rows, None if args.sweep else student, root, runner,
-                          teachers or {"vllm": ServedTeacher(), "rule": RuleTeacher()})
+    done, served = run_all(rows, None if args.sweep else student, root, runner,
+                           teachers or {"vllm": ServedTeacher(scale.task), "rule": RuleTeacher()}, scale.task)
     runs.update(done)
+    extra.update(served)
     if args.sweep:
         print("\n" + sweep_report(collect(root, rows, runs, lambda *_: (None, None))), flush=True)
         return 0
     results = collect(root, [teacher, student] + rows, runs, statistics)
     command = shlex.join(["python", "benchmarks/demo.py", *(sys.argv[1:] if argv is None else argv)])
-    text = report(command, where, scale, results, extra, time.perf_counter() - start, teacher_commit(root), choice)
+    text = report(command, where, scale, results, extra, time.perf_counter() - start, teacher_commit(save_dir),
+                  choice)
     with open(os.path.join(save_dir, "ablation.json" if args.ablation else "demo.json"), "w", encoding="utf-8") as f:
         json.dump({"header": text.splitlines()[0], "scale": asdict(scale), "extra_seconds": extra,
-                   "teacher_commit": teacher_commit(root), "student_choice": choice,
+                   "teacher_commit": teacher_commit(save_dir), "student_choice": choice,
                    "rows": [record(r) for r in results]}, f, indent=1)
     print("\n" + text, flush=True)
     return 0
@@ -898,15 +1003,19 @@ def planned_rows(args: argparse.Namespace, scale: Scale, student: str) -> list[R
 
 
 def print_plan(args: argparse.Namespace, scale: Scale, teacher: Row) -> None:
-    """--dry_run: the commands, one per line; the student's folder (STUDENT) is chosen once the exports are graded."""
+    """--dry_run: the commands, one per line; the student's folder (student_name(scale, "N")) is chosen once the
+    exports are graded."""
     low, high = scale.student_band
+    placeholder = student_name(scale, "N")
     print("\n".join(teacher.commands), flush=True)
+    if scale.student_config:
+        print("\n".join(student_sft_row(scale).commands), flush=True)
     print(f"# then, export by export until one is at {low:.0%}-{high:.0%}: "
           f"{snapshot_row(scale, scale.snapshots[0]).commands[0]} (step {scale.snapshots[0]}, then the next); "
-          f"{STUDENT} below is that export", flush=True)
-    rows = planned_rows(args, scale, STUDENT)
+          f"{placeholder} below is that export", flush=True)
+    rows = planned_rows(args, scale, placeholder)
     if not args.sweep:  # the student's own grading on the held-out problems
-        rows = [Row(STUDENT, "starting student", (evaluation(STUDENT, scale),))] + rows
+        rows = [Row(placeholder, "starting student", (evaluation(placeholder, scale),))] + rows
     for row in rows:
         print("\n".join(row.commands), flush=True)
 

@@ -1,7 +1,7 @@
 """A rule-based black-box teacher for the demo: an OpenAI-compatible endpoint that continues any partial answer to a
-demo question ("What is 47 + 38? ...", or a running sum "What is 3 + 8 + 5 + 9 + 2 + 7? ...") with the correct
-worked solution, in the demo's format (dataset/make_demo_data.py's `solve`: "7+8=15, 4+3+1=8. \\boxed{85}";
-"3+8=11, 11+5=16, ..., 27+7=34. \\boxed{34}"). It stands in for a proprietary API better
+demo question ("What is 47 + 38? ...", or a running sum "Let a=47, b=3, c=8. What is a+b+c? ...") with the
+correct worked solution, in the demo's format (dataset/make_demo_data.py's `solve`: "7+8=15, 4+3+1=8. \\boxed{85}";
+"a+b=47+3=50, 50+c=50+8=58. \\boxed{58}"). It stands in for a proprietary API better
 than any local model, as the black-box teacher of logit-free OPD (trainer/train_logit_free.py --teacher_url).
 
     python benchmarks/rule_teacher.py --port 8002     # serves until Ctrl-C / SIGTERM; prints its URL when ready
@@ -50,10 +50,9 @@ if ROOT not in sys.path:
 
 from common.errors import ArgumentParser, UserError, run_script  # noqa: E402
 from common.http import send_json  # noqa: E402
-from dataset.make_demo_data import solve  # noqa: E402
+from dataset.make_demo_data import numbers_of, solve  # noqa: E402
 from model.tokenizer import QwenTokenizer, load_tokenizer  # noqa: E402
 
-SUM = re.compile(r"What is (\d+(?: \+ \d+)+)\?")  # the demo tasks' questions (make_demo_data.question)
 COUNTING = re.compile(r"Count from (\d+) to (\d+)")   # the client's start-up probe (dataset/continuations.py)
 THINKING = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
 SEPARATOR = re.compile(r"(?<=, )|(?<=\. )")           # split after ", " and ". ", each kept with its segment
@@ -69,16 +68,18 @@ class BadRequest(ValueError):
 # ---------------------------------------------------------------------------------------------------- the solver
 
 def correct_solution(question: str) -> str:
-    """The whole correct answer to `question`: a demo sum ("What is 47 + 38? ...", "What is 3 + 8 + 5 + ...?") ->
-    `solve`'s worked solution; the start-up probe's counting ("Count from 1 to 20, ...") -> "1, 2, ..., 20". BadRequest otherwise."""
-    terms = SUM.search(question)
-    if terms:
-        return solve(*map(int, terms.group(1).split(" + ")))[1]
+    """The whole correct answer to `question`: a demo sum ("What is 47 + 38? ...", "Let a=47, b=3, c=8. What is
+    a+b+c? ...") -> `solve`'s worked solution; the start-up probe's counting ("Count from 1 to 20, ...") -> "1, 2,
+    ..., 20". BadRequest otherwise."""
+    numbers = numbers_of(question)
+    if numbers:
+        return solve(*numbers)[1]
     counting = COUNTING.search(question)
     if counting:
         return ", ".join(str(i) for i in range(int(counting.group(1)), int(counting.group(2)) + 1))
-    raise BadRequest(f"the rule teacher cannot parse the question {question[:100]!r}: it answers 'What is A + B "
-                     f"(+ C ...)?' (the demo's) and 'Count from A to B' (the client's start-up probe)")
+    raise BadRequest(f"the rule teacher cannot parse the question {question[:100]!r}: it answers the demo's 'What is "
+                     f"A + B?' and 'Let a=A, b=B, .... What is a+b+...?', and 'Count from A to B' (the client's "
+                     f"start-up probe)")
 
 
 def answer_text(partial: str) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,24 +61,44 @@ SEED = 1234
 # taken from each task's shuffled problems in this order
 SPLIT_SIZES = {"eval": 200, "opd_prompts": 512, "sft_train": 3000, "val": 200}
 QUESTION = "What is {}? Put the final answer in \\boxed{{}}."
+SUM = re.compile(r"What is (\d+(?: \+ \d+)+)\?")
+
+
+LABELS = "abcdefgh"  # a running sum's numbers are named, so that a step finds its number by name (see below)
+LABELLED = re.compile(r"Let ((?:[a-h]=\d+, )*[a-h]=\d+)\. What is")
 
 
 def question(numbers: tuple[int, ...]) -> str:
-    return QUESTION.format(" + ".join(map(str, numbers)))
+    """Two numbers: "What is 47 + 38? ..."; more: named, "Let a=47, b=3, c=8. What is a+b+c? ..."."""
+    if len(numbers) == 2:
+        return QUESTION.format(" + ".join(map(str, numbers)))
+    names = LABELS[:len(numbers)]
+    values = ", ".join(f"{name}={number}" for name, number in zip(names, numbers))
+    return f"Let {values}. " + QUESTION.format("+".join(names))
+
+
+def numbers_of(text: str) -> tuple[int, ...] | None:
+    """The numbers of the demo question in `text` (either task's form, in order), or None if it holds none."""
+    named = LABELLED.search(text)
+    if named:
+        return tuple(int(pair.split("=")[1]) for pair in named.group(1).split(", "))
+    terms = SUM.search(text)
+    return tuple(map(int, terms.group(1).split(" + "))) if terms else None
 
 
 def solve(*numbers: int) -> tuple[int, str]:
     """-> (the sum, worked solution): two numbers by columns (the ones, the tens with the carry), more as a running
-    sum, every total written."""
+    sum, each step naming its number, writing its value and the new total ("a+b=47+3=50, 50+c=50+8=58")."""
     if len(numbers) == 2:
         a, b = numbers
         ones = a % 10 + b % 10
         carry = "+1" if ones >= 10 else ""
         tens = a // 10 + b // 10 + ones // 10
         return a + b, f"{a % 10}+{b % 10}={ones}, {a // 10}+{b // 10}{carry}={tens}. \\boxed{{{a + b}}}"
-    steps, total = [], numbers[0]
-    for number in numbers[1:]:
-        steps.append(f"{total}+{number}={total + number}")
+    total = numbers[0] + numbers[1]
+    steps = [f"a+b={numbers[0]}+{numbers[1]}={total}"]
+    for name, number in zip(LABELS[2:], numbers[2:]):
+        steps.append(f"{total}+{name}={total}+{number}={total + number}")
         total += number
     return total, ", ".join(steps) + f". \\boxed{{{total}}}"
 
@@ -90,12 +111,14 @@ def addition_problems(rng: random.Random) -> list[tuple[int, ...]]:
 
 
 def running_sum_problems(rng: random.Random) -> list[tuple[int, ...]]:
-    """6 to 9 digits 1..9, drawn until as many distinct multisets as the splits take."""
+    """A two-digit number (10..99) and 4 to 6 digits 1..9, drawn until as many distinct problems (the first number
+    and the multiset of the digits) as the splits take."""
     problems, seen = [], set()
     while len(problems) < sum(SPLIT_SIZES.values()):
-        numbers = tuple(rng.randint(1, 9) for _ in range(rng.randint(6, 9)))
-        if tuple(sorted(numbers)) not in seen:
-            seen.add(tuple(sorted(numbers)))
+        numbers = (rng.randint(10, 99),) + tuple(rng.randint(1, 9) for _ in range(rng.randint(4, 6)))
+        key = (numbers[0],) + tuple(sorted(numbers[1:]))
+        if key not in seen:
+            seen.add(key)
             problems.append(numbers)
     return problems
 
@@ -111,7 +134,7 @@ class Task:
 TASKS = {
     # 1: addition and subtraction with "First a + tens = x, then ..."; 2: column addition, pair-disjoint
     "addition": Task("demo_arithmetic", "2", "", addition_problems),
-    "running_sum": Task("demo_running_sum", "1", "running_sum", running_sum_problems),
+    "running_sum": Task("demo_running_sum", "2", "running_sum", running_sum_problems),
 }
 VERSION = TASKS["addition"].version
 

@@ -54,11 +54,12 @@ def test_token_sums_equal_the_full_logits_of_a_plain_forward(models, one_thread)
     ((47, 38), "7+8=14, 4+3+1=8. \\boxed{85}", 0),
     ((47, 38), "7+8=15, 4+3+1=8. \\boxed{84}", 2),
     ((47, 38), "7+8=15, 4+3+1=8.", 2),
-    ((3, 8, 5, 9), "3+8=11, 11+5=16, 16+9=25. \\boxed{25}", None),
-    ((3, 8, 5, 9), "3+8=11, 11+5=17, 17+9=26. \\boxed{26}", 1),
-    ((3, 8, 5, 9), "3+8=11, 11+5=16, 16+9=24. \\boxed{25}", 2),
-    ((3, 8, 5, 9), "3+8=11, 11+5=16", 2),
-    ((3, 8, 5, 9), "The answer is 25", 0),
+    ((37, 8, 5, 9), "a+b=37+8=45, 45+c=45+5=50, 50+d=50+9=59. \\boxed{59}", None),
+    ((37, 8, 5, 9), "a+b=37+8=45, 45+c=45+5=51, 51+d=51+9=60. \\boxed{60}", 1),
+    ((37, 8, 5, 9), "a+b=37+8=45, 45+c=45+6=51, 51+d=51+9=60. \\boxed{60}", 1),
+    ((37, 8, 5, 9), "a+b=37+8=45, 45+c=45+5=50, 50+d=50+9=58. \\boxed{59}", 2),
+    ((37, 8, 5, 9), "a+b=37+8=45, 45+c=45+5=50", 2),
+    ((37, 8, 5, 9), "The answer is 59", 0),
 ])
 def test_the_first_wrong_step_of_an_answer(numbers, answer, expected):
     assert conditions.first_wrong_step(question(numbers), answer) == expected
@@ -83,6 +84,6 @@ def test_the_script_measures_a_model_against_itself(tiny_config_path, tmp_path, 
     masses = list(results["top_k_mass_on_own_samples"].values())
     assert all(0 < m <= 1 for m in masses) and masses == sorted(masses)
     assert results["greedy_accuracy"] == 0.0 and results["greedy_steps"]["first_wrong"][0] == 1.0  # a random model
-    assert len(results["greedy_steps"]["right_through"]) >= 7  # 6-9 digits: 5-8 steps and the box
+    assert len(results["greedy_steps"]["right_through"]) >= 7  # 5-7 numbers: 4-6 steps and the box
     assert json.loads(out.read_text())["rows"] == 4
     assert "agreement with the teacher's argmax: 100.0%" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX, PromptCollator, SFTCollator, split_conversation
-from dataset.make_demo_data import VERSION, build_splits, ensure_demo_data, solve
+from dataset.make_demo_data import VERSION, build_splits, ensure_demo_data, numbers_of, question, solve
 from dataset.sources import DataError, RowDataset
 from model.tokenizer import default_tokenizer_dir, load_tokenizer
 
@@ -351,25 +351,28 @@ def test_demo_solutions_add_by_columns_and_a_shortcut_scores_nothing():
 # ---------------------------------------------------------------- the long-answer demo task
 
 
-def digit_multisets(rows) -> list[tuple[int, ...]]:
-    return [tuple(sorted(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))) for row in rows]
+def running_sum_problems(rows) -> list[tuple[int, ...]]:
+    """Each row's problem as the generator makes them distinct: the first number and the multiset of the digits."""
+    numbers = [numbers_of(row["prompt"][0]["content"]) for row in rows]
+    return [(n[0],) + tuple(sorted(n[1:])) for n in numbers]
 
 
 def test_running_sum_data_is_disjoint_deterministic_long_and_in_its_own_folder(tmp_path, tok, capsys):
-    """benchmarks/demo.py --task running_sum's data: no split holds a reordering of another split's problem (nor two
-    of one), the same rows on every call, answers of 41-76 tokens with a median of at least 50 (the addition's: 22),
-    written to its own folder beside the addition files, which stay as they are."""
+    """benchmarks/demo.py --task running_sum's data: no split holds another split's problem with its digits
+    reordered (nor two of one), the same rows on every call, answers of 57-101 tokens with a median of at least 50
+    (the addition's: 22), written to its own folder beside the addition files, which stay as they are."""
     splits = build_splits("running_sum")
     assert splits == build_splits("running_sum")
-    problems = {name: digit_multisets(rows) for name, rows in splits.items()}
+    problems = {name: running_sum_problems(rows) for name, rows in splits.items()}
     assert all(len(set(p)) == len(p) for p in problems.values())
     names = list(problems)
     for i, first in enumerate(names):
         for second in names[i + 1:]:
             assert not set(problems[first]) & set(problems[second]), (first, second)
-    assert all(6 <= len(p) <= 9 and 1 <= min(p) and max(p) <= 9 for rows in problems.values() for p in rows)
+    assert all(5 <= len(p) <= 7 and 10 <= p[0] <= 99 and 1 <= min(p[1:]) and max(p[1:]) <= 9
+               for rows in problems.values() for p in rows)
     lengths = sorted(len(tok.encode(row["prompt"][1]["content"])) for row in splits["sft_train"])
-    assert 41 <= lengths[0] and lengths[-1] <= 76 and lengths[len(lengths) // 2] >= 50
+    assert 57 <= lengths[0] and lengths[-1] <= 101 and lengths[len(lengths) // 2] >= 50
     paths = ensure_demo_data(str(tmp_path), task="running_sum")
     assert capsys.readouterr().out == f"writing the demo data to {tmp_path} (first use)\n"
     assert RowDataset(paths["eval"])[0]["data_source"] == "demo_running_sum"
@@ -377,29 +380,48 @@ def test_running_sum_data_is_disjoint_deterministic_long_and_in_its_own_folder(t
         os.path.dirname(ensure_demo_data()["eval"]), "running_sum", "eval.parquet")
 
 
+def exact_sum_distribution() -> dict[int, float]:
+    """P(answer = t) under running_sum_problems' draw: a uniform 10..99 plus 4, 5 or 6 (equally likely) digits
+    uniform in 1..9 (its rejection of repeated problems aside)."""
+    distribution: dict[int, float] = {}
+    for count in (4, 5, 6):
+        digits = {0: 1.0}
+        for _ in range(count):
+            step: dict[int, float] = {}
+            for total, p in digits.items():
+                for d in range(1, 10):
+                    step[total + d] = step.get(total + d, 0.0) + p / 9
+            digits = step
+        for total, p in digits.items():
+            for first in range(10, 100):
+                distribution[total + first] = distribution.get(total + first, 0.0) + p / 90 / 3
+    return distribution
+
+
 def test_running_sum_solutions_carry_every_total_and_grade_right_and_shortcuts_score_at_most_2_percent():
-    """Every step adds the next digit to the last total; the grader takes every worked solution as right; a model
-    that copies a digit, stops after k < n - 1 steps (boxes a partial total), repeats its last total or writes one
-    answer for every problem solves at most 2% of the held-out problems, but one answer for every problem: sums of 6-9
-    digits bunch around 37, and the most common one is right on 5.5% of them (the bound: 6%)."""
-    assert solve(3, 8, 5, 9, 2, 7) == (34, "3+8=11, 11+5=16, 16+9=25, 25+2=27, 27+7=34. \\boxed{34}")
+    """Every step names its number, writes its value and adds it to the last total; the grader takes every worked
+    solution as right; a model that copies a number, stops after k < n - 1 steps (boxes a partial total), repeats
+    its last total or writes the training set's most common answer for every problem solves at most 2% of the
+    held-out problems, and no single answer is right on more than 1.2% of the problems the generator draws."""
+    assert solve(47, 3, 8, 5) == (63, "a+b=47+3=50, 50+c=50+8=58, 58+d=58+5=63. \\boxed{63}")
+    assert question((47, 3, 8, 5)) == "Let a=47, b=3, c=8, d=5. What is a+b+c+d? Put the final answer in \\boxed{}."
+    assert numbers_of(question((47, 3, 8, 5))) == (47, 3, 8, 5) and numbers_of(question((47, 38))) == (47, 38)
     splits = build_splits("running_sum")
-    rows = [row for split in ("sft_train", "eval") for row in splits[split]]
     from eval.grader import grade_batch
     graded = grade_batch([row["prompt"][1]["content"] for row in splits["sft_train"]],
                          [row["reward_model"]["ground_truth"] for row in splits["sft_train"]])
     assert all(g.correct for g in graded)
     held_out = splits["eval"]
     truths = [int(row["reward_model"]["ground_truth"]) for row in held_out]
-    numbers = [list(map(int, re.findall(r"\d+", row["prompt"][0]["content"]))) for row in held_out]
-    shortcuts = {f"copy digit {i}": [n[i] for n in numbers] for i in range(6)}
-    shortcuts.update({f"stop after {k} steps": [sum(n[:k + 1]) for n in numbers] for k in range(1, 5)})
+    numbers = [numbers_of(row["prompt"][0]["content"]) for row in held_out]
+    shortcuts = {f"copy number {i}": [n[i] for n in numbers] for i in range(5)}
+    shortcuts.update({f"stop after {k} steps": [sum(n[:k + 1]) for n in numbers] for k in range(1, 4)})
     shortcuts["the total before the last"] = [sum(n[:-1]) for n in numbers]
     shortcuts["the last total repeated"] = [int(str(sum(n[:-1]))[-1] + str(sum(n[:-1]))) for n in numbers]
+    training = [int(row["reward_model"]["ground_truth"]) for row in splits["sft_train"]]
+    shortcuts["the training set's most common answer"] = [max(set(training), key=training.count)] * len(truths)
     for name, answers in shortcuts.items():
         assert sum(a == t for a, t in zip(answers, truths)) / len(truths) <= 0.02, name
-    assert max(truths.count(t) for t in truths) / len(truths) <= 0.06
-    for row in rows[:500]:
-        digits = list(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))
-        if len(row["prompt"]) == 2:
-            assert row["prompt"][1]["content"] == solve(*digits)[1]
+    assert max(exact_sum_distribution().values()) <= 0.012
+    for row in splits["sft_train"][:500]:
+        assert row["prompt"][1]["content"] == solve(*numbers_of(row["prompt"][0]["content"]))[1]

@@ -48,18 +48,18 @@ class FakeRunner:
     def __call__(self, command, cwd):
         self.calls.append(command)
         argv = shlex.split(command)
-        save_dir = os.path.join(cwd, demo.SAVE_DIR)
         named = flags(command)
         if argv[1] == "eval/eval_math.py":
             name = os.path.basename(named["--model_path"])
             stem = os.path.basename(named.get("--data_path", "eval.parquet")).split(".")[0]
-            write_gradings(os.path.join(save_dir, f"{name}_eval_{stem}"), self.correct(name),
+            write_gradings(os.path.join(cwd, f"{named['--model_path']}_eval_{stem}"), self.correct(name),
                            {flag[2:]: value for flag, value in named.items()})
         elif argv[1] == "dataset/teacher_generate.py":
             assert self.teachers["vllm"].serving_now
             open(os.path.join(cwd, named["--out"]), "wb").close()
         else:
-            assert argv[1] in SCRIPTS and named["--save_dir"] == demo.SAVE_DIR
+            assert argv[1] in SCRIPTS and named["--save_dir"] in (demo.ADDITION.save_dir, demo.RUNNING_SUM.save_dir)
+            save_dir = os.path.join(cwd, named["--save_dir"])
             name = named["--save_weight"]
             if "train_logit_free.py" in command:  # its teacher is served exactly while it trains
                 url = named["--teacher_url"]
@@ -150,7 +150,7 @@ STUDENT = "teacher_step350"
 
 
 def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_demo_folder():
-    scale = demo.SCALES["cpu"]
+    scale = demo.SCALES["addition"]["cpu"]
     rows = demo.table_rows(scale, STUDENT)
     trained = [r for r in rows if r.method]
     assert [r.name for r in trained] == [f"{m.name}_s{s}" for m in demo.METHODS for s in scale.seeds]
@@ -170,18 +170,18 @@ def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_
     assert flags(by_name["lf_rule_s1"].commands[0])["--teacher_url"] == demo.RULE_URL
     assert flags(by_name["lf_vllm_s1"].commands[0])["--teacher_url"] == demo.TEACHER_URL
     assert flags(by_name["kd_s2"].commands[0])["--teacher_path"] == "checkpoints/demo/teacher"
-    assert flags(by_name["sft_data_s1"].commands[0])["--data_path"] == demo.TEACHER_DATA
-    assert flags(demo.TEACHER_GENERATE)["--out"] == demo.TEACHER_DATA
+    assert flags(by_name["sft_data_s1"].commands[0])["--data_path"] == demo.teacher_data(demo.ADDITION)
+    assert flags(demo.teacher_generate(demo.ADDITION))["--out"] == demo.teacher_data(demo.ADDITION)
 
 
 def test_a_lora_student_is_tested_against_its_own_start():
     """The LoRA student's base is held in bf16: it starts from another model than the student. Its runs export step
     0, the first seed's graded after them, and both seeds' rows are tested against it."""
-    rows = demo.table_rows(demo.SCALES["cpu"], STUDENT)
+    rows = demo.table_rows(demo.SCALES["addition"]["cpu"], STUDENT)
     names = [r.name for r in rows]
     start = rows[names.index("opd_lora_s2") + 1]
     assert start.name == "opd_lora_s1_step0" and start.method is None and not start.student
-    assert start.commands == (demo.evaluation("opd_lora_s1_step0", demo.SCALES["cpu"]),)
+    assert start.commands == (demo.evaluation("opd_lora_s1_step0", demo.SCALES["addition"]["cpu"]),)
     for name in ("opd_lora_s1", "opd_lora_s2"):
         assert rows[names.index(name)].baseline == start.name
         assert "0" in flags(rows[names.index(name)].commands[0])["--export_steps"].split(",")
@@ -189,7 +189,7 @@ def test_a_lora_student_is_tested_against_its_own_start():
 
 
 def test_the_student_is_one_of_the_teachers_own_exports():
-    scale = demo.SCALES["cpu"]
+    scale = demo.SCALES["addition"]["cpu"]
     t = flags(demo.teacher_row(scale).commands[0])
     assert os.path.isfile(os.path.join(ROOT, t["--model_config"])) and t["--save_weight"] == "teacher"
     assert int(t["--max_steps"]) == scale.teacher_steps and int(t["--epochs"]) * 3000 >= scale.teacher_steps * 16
@@ -201,7 +201,7 @@ def test_the_student_is_one_of_the_teachers_own_exports():
 
 
 def test_sweep_rows_grade_on_the_val_problems():
-    rows = demo.sweep_rows(demo.SCALES["cpu"], STUDENT, [1e-3, 3e-3])
+    rows = demo.sweep_rows(demo.SCALES["addition"]["cpu"], STUDENT, [1e-3, 3e-3])
     assert len(rows) == 2 * len(demo.METHODS)
     assert all(flags(r.commands[1])["--data_path"] == "dataset/demo/val.parquet" for r in rows)
     assert {r.learning_rate for r in rows} == {1e-3, 3e-3} and rows[0].name == "sweep_sft_data_lr0.001"
@@ -210,10 +210,10 @@ def test_sweep_rows_grade_on_the_val_problems():
 def test_dry_run_prints_the_commands_only(root, capsys):
     assert demo.main(["--dry_run"], root=str(root), runner=None) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = demo.table_rows(demo.SCALES["cpu"], demo.STUDENT)
+    rows = demo.table_rows(demo.SCALES["addition"]["cpu"], demo.student_name(demo.SCALES["addition"]["cpu"], "N"))
     assert lines[0].startswith("python trainer/train_sft.py") and lines[2].startswith("# then")
     assert len(lines) == 4 + sum(len(r.commands) for r in rows)
-    assert not os.path.exists(root / demo.SAVE_DIR)
+    assert not os.path.exists(root / demo.ADDITION.save_dir)
 
 
 def test_every_run_takes_the_dtype_flag_or_the_scales(root, capsys):
@@ -231,7 +231,7 @@ def test_the_table_runs_every_row_and_reads_back_what_the_commands_wrote(root, c
     runner, teachers = run_demo(root)
     out = capsys.readouterr().out
     lines = table_lines(out)
-    names = ["teacher", "teacher_step300"] + [r.name for r in demo.table_rows(demo.SCALES["cpu"], "teacher_step300")]
+    names = ["teacher", "teacher_step300"] + [r.name for r in demo.table_rows(demo.SCALES["addition"]["cpu"], "teacher_step300")]
     assert len(lines) == len(names)
     assert "90.0% [59.6, 98.2] (9/10)" in lines[0] and "30.0%" in lines[1]
     rl = next(line for line in lines if line.startswith("| RL"))
@@ -239,9 +239,9 @@ def test_the_table_runs_every_row_and_reads_back_what_the_commands_wrote(root, c
     lf = next(line for line in lines if "rule-based" in line)
     assert "124 (3,900 tokens)" in lf and "pi_hat 0.40 -> 0.60" in lf
     assert teachers["vllm"].events == ["start", "stop"] and teachers["rule"].events == ["start", "stop"]
-    generate = runner.calls.index(demo.TEACHER_GENERATE)
-    assert generate < runner.calls.index(demo.table_rows(demo.SCALES["cpu"], "teacher_step300")[0].commands[0])
-    saved = json.load(open(root / demo.SAVE_DIR / "demo.json"))
+    generate = runner.calls.index(demo.teacher_generate(demo.ADDITION))
+    assert generate < runner.calls.index(demo.table_rows(demo.SCALES["addition"]["cpu"], "teacher_step300")[0].commands[0])
+    saved = json.load(open(root / demo.ADDITION.save_dir / "demo.json"))
     assert [r["name"] for r in saved["rows"]] == names
     assert saved["rows"][2]["versus_start"] == [3, 1, 0.625] and saved["rows"][2]["student_tokens"] == 820
     assert saved["header"].startswith("### `python benchmarks/demo.py`: ") and "nproc" in saved["header"]
@@ -258,21 +258,21 @@ def test_a_second_table_reuses_the_teacher_and_the_student_and_refuses_the_old_r
     assert flags(teacher)["--from_resume"] == "1"  # finished: it says so and stops; killed: it continues
     assert not any("eval_math.py --model_path checkpoints/demo/teacher" in c for c in runner.calls)
     assert "evaluation reused (the same commit and flags)" in capsys.readouterr().out
-    moved = [p for p in os.listdir(root / demo.SAVE_DIR) if p.startswith("previous-")]
-    assert len(moved) == 1 and "kd_s1" in os.listdir(root / demo.SAVE_DIR / moved[0])
+    moved = [p for p in os.listdir(root / demo.ADDITION.save_dir) if p.startswith("previous-")]
+    assert len(moved) == 1 and "kd_s1" in os.listdir(root / demo.ADDITION.save_dir / moved[0])
     runner, _ = run_demo(root, ["--retrain"])
     assert any("--save_weight teacher" in c for c in runner.calls)
 
 
 def test_a_grading_made_by_other_code_or_flags_is_made_again(root, monkeypatch):
     run_demo(root)
-    teacher_eval = demo.teacher_row(demo.SCALES["cpu"]).commands[1]
+    teacher_eval = demo.teacher_row(demo.SCALES["addition"]["cpu"]).commands[1]
     monkeypatch.setattr(demo, "code_commit", lambda: "def5678")
     runner, _ = run_demo(root, ["--fresh"])
     assert teacher_eval in runner.calls  # graded at abc1234: not reused at def5678
     runner, _ = run_demo(root, ["--fresh"])
     assert teacher_eval not in runner.calls
-    summary = root / demo.SAVE_DIR / "teacher_eval_eval.summary.json"
+    summary = root / demo.ADDITION.save_dir / "teacher_eval_eval.summary.json"
     written = json.loads(summary.read_text())
     summary.write_text(json.dumps({**written, "args": {**written["args"], "max_new_tokens": 32}}))  # other flags
     runner, _ = run_demo(root, ["--fresh"])
@@ -295,7 +295,7 @@ def test_the_student_is_the_first_export_in_the_accuracy_band(root, accuracies, 
     runner, _ = run_demo(root, teachers=teachers, runner=FakeRunner(teachers, correct))
     val = [int(flags(c)["--model_path"].removeprefix("checkpoints/demo/teacher_step")) for c in runner.calls
            if "teacher_step" in c and "val.parquet" in c]
-    assert val == (graded or list(demo.SCALES["cpu"].snapshots))
+    assert val == (graded or list(demo.SCALES["addition"]["cpu"].snapshots))
     assert all(flags(c)["--model_path"] == f"checkpoints/demo/teacher_step{chosen}" for c in runner.calls
                if "--save_weight" in c and "teacher" not in flags(c)["--save_weight"])
 
@@ -304,7 +304,7 @@ def test_without_vllm_its_rows_are_skipped_with_how_to_enable_it(root, capsys):
     note = "no vLLM environment at /x: serving/setup_vllm_cpu.sh makes one"
     teachers = {"vllm": FakeTeacher(unavailable=note), "rule": FakeTeacher()}
     runner, _ = run_demo(root, teachers=teachers)
-    assert demo.TEACHER_GENERATE not in runner.calls and teachers["vllm"].events == []
+    assert demo.teacher_generate(demo.ADDITION) not in runner.calls and teachers["vllm"].events == []
     skipped = [line for line in table_lines(capsys.readouterr().out) if "skipped" in line]
     assert len(skipped) == 4 and all(note in line for line in skipped)
 
@@ -317,7 +317,7 @@ def test_a_teacher_server_that_does_not_start_skips_its_rows(root, capsys):
 
 
 def test_a_run_in_progress_is_refused_even_with_fresh(root):
-    folder = root / demo.SAVE_DIR
+    folder = root / demo.ADDITION.save_dir
     folder.mkdir()
     (folder / "opd_s1.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     with pytest.raises(UserError, match="in progress"):
@@ -349,8 +349,8 @@ def test_the_ablation_runs_each_chunk_weight_from_the_served_teacher_beside_opd(
     trained = [flags(c) for c in runner.calls if flags(c).get("--save_weight", "").startswith("ablation_")]
     weights = [f.get("--chunk_weight") for f in trained]
     assert weights == ["posterior", "advantage", "centred", None]
-    assert demo.TEACHER_GENERATE not in runner.calls and teachers["vllm"].events == ["start", "stop"]
-    saved = json.load(open(root / demo.SAVE_DIR / "ablation.json"))
+    assert demo.teacher_generate(demo.ADDITION) not in runner.calls and teachers["vllm"].events == ["start", "stop"]
+    saved = json.load(open(root / demo.ADDITION.save_dir / "ablation.json"))
     assert saved["header"].startswith("### `python benchmarks/demo.py --ablation`")
     assert len(table_lines(capsys.readouterr().out)) == 2 + 4
 
@@ -358,7 +358,7 @@ def test_the_ablation_runs_each_chunk_weight_from_the_served_teacher_beside_opd(
 def test_the_sweep_prints_validation_accuracy_per_learning_rate(root, capsys):
     runner, _ = run_demo(root, ["--sweep", "1e-3,2e-3"])
     out = capsys.readouterr().out
-    assert "| kd | 0.002 |" in out and not os.path.exists(root / demo.SAVE_DIR / "demo.json")
+    assert "| kd | 0.002 |" in out and not os.path.exists(root / demo.ADDITION.save_dir / "demo.json")
     with pytest.raises(FlagError, match="--sweep takes comma-separated learning rates"):
         demo.parse_args(["--sweep", "fast"])
     runner, _ = run_demo(root, ["--sweep", "1e-3", "--methods", "kd,rl", "--fresh"])
@@ -452,7 +452,7 @@ def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": demo.RuleTeacher()}
     assert demo.main(["--scale", "tiny"], root=str(tmp_path), runner=in_this_process(monkeypatch),
                      teachers=teachers) == 0
-    saved = json.load(open(tmp_path / demo.SAVE_DIR / "demo.json"))
+    saved = json.load(open(tmp_path / demo.ADDITION.save_dir / "demo.json"))
     rows = {r["name"]: r for r in saved["rows"]}
     student = f"teacher_step{demo.SCALES['tiny'].snapshots[0]}"
     assert rows["teacher"]["problems"] == 8 and rows[student]["reverse_kl_to_teacher"] >= 0

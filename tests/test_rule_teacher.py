@@ -8,7 +8,6 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import trainer.train_logit_free as logit_free
 from benchmarks.rule_teacher import BadRequest, RuleTeacher, continue_solution, correct_solution
 from common.errors import RuntimeFailure
 from dataset.continuations import ContinuationCache, ContinuationClient, ContinuationRequest
-from dataset.make_demo_data import build_splits, make_row, question as demo_question, solve
+from dataset.make_demo_data import build_splits, make_row, numbers_of, question as demo_question, solve
 from dataset.teacher import SamplingParams
 from loop_helpers import assert_one_line_error, checkpoint_step, env_one_thread, loop_args, metrics
 from model.tokenizer import default_tokenizer_dir
@@ -114,13 +113,14 @@ def test_every_prefix_of_a_running_sum_continues_to_its_solution():
     """The long task's answers (dataset/make_demo_data.py, running_sum): the same segment rule, one segment a step;
     a wrong total is kept and the later steps are the correct solution's."""
     for row in build_splits("running_sum")["eval"][:40]:
-        numbers = tuple(map(int, re.findall(r"\d+", row["prompt"][0]["content"])))
+        numbers = numbers_of(row["prompt"][0]["content"])
         solution = solve(*numbers)[1]
         assert correct_solution(question(*numbers)) == solution
         for k in range(len(solution) + 1):
             assert solution[:k] + continue_solution(question(*numbers), LEADS[0] + solution[:k]) == solution
-    assert continue_solution(question(3, 8, 5, 9), "3+8=12") == ", 11+5=16, 16+9=25. \\boxed{25}"
-    assert continue_solution(question(3, 8, 5, 9), "3+8=11, 11+5=16, 16+9=25. \\boxed{2") == "5}"
+    assert continue_solution(question(37, 8, 5, 9), "a+b=37+8=46") == ", 45+c=45+5=50, 50+d=50+9=59. \\boxed{59}"
+    assert continue_solution(question(37, 8, 5, 9), "a+b=37+8=45, 45+c=45+6") == "=50, 50+d=50+9=59. \\boxed{59}"
+    assert continue_solution(question(37, 8, 5, 9), "a+b=37+8=45, 45+c=45+5=50, 50+d=50+9=59. \\boxed{5") == "9}"
 
 
 def test_a_question_it_cannot_parse_is_refused():
