@@ -286,7 +286,7 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
     snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
     train = (f"python {method.script} --model_path {task.save_dir}/{student} {flags}{data_flags(method, task)} "
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
-             f"--save_weight {name}{snapshots}")
+             f"--save_weight {name}{snapshots} --from_resume 1")
     graded = [evaluation(f"{name}_step{step}", scale, data) for step in curve]
     return Row(name, method.label, (train, *graded, evaluation(name, scale, data)), method, seed, rate)
 
@@ -550,31 +550,30 @@ def say(text: str) -> None:
 
 
 def run_row(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
-    seconds = []
+    """The row's commands in order; an evaluation that an earlier table made with the same flags and the same code
+    (its summary's `args` and `commit`, and no local change) is reused, a grading from other code made again."""
+    seconds, reused = [], False
     for command in row.commands:
+        summary = eval_output(root, command, ".summary.json") if is_evaluation(command) else None
+        if summary and is_current(summary, command):
+            say(f"{row.name}: an earlier evaluation is reused ({os.path.relpath(summary, root)}: commit "
+                f"{code_commit()}, the same flags)")
+            reused = True
+            continue
         say(command)
         seconds.append(runner(command, root))
         say(f"done in {format_seconds(seconds[-1])}")
-    return RowRun(seconds)
+    return RowRun(seconds, reused=reused)
+
+
+def is_evaluation(command: str) -> bool:
+    return shlex.split(command)[1] == "eval/eval_math.py"
 
 
 def run_teacher(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
     """The teacher: its training resumes (--from_resume 1: an earlier table's finished run says so and stops at
     once, a killed one continues), the commit it started at recorded (TEACHER_COMMIT), then its evaluation."""
-    *train, evaluate = row.commands
-    record_teacher_commit(os.path.join(root, named_flags(train[0])["--save_dir"]))
-    run = run_row(Row(row.name, row.label, tuple(train)), root, runner)
-    graded = evaluate_current(Row(row.name, row.label, (evaluate,)), root, runner)
-    return RowRun(run.seconds + graded.seconds, reused=graded.reused)
-
-
-def evaluate_current(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
-    """An evaluation-only row, unless an earlier table graded the same model with the same flags and the same code
-    (its summary's `args` and `commit`, and no local change): a grading from other code is made again."""
-    if is_current(summary_path(root, row), row.commands[-1]):
-        say(f"{row.name}: the evaluation of an earlier table is reused ({summary_path(root, row)}: commit "
-            f"{code_commit()}, the same flags)")
-        return RowRun(reused=True)
+    record_teacher_commit(os.path.join(root, named_flags(row.commands[0])["--save_dir"]))
     return run_row(row, root, runner)
 
 
@@ -622,13 +621,13 @@ def teacher_commit(save_dir: str) -> str:
 
 def choose_student(scale: Scale, root: str, runner: Callable[[str, str], float]) -> tuple[Row, dict[int, float]]:
     """The first of the teacher's exports whose accuracy on the val problems is in SCALE.student_band, each graded
-    in turn (evaluate_current); with none in the band, the one nearest its middle. -> (the student's row, {step:
+    in turn (run_row: an earlier grading reused); with none in the band, the one nearest its middle. -> (the student's row, {step:
     val accuracy} of the exports graded)."""
     low, high = scale.student_band
     graded = {}
     for step in scale.snapshots:
         row = snapshot_row(scale, step)
-        evaluate_current(row, root, runner)
+        run_row(row, root, runner)
         graded[step] = read_json(summary_path(root, row), row.commands[-1])["accuracy"]
         if low <= graded[step] <= high:
             break
@@ -673,7 +672,7 @@ def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callabl
     teacher's answers)."""
     runs, extra = {}, {}
     if student is not None:
-        runs[student.name] = evaluate_current(student, root, runner)
+        runs[student.name] = run_row(student, root, runner)
     need = {kind: [r for r in rows if r.method and r.method.needs == kind] for kind in ("vllm", "rule")}
     before = [teacher_generate(task)] if any(r.method.name == "sft_data" for r in need["vllm"]) else []
     for kind in ("vllm", "rule"):
@@ -695,14 +694,19 @@ def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callabl
 # ------------------------------------------------------------------------------------------ reading the results
 
 def summary_path(root: str, row: Row) -> str:
-    """Where the row's own evaluation (its last command) writes its summary: beside the model's folder."""
-    return gradings_path(root, row)[:-len(".jsonl")] + ".summary.json"
+    """Where the row's own evaluation (its last command) writes its summary."""
+    return eval_output(root, row.commands[-1], ".summary.json")
 
 
 def gradings_path(root: str, row: Row) -> str:
-    named = named_flags(row.commands[-1])
+    return eval_output(root, row.commands[-1], ".jsonl")
+
+
+def eval_output(root: str, command: str, suffix: str) -> str:
+    """What an eval_math command writes beside the model's folder: MODEL_eval_<data stem> + suffix."""
+    named = named_flags(command)
     stem = os.path.basename(named.get("--data_path", "eval.parquet")).split(".")[0]
-    return os.path.join(root, f"{named['--model_path']}_eval_{stem}.jsonl")
+    return os.path.join(root, f"{named['--model_path']}_eval_{stem}{suffix}")
 
 
 def read_json(path: str, written_by: str) -> dict:
@@ -914,6 +918,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="move an earlier table's runs in the task's folder (checkpoints/demo/, "
                              "checkpoints/demo_running_sum/) into its previous-TIME/ first")
     parser.add_argument("--retrain", action="store_true", help="--fresh, and the teacher and student too")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the table an earlier run of this command left (stopped or killed): every "
+                             "run resumes (--from_resume 1: a finished one stops at once), every evaluation made by "
+                             "this commit with the same flags is reused")
     parser.add_argument("--sweep", default=None, help="comma-separated learning rates: each method at each, seed 1, "
                                                       "graded on the val problems, instead of the table")
     parser.add_argument("--ablation", action="store_true",
@@ -922,6 +930,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
                         help="comma-separated methods of the table or the sweep (default: all)")
     args = parser.parse_args(argv)
+    if args.resume and (args.fresh or args.retrain):
+        parser.error("--resume goes on with the runs that --fresh and --retrain move aside: pass one of them")
     names = {m.name: m for m in METHODS}
     unknown = [name for name in args.methods.split(",") if name not in names]
     if unknown:
@@ -960,9 +970,11 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
         (table_files(save_dir) if not (args.sweep or args.ablation) else [])  # the teacher's files hold the student's
     if args.retrain and os.path.exists(os.path.join(save_dir, TEACHER_COMMIT)):
         existing.append(os.path.join(save_dir, TEACHER_COMMIT))
+    if args.resume:  # an earlier part's runs go on
+        existing = []
     if existing and not (args.fresh or args.retrain):
-        raise UserError(f"{relative}/ holds {describe(existing, save_dir)}: pass --fresh to move them into "
-                        f"{relative}/previous-TIME/ first, or move them yourself")
+        raise UserError(f"{relative}/ holds {describe(existing, save_dir)}: pass --resume to go on with them, "
+                        f"--fresh to move them into {relative}/previous-TIME/ first, or move them yourself")
     if existing:
         folder = move_aside(save_dir, existing)
         print(f"moved {describe(existing, save_dir)} into {os.path.relpath(folder, root)}/", flush=True)

@@ -32,7 +32,7 @@ def flags(command):
 
 def correct_of(name):
     """How many of the 10 fake problems a row solves: the student 3, the teacher 9, the methods 4-8."""
-    if name.startswith("teacher_step"):
+    if name.startswith(("teacher_step", "student_sft_step")):
         return 3
     if name == "teacher":
         return 9
@@ -156,7 +156,7 @@ def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_
     assert [r.name for r in trained] == [f"{m.name}_s{s}" for m in demo.METHODS for s in scale.seeds]
     assert len(scale.seeds) == 2
     for row in trained:
-        train, evaluate = row.commands
+        train, evaluate = row.commands  # the addition's table: no curve
         named = flags(train)
         assert shlex.split(train)[1] == row.method.script and os.path.isfile(os.path.join(ROOT, row.method.script))
         assert named["--model_path"] == f"checkpoints/demo/{STUDENT}"
@@ -172,6 +172,65 @@ def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_
     assert flags(by_name["kd_s2"].commands[0])["--teacher_path"] == "checkpoints/demo/teacher"
     assert flags(by_name["sft_data_s1"].commands[0])["--data_path"] == demo.teacher_data(demo.ADDITION)
     assert flags(demo.teacher_generate(demo.ADDITION))["--out"] == demo.teacher_data(demo.ADDITION)
+
+
+def test_the_long_task_names_its_data_budget_and_folder_and_grades_every_method_on_a_curve():
+    """--task running_sum: every command in checkpoints/demo_running_sum/, the task's files named, 128 new tokens
+    for the evaluations and the rollouts; the student a smaller model's own SFT export; each method's run exported
+    at the curve's steps, each graded before the run's own grading."""
+    scale = demo.SCALES["running_sum"]["cpu"]
+    task = scale.task
+    assert scale.student_config and demo.student_name(scale, 300) == "student_sft_step300"
+    teacher, student_sft = demo.teacher_row(scale).commands[0], demo.student_sft_row(scale).commands[0]
+    assert flags(teacher)["--data_path"] == flags(student_sft)["--data_path"] == f"{task.data_dir}/sft_train.parquet"
+    assert "--export_steps" not in flags(teacher)  # the candidates are the student's own exports
+    assert flags(student_sft)["--model_config"] == scale.student_config != scale.model_config
+    assert flags(student_sft)["--export_steps"] == ",".join(map(str, scale.snapshots))
+    rows = demo.table_rows(scale, "student_sft_step300")
+    for row in (r for r in rows if r.method):
+        train, *curve, final = row.commands
+        named = flags(train)
+        assert named["--save_dir"] == task.save_dir == "checkpoints/demo_running_sum"
+        assert named["--from_resume"] == "1" and named["--model_path"] == f"{task.save_dir}/student_sft_step300"
+        exports = [int(k) for k in named["--export_steps"].split(",")]
+        assert exports == ([0] if row.method.own_start else []) + list(scale.curve)
+        assert [flags(c)["--model_path"] for c in curve] == [f"{task.save_dir}/{row.name}_step{k}" for k in scale.curve]
+        for command in (*curve, final):
+            assert flags(command)["--data_path"] == f"{task.data_dir}/eval.parquet"
+            assert flags(command)["--max_new_tokens"] == "128"
+        if row.method.data == "opd_prompts":
+            assert named["--data_path"] == f"{task.data_dir}/opd_prompts.parquet" and named["--max_new_tokens"] == "128"
+    by_name = {r.name: r for r in rows}
+    assert flags(by_name["kd_s1"].commands[0])["--data_path"] == f"{task.data_dir}/sft_train.parquet"
+    assert flags(by_name["sft_data_s1"].commands[0])["--data_path"] == demo.teacher_data(task)
+    generate = flags(demo.teacher_generate(task))
+    assert generate["--data_path"] == f"{task.data_dir}/opd_prompts.parquet" and generate["--max_tokens"] == "128"
+    with pytest.raises(FlagError, match="--scale cuda: the running_sum task has cpu, tiny"):
+        demo.parse_args(["--task", "running_sum", "--scale", "cuda"])
+
+
+def test_the_long_task_runs_in_its_own_folder_and_leaves_the_addition_s_alone(root):
+    runner, _ = run_demo(root, ["--task", "running_sum", "--methods", "kd,opd"])
+    assert runner.calls[0] == demo.teacher_row(demo.SCALES["running_sum"]["cpu"]).commands[0]
+    assert runner.calls[2] == demo.student_sft_row(demo.SCALES["running_sum"]["cpu"]).commands[0]
+    saved = json.load(open(root / demo.RUNNING_SUM.save_dir / "demo.json"))
+    assert saved["student_choice"] == {"200": 0.3} and "the student's own SFT" in saved["extra_seconds"]
+    assert [r["name"] for r in saved["rows"]][:2] == ["teacher", "student_sft_step200"]
+    assert os.path.isfile(root / demo.RUNNING_SUM.data_dir / "eval.parquet")
+    assert not os.path.exists(root / demo.ADDITION.save_dir)
+
+
+def test_resume_goes_on_with_an_earlier_part_and_grades_only_what_is_missing(root):
+    """A demo stopped between parts: --resume runs every training command again (--from_resume 1: a finished run
+    stops at once) and makes only the evaluations it lacks; --resume with --fresh is refused."""
+    run_demo(root, ["--methods", "kd,opd"])
+    os.remove(root / demo.ADDITION.save_dir / "opd_s2_eval_eval.summary.json")  # stopped before its last grading
+    runner, _ = run_demo(root, ["--methods", "kd,opd", "--resume"])
+    assert [c for c in runner.calls if "eval_math.py" in c] == [demo.evaluation("opd_s2", demo.SCALES["addition"]["cpu"])]
+    trained = [c for c in runner.calls if "eval_math.py" not in c]
+    assert len(trained) == 5 and all(flags(c)["--from_resume"] == "1" for c in trained)
+    with pytest.raises(FlagError, match="--resume goes on with the runs"):
+        demo.parse_args(["--resume", "--fresh"])
 
 
 def test_a_lora_student_is_tested_against_its_own_start():
@@ -251,7 +310,7 @@ def test_the_table_runs_every_row_and_reads_back_what_the_commands_wrote(root, c
 
 def test_a_second_table_reuses_the_teacher_and_the_student_and_refuses_the_old_runs(root, capsys):
     run_demo(root)
-    with pytest.raises(UserError, match="pass --fresh"):
+    with pytest.raises(UserError, match="--fresh to move them"):
         run_demo(root)
     runner, _ = run_demo(root, ["--fresh"])
     teacher = next(c for c in runner.calls if "--save_weight teacher" in c)
