@@ -749,6 +749,7 @@ class Result:
     steps: list[dict] = field(default_factory=list)
     reverse_kl: float | None = None
     versus_start: tuple[int, int, float] | None = None  # (only this row right, only its start right, p)
+    curve: list[dict] = field(default_factory=list)  # curve_points
 
 
 def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
@@ -769,8 +770,28 @@ def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
             if row.method else []
         start = None if row.student or row.name == "teacher" else by_name[row.baseline] if row.baseline else student
         reverse_kl, paired = statistics(root, row, start)
-        results.append(Result(row, run, summary, steps, reverse_kl, paired))
+        results.append(Result(row, run, summary, steps, reverse_kl, paired, curve_points(root, row, steps)))
     return results
+
+
+CUMULATIVE = ("tokens", "generated_tokens", "teacher_tokens", "teacher_requests")  # summed up to a curve's step
+
+
+def curve_points(root: str, row: Row, steps: Sequence[dict]) -> list[dict]:
+    """A method's row graded at each of its steps (its curve's exports, then its end): the step, the accuracy with
+    its interval, the gradings' file (relative to the root: the paired tests at equal steps and FLOPs read it) and
+    the counts the run logged up to that step, summed (benchmarks/demo_curves.py turns them into FLOPs)."""
+    if row.method is None:
+        return []
+    points = []
+    for command in row.commands[1:]:
+        name = os.path.basename(named_flags(command)["--model_path"])
+        step = int(name.rsplit("_step", 1)[1]) if name != row.name else steps[-1]["step"]
+        summary = read_json(eval_output(root, command, ".summary.json"), command)
+        counts = {key: total([m for m in steps if m["step"] <= step], key) for key in CUMULATIVE}
+        points.append({"step": step, "accuracy": summary["accuracy"], "accuracy_ci95": summary["accuracy_ci95"],
+                       "gradings": os.path.relpath(eval_output(root, command, ".jsonl"), root), **counts})
+    return points
 
 
 def metrics_path(root: str, row: Row) -> str:
@@ -854,7 +875,8 @@ def record(result: Result) -> dict:
             "teacher_requests": total(result.steps, "teacher_requests"),
             "teacher_tokens": total(result.steps, "teacher_tokens"),
             "groups_with_signal": (1 - sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
-                                   if result.steps and "zero_variance_share" in result.steps[0] else None)}
+                                   if result.steps and "zero_variance_share" in result.steps[0] else None),
+            "gradings": os.path.relpath(gradings_path(".", row), "."), "curve": result.curve}
 
 
 def table(results: Sequence[Result]) -> str:

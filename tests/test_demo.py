@@ -70,13 +70,14 @@ class FakeRunner:
                 os.makedirs(os.path.join(save_dir, folder), exist_ok=True)
                 open(os.path.join(save_dir, folder, "config.json"), "w").close()
             with open(os.path.join(save_dir, f"{name}_metrics.jsonl"), "w", encoding="utf-8") as f:
-                for record in fake_metrics(argv[1]):
+                for record in fake_metrics(argv[1], int(named.get("--max_steps", 2))):
                     f.write(json.dumps(record) + "\n")
         return 10.0
 
 
-def fake_metrics(script):
-    first, last = {"step": 1, "loss": 2.0, "tokens": 400}, {"step": 2, "loss": 1.0, "tokens": 420}
+def fake_metrics(script, steps):
+    """Two logged steps, the first and the run's last."""
+    first, last = {"step": 1, "loss": 2.0, "tokens": 400}, {"step": steps, "loss": 1.0, "tokens": 420}
     if script == "trainer/train_rl.py":
         first.update(reward=0.25, zero_variance_share=0.75)
         last.update(reward=0.5, zero_variance_share=0.25)
@@ -216,6 +217,10 @@ def test_the_long_task_runs_in_its_own_folder_and_leaves_the_addition_s_alone(ro
     saved = json.load(open(root / demo.RUNNING_SUM.save_dir / "demo.json"))
     assert saved["student_choice"] == {"200": 0.3} and "the student's own SFT" in saved["extra_seconds"]
     assert [r["name"] for r in saved["rows"]][:2] == ["teacher", "student_sft_step200"]
+    kd = next(r for r in saved["rows"] if r["name"] == "kd_s1")
+    assert [(p["step"], p["tokens"]) for p in kd["curve"]] == [(8, 400), (16, 400), (32, 400), (64, 820)]
+    assert kd["curve"][0]["gradings"] == f"{demo.RUNNING_SUM.save_dir}/kd_s1_step8_eval_eval.jsonl"
+    assert kd["curve"][-1]["accuracy"] == kd["accuracy"]
     assert os.path.isfile(root / demo.RUNNING_SUM.data_dir / "eval.parquet")
     assert not os.path.exists(root / demo.ADDITION.save_dir)
 
