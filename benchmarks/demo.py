@@ -858,6 +858,11 @@ def notes(result: Result) -> str:
         right, wrong = mean_of(steps, "pi_hat_right"), mean_of(steps, "pi_hat_wrong")
         if right is not None and wrong is not None:
             parts.append(f"pi_hat on right / wrong answers {right:.2f} / {wrong:.2f}")
+        for kind in ("right", "wrong"):  # by the third of the answer the chunk starts in
+            thirds = [mean_of(steps, f"pi_hat_{kind}_{where}") for where in ("early", "middle", "late")]
+            if None not in thirds:
+                parts.append(f"on {kind} answers' early / middle / late chunks "
+                             + " / ".join(f"{t:.2f}" for t in thirds))
     return "; ".join(parts)
 
 

@@ -290,12 +290,20 @@ def test_the_agreement_is_reported_apart_for_right_and_wrong_answers():
     for i, row in enumerate(ids):
         labels[i, len(row):] = IGNORE_INDEX
     rows = [{"ground_truth": "5"}, {"ground_truth": "5"}, {}]
-    chunks = [Chunk(0, 0, 2, 0.5), Chunk(0, 2, 2, 0.5), Chunk(1, 0, 2, 0.5), Chunk(2, 0, 2, 0.5)]
+    chunks = [Chunk(0, 0, 2, 0.5), Chunk(0, 8, 2, 0.5), Chunk(1, 0, 2, 0.5), Chunk(2, 0, 2, 0.5)]
     metrics = WindowMetrics("cpu")
     logit_free.add_separation(metrics, tokenizer, input_ids, labels, rows, chunks, [0.9, 0.7, 0.2, 0.4])
     values = metrics.reduce(DistInfo())[0]
     assert values["answer_right"] == pytest.approx(0.5)
     assert values["pi_hat_right"] == pytest.approx(0.8) and values["pi_hat_wrong"] == pytest.approx(0.2)
+    # by the third of the answer a chunk starts in: row 0's chunks at token 0 and 8 of its completion's
+    thirds = [min(3 * anchor // int((labels[0] != IGNORE_INDEX).sum()), 2) for anchor in (0, 8)]
+    assert thirds[0] == 0 and thirds[1] > 0
+    assert values["pi_hat_right_early"] == pytest.approx(0.9)
+    assert values[f"pi_hat_right_{logit_free.THIRDS[thirds[1]]}"] == pytest.approx(0.7)
+    assert values["pi_hat_wrong_early"] == pytest.approx(0.2)
+    assert [k for k in values if k.startswith("pi_hat_")] == ["pi_hat_right", "pi_hat_right_early",
+        f"pi_hat_right_{logit_free.THIRDS[thirds[1]]}", "pi_hat_wrong", "pi_hat_wrong_early"]
     metrics = WindowMetrics("cpu")
     logit_free.add_separation(metrics, tokenizer, input_ids[1:2], labels[1:2], rows[1:2], [Chunk(0, 0, 2, 0.5)],
                               [0.3])

@@ -58,6 +58,7 @@ from trainer.teachers.black_box import audit_requests, connect_teachers
 from trainer.teachers.frozen import frozen_hidden, load_reference
 from trainer.teachers.teacher_set import open_evaluation_teacher
 
+THIRDS = ("early", "middle", "late")  # pi_hat_right/_wrong by the third of the answer a chunk starts in
 ANCHOR = Divergence("jsd", beta=0.0)  # KL(p_ref || p_S): the generalized JSD's forward-KL end, p_ref as "teacher"
 
 
@@ -80,8 +81,9 @@ def add_audit_stats(metrics, entropy: torch.Tensor, audited: torch.Tensor, pi_ha
 def add_separation(metrics, tokenizer, input_ids: torch.Tensor, labels: torch.Tensor, rows: list[dict],
                    chunks, pi_hats: list[float]) -> None:
     """Whether the teacher's agreement separates right answers from wrong ones: pi_hat over the chunks of completions
-    graded right (math-verify against the row's ground truth) and over those graded wrong, and the share graded
-    right; rows without a ground truth are left out (a distillation set need not have one)."""
+    graded right (math-verify against the row's ground truth) and over those graded wrong, each also by the third of
+    the answer its chunk starts in (pi_hat_wrong_early, ...), and the share graded right; rows without a ground truth
+    are left out (a distillation set need not have one)."""
     graded = [i for i, row in enumerate(rows) if row.get("ground_truth") is not None]
     if not graded:
         return
@@ -90,9 +92,13 @@ def add_separation(metrics, tokenizer, input_ids: torch.Tensor, labels: torch.Te
     right = {i for i, result in zip(graded, grade_batch(texts, [str(rows[i]["ground_truth"]) for i in graded]))
              if result.correct}
     metrics.ratio("answer_right", len(right), len(graded))
+    lengths = completion.sum(dim=1).tolist()
     for name, keep in (("pi_hat_right", lambda row: row in right), ("pi_hat_wrong", lambda row: row not in right)):
-        kept = [p for chunk, p in zip(chunks, pi_hats) if chunk.row in graded and keep(chunk.row)]
-        metrics.ratio(name, sum(kept), len(kept), when_empty=False)  # no right answer in the window: no value
+        kept = [(chunk, p) for chunk, p in zip(chunks, pi_hats) if chunk.row in graded and keep(chunk.row)]
+        metrics.ratio(name, sum(p for _, p in kept), len(kept), when_empty=False)  # no right answer: no value
+        for third, where in enumerate(THIRDS):  # where in the answer the chunk starts: a long answer's early errors
+            placed = [p for chunk, p in kept if min(3 * chunk.anchor // max(lengths[chunk.row], 1), 2) == third]
+            metrics.ratio(f"{name}_{where}", sum(placed), len(placed), when_empty=False)
 
 
 def main(argv: list[str] | None = None) -> None:
