@@ -3,6 +3,7 @@ teacher over the held-out problems of a demo task:
 
     python benchmarks/conditions.py --student checkpoints/demo/student --teacher checkpoints/demo/teacher
     python benchmarks/conditions.py --student S --teacher T --task running_sum --rows 200 --json conditions.json
+    python benchmarks/conditions.py --table checkpoints/demo_running_sum/demo.json   # before and after each method
 
 - exposure bias, directly: the student's next-token accuracy against the teacher's greedy token (its argmax at the
   same position) on the student's own sampled answers and on the teacher's greedy answers. A student trained only on
@@ -13,6 +14,9 @@ teacher over the held-out problems of a demo task:
 - the teacher's top-k on the student's own samples (Rethinking OPD's compatibility measure): the student's
   probability mass inside the teacher's k most likely tokens, k = 1, 5, 16, averaged over the answers' tokens.
   OPD is reported to work where this is 97-99% for a small k.
+
+With --table, a demo table's models are measured in turn against its teacher: the starting student, then each
+method's first seed (its final model), one Markdown table printed and every measurement in --json.
 
 Sampling: temperature 1, one sample per problem, seeded per row (the same samples for the same weights); every
 answer up to --max_new_tokens. Forwards in fp32 on the CPU; the vocabulary is the tokenizer's (the head's padding
@@ -130,27 +134,73 @@ def measure(student, teacher, tokenizer, rows: list[dict], max_new_tokens: int, 
 
 def parse_args(argv: Sequence[str] | None = None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--student", required=True, help="the student's HF folder")
-    parser.add_argument("--teacher", required=True, help="the teacher's HF folder (the same tokenizer)")
+    parser.add_argument("--student", default=None, help="the student's HF folder")
+    parser.add_argument("--teacher", default=None, help="the teacher's HF folder (the same tokenizer)")
+    parser.add_argument("--table", default=None, help="a benchmarks/demo.py table's JSON: its student and each "
+                                                      "method's first seed against its teacher, its task")
     parser.add_argument("--task", default="addition", choices=list(TASKS), help="whose held-out problems")
     parser.add_argument("--rows", type=int, default=200, help="the first ROWS held-out problems")
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="answer budget (default: 64 for addition, 128 for running_sum)")
     parser.add_argument("--seed", type=int, default=0)
     add_json_arg(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.table is None) == (args.student is None or args.teacher is None):
+        parser.error("pass --student and --teacher, or --table (a demo table's JSON)")
+    return args
+
+
+def table_models(path: str) -> tuple[str, str, list[tuple[str, str]]]:
+    """A demo table's (task, teacher folder, [(label, model folder)]): its starting student, then each method's
+    first seed."""
+    import json
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    folder = os.path.dirname(os.path.abspath(path))
+    student = next(r for r in table["rows"] if r["method"] is None and r["name"] != "teacher")
+    seeds = [r["seed"] for r in table["rows"] if r["method"]]
+    methods = [r for r in table["rows"] if r["method"] and r["seed"] == min(seeds) and not r["skipped"]]
+    task = table["scale"]["task"]["name"]
+    models = [(f"the student ({student['name']})", student["name"])] + [(r["label"], r["name"]) for r in methods]
+    return task, os.path.join(folder, "teacher"), [(label, os.path.join(folder, name)) for label, name in models]
+
+
+def measure_model(student_dir: str, teacher_dir: str, task: str, rows_wanted: int, budget: int | None,
+                  seed: int) -> dict:
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(student_dir)
+    student, teacher = load_pretrained(student_dir), load_pretrained(teacher_dir)
+    dataset = RowDataset(ensure_demo_data(task=task)["eval"])
+    rows = [dataset[i] for i in range(min(rows_wanted, len(dataset)))]
+    budget = budget or (128 if task == "running_sum" else 64)
+    return {"student": student_dir, "teacher": teacher_dir, "task": task,
+            **measure(student, teacher, tokenizer, rows, budget, seed=seed)}
+
+
+def markdown(measured: Sequence[tuple[str, dict]]) -> str:
+    steps = max(len(r["greedy_steps"]["right_through"]) for _, r in measured)
+    lines = ["| model | agreement with the teacher's argmax: on its answers / on the model's own samples | mass in "
+             "the teacher's top-" + " / ".join(map(str, TOP_KS)) + " (own samples) | greedy right through step "
+             + " / ".join(map(str, range(1, steps))) + " / the box | greedy accuracy |", "|---|---|---|---|---|"]
+    for label, r in measured:
+        mass = " / ".join(f"{v:.1%}" for v in r["top_k_mass_on_own_samples"].values())
+        through = " / ".join(f"{v:.0%}" for v in r["greedy_steps"]["right_through"])
+        lines.append(f"| {label} | {r['agreement_on_teacher_answers']:.1%} / {r['agreement_on_own_samples']:.1%} | "
+                     f"{mass} | {through} | {r['greedy_accuracy']:.1%} |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.student)
-    student, teacher = load_pretrained(args.student), load_pretrained(args.teacher)
-    dataset = RowDataset(ensure_demo_data(task=args.task)["eval"])
-    rows = [dataset[i] for i in range(min(args.rows, len(dataset)))]
-    budget = args.max_new_tokens or (128 if args.task == "running_sum" else 64)
-    results = {"student": args.student, "teacher": args.teacher, "task": args.task,
-               **measure(student, teacher, tokenizer, rows, budget, seed=args.seed)}
+    if args.table:
+        task, teacher, models = table_models(args.table)
+        measured = [(label, measure_model(folder, teacher, task, args.rows, args.max_new_tokens, args.seed))
+                    for label, folder in models]
+        print(markdown(measured), flush=True)
+        results = {"task": task, "teacher": teacher, "models": [{"label": l, **r} for l, r in measured]}
+        write_json(args.json, results)
+        return results
+    results = measure_model(args.student, args.teacher, args.task, args.rows, args.max_new_tokens, args.seed)
     mass = ", ".join(f"top-{k} {v:.1%}" for k, v in results["top_k_mass_on_own_samples"].items())
     print(f"agreement with the teacher's argmax: {results['agreement_on_teacher_answers']:.1%} on its answers, "
           f"{results['agreement_on_own_samples']:.1%} on the student's own samples | student mass in the teacher's "

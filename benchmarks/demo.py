@@ -115,6 +115,9 @@ class Scale:
     student_config: str | None = None
     student_steps: int = 0
     curve: tuple[int, ...] = ()  # every method's run also exported (--export_steps) and graded at these steps
+    # the student's and every method's final model also graded on this many samples per problem at temperature 1
+    # (avg@N and pass@N, what the OPD papers report; 0: greedy only)
+    sampled: int = 0
 
 
 SCALES = {"addition": {
@@ -137,10 +140,10 @@ SCALES = {"addition": {
     "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=1200, snapshots=tuple(range(200, 625, 50)),
                  budget_steps=64, seeds=(1, 2), task=RUNNING_SUM, dtype="float32", teacher_eval_interval=200,
                  student_band=(0.10, 0.50), student_config="model/configs/qwen3-tiny.json", student_steps=600,
-                 curve=(8, 16, 32)),
+                 curve=(8, 16, 32), sampled=8),
     "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=4,
                   seeds=(1,), task=RUNNING_SUM, dtype="float32", eval_rows=8, student_band=(0.0, 1.0),
-                  student_config="model/configs/qwen3-tiny-student.json", student_steps=2, curve=(2,)),
+                  student_config="model/configs/qwen3-tiny-student.json", student_steps=2, curve=(2,), sampled=2),
 }}
 
 
@@ -207,6 +210,15 @@ def evaluation(name: str, scale: Scale, data: str = "eval") -> str:
             f"--device {scale.device}{where}{rows}")
 
 
+def sampled_evaluation(name: str, scale: Scale) -> list[str]:
+    """The final model graded on SCALE.sampled samples per problem at temperature 1 (none when 0), into its own
+    files (NAME_eval_sampledN.jsonl): what summary_path reads stays the greedy grading."""
+    if not scale.sampled:
+        return []
+    out = f"{scale.task.save_dir}/{name}_eval_sampled{scale.sampled}.jsonl"
+    return [f"{evaluation(name, scale)} --n_samples {scale.sampled} --temperature 1.0 --out {out}"]
+
+
 def sft_command(scale: Scale, model_config: str, steps: int, name: str, exports: Sequence[int],
                 eval_interval: int = 0) -> str:
     """SFT from random weights on the task's worked solutions, resumed where an earlier demo left it."""
@@ -247,9 +259,9 @@ def snapshot_row(scale: Scale, step: int) -> Row:
 
 def student_row(scale: Scale, step: int) -> Row:
     low, high = scale.student_band
-    return Row(student_name(scale, step), f"starting student ({source_label(scale)} at step {step}, the first export "
-                                          f"at {low:.0%}-{high:.0%} on val)",
-               (evaluation(student_name(scale, step), scale),), student=True)
+    name = student_name(scale, step)
+    return Row(name, f"starting student ({source_label(scale)} at step {step}, the first export at {low:.0%}-"
+                     f"{high:.0%} on val)", (*sampled_evaluation(name, scale), evaluation(name, scale)), student=True)
 
 
 def source_label(scale: Scale) -> str:
@@ -288,7 +300,8 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
              f"--save_weight {name}{snapshots} --from_resume 1")
     graded = [evaluation(f"{name}_step{step}", scale, data) for step in curve]
-    return Row(name, method.label, (train, *graded, evaluation(name, scale, data)), method, seed, rate)
+    sampled = sampled_evaluation(name, scale) if data == "eval" else []
+    return Row(name, method.label, (train, *graded, *sampled, evaluation(name, scale, data)), method, seed, rate)
 
 
 def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) -> list[Row]:
@@ -703,8 +716,11 @@ def gradings_path(root: str, row: Row) -> str:
 
 
 def eval_output(root: str, command: str, suffix: str) -> str:
-    """What an eval_math command writes beside the model's folder: MODEL_eval_<data stem> + suffix."""
+    """What an eval_math command writes: its --out (.jsonl) or beside the model's folder, MODEL_eval_<data stem>,
+    + suffix."""
     named = named_flags(command)
+    if "--out" in named:
+        return os.path.join(root, named["--out"][:-len(".jsonl")] + suffix)
     stem = os.path.basename(named.get("--data_path", "eval.parquet")).split(".")[0]
     return os.path.join(root, f"{named['--model_path']}_eval_{stem}{suffix}")
 
@@ -750,6 +766,7 @@ class Result:
     reverse_kl: float | None = None
     versus_start: tuple[int, int, float] | None = None  # (only this row right, only its start right, p)
     curve: list[dict] = field(default_factory=list)  # curve_points
+    sampled: dict | None = None  # the final model's grading on SCALE.sampled samples per problem (sampled_summary)
 
 
 def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
@@ -770,8 +787,21 @@ def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
             if row.method else []
         start = None if row.student or row.name == "teacher" else by_name[row.baseline] if row.baseline else student
         reverse_kl, paired = statistics(root, row, start)
-        results.append(Result(row, run, summary, steps, reverse_kl, paired, curve_points(root, row, steps)))
+        results.append(Result(row, run, summary, steps, reverse_kl, paired, curve_points(root, row, steps),
+                              sampled_summary(root, row)))
     return results
+
+
+def sampled_summary(root: str, row: Row) -> dict | None:
+    """The row's sampled grading (eval_math --n_samples N at temperature 1): {n, mean (avg@N), mean_ci95, pass
+    (pass@N), pass_ci95}, the intervals over problems; None without one."""
+    command = next((c for c in row.commands if "--n_samples" in named_flags(c)), None)
+    if command is None:
+        return None
+    summary = read_json(eval_output(root, command, ".summary.json"), command)
+    n = summary["n_samples"]
+    return {"n": n, "mean": summary[f"mean@{n}"], "mean_ci95": summary[f"mean@{n}_ci95"],
+            "pass": summary["pass@k"][str(n)], "pass_ci95": summary["pass@k_ci95"][str(n)]}
 
 
 CUMULATIVE = ("tokens", "generated_tokens", "teacher_tokens", "teacher_requests")  # summed up to a curve's step
@@ -785,6 +815,8 @@ def curve_points(root: str, row: Row, steps: Sequence[dict]) -> list[dict]:
         return []
     points = []
     for command in row.commands[1:]:
+        if "--n_samples" in named_flags(command):
+            continue  # the sampled grading: Result.sampled
         name = os.path.basename(named_flags(command)["--model_path"])
         step = int(name.rsplit("_step", 1)[1]) if name != row.name else steps[-1]["step"]
         summary = read_json(eval_output(root, command, ".summary.json"), command)
@@ -881,17 +913,22 @@ def record(result: Result) -> dict:
             "teacher_tokens": total(result.steps, "teacher_tokens"),
             "groups_with_signal": (1 - sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
                                    if result.steps and "zero_variance_share" in result.steps[0] else None),
-            "gradings": os.path.relpath(gradings_path(".", row), "."), "curve": result.curve}
+            "gradings": os.path.relpath(gradings_path(".", row), "."), "curve": result.curve,
+            "sampled": result.sampled}
 
 
 def table(results: Sequence[Result]) -> str:
+    """One line per row; a column of the sampled gradings where the scale makes them (SCALE.sampled)."""
+    sampled = next((r.sampled["n"] for r in results if r.sampled), None)
     header = ("model", "seed", "lr", "held-out accuracy [95%]", "vs its start (McNemar)",
               "reverse KL to the teacher", "EOS", "teacher requests", "student tokens", "wall time", "notes")
+    if sampled:
+        header = header[:4] + (f"avg@{sampled} / pass@{sampled} at T = 1 [95%]",) + header[4:]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
         row, summary = result.row, result.summary
         if summary is None:
-            cells = (row.label, str(row.seed or "-"), "-", "-", "-", "-", "-", "-", "-", "-", result.run.skipped)
+            cells = (row.label, str(row.seed or "-")) + ("-",) * (len(header) - 3) + (result.run.skipped,)
         else:
             cells = (row.label, str(row.seed or "-"), f"{row.learning_rate:g}" if row.learning_rate else "-",
                      format_accuracy(summary), versus(result.versus_start),
@@ -899,8 +936,18 @@ def table(results: Sequence[Result]) -> str:
                      f"{summary['eos_share']:.0%}", teacher_cell(result.steps),
                      f"{total(result.steps, 'tokens'):,.0f}" if result.steps else "-",
                      " + ".join(format_seconds(s) for s in result.run.seconds) or "-", notes(result))
+            if sampled:
+                cells = cells[:4] + (format_sampled(result.sampled),) + cells[4:]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def format_sampled(sampled: dict | None) -> str:
+    if sampled is None:
+        return "-"
+    (mean_low, mean_high), (pass_low, pass_high) = sampled["mean_ci95"], sampled["pass_ci95"]
+    return (f"{100 * sampled['mean']:.1f}% [{100 * mean_low:.1f}, {100 * mean_high:.1f}] / "
+            f"{100 * sampled['pass']:.1f}% [{100 * pass_low:.1f}, {100 * pass_high:.1f}]")
 
 
 def report(command: str, where: str, scale: Scale, results: Sequence[Result], extra: dict[str, float],
@@ -1054,7 +1101,8 @@ def print_plan(args: argparse.Namespace, scale: Scale, teacher: Row) -> None:
           f"{placeholder} below is that export", flush=True)
     rows = planned_rows(args, scale, placeholder)
     if not args.sweep:  # the student's own grading on the held-out problems
-        rows = [Row(placeholder, "starting student", (evaluation(placeholder, scale),))] + rows
+        rows = [Row(placeholder, "starting student",
+                    (*sampled_evaluation(placeholder, scale), evaluation(placeholder, scale)))] + rows
     for row in rows:
         print("\n".join(row.commands), flush=True)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import conditions
+from common.errors import FlagError
 from dataset.collators import IGNORE_INDEX, build_sequences
 from dataset.make_demo_data import question
 from model import Qwen3Config, create_model, save_pretrained
@@ -87,3 +88,28 @@ def test_the_script_measures_a_model_against_itself(tiny_config_path, tmp_path, 
     assert len(results["greedy_steps"]["right_through"]) >= 7  # 5-7 numbers: 4-6 steps and the box
     assert json.loads(out.read_text())["rows"] == 4
     assert "agreement with the teacher's argmax: 100.0%" in capsys.readouterr().out
+
+
+def test_a_demo_table_s_models_are_measured_in_turn(tiny_config_path, tmp_path, one_thread, capsys):
+    """--table: the starting student, then each method's first seed (a skipped row left out), against the table's
+    teacher, on the table's task; one Markdown line each."""
+    config = Qwen3Config.from_json(tiny_config_path)
+    for name, seed in (("teacher", 0), ("student_sft_step200", 1), ("kd_s1", 2)):
+        save_pretrained(create_model(config, seed=seed), str(tmp_path / name))
+    rows = [{"name": "teacher", "method": None, "seed": None, "label": "teacher", "skipped": None},
+            {"name": "student_sft_step200", "method": None, "seed": None, "label": "student", "skipped": None},
+            {"name": "kd_s1", "method": "kd", "seed": 1, "label": "KD", "skipped": None},
+            {"name": "kd_s2", "method": "kd", "seed": 2, "label": "KD", "skipped": None},
+            {"name": "rl_s1", "method": "rl", "seed": 1, "label": "RL", "skipped": "skipped: no"}]
+    table = tmp_path / "demo.json"
+    table.write_text(json.dumps({"scale": {"task": {"name": "running_sum"}}, "rows": rows}))
+    results = conditions.main(["--table", str(table), "--rows", "2", "--max_new_tokens", "6"])
+    assert results["task"] == "running_sum" and results["teacher"] == str(tmp_path / "teacher")
+    assert [m["label"] for m in results["models"]] == ["the student (student_sft_step200)", "KD"]
+    alone = conditions.main(["--student", str(tmp_path / "kd_s1"), "--teacher", str(tmp_path / "teacher"),
+                             "--task", "running_sum", "--rows", "2", "--max_new_tokens", "6"])
+    assert results["models"][1]["agreement_on_own_samples"] == alone["agreement_on_own_samples"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(lines) == 3 and lines[2].startswith("| KD | ")
+    with pytest.raises(FlagError, match="pass --student and --teacher, or --table"):
+        conditions.parse_args(["--student", "x"])

@@ -52,8 +52,9 @@ class FakeRunner:
         if argv[1] == "eval/eval_math.py":
             name = os.path.basename(named["--model_path"])
             stem = os.path.basename(named.get("--data_path", "eval.parquet")).split(".")[0]
-            write_gradings(os.path.join(cwd, f"{named['--model_path']}_eval_{stem}"), self.correct(name),
-                           {flag[2:]: value for flag, value in named.items()})
+            out = named["--out"][:-len(".jsonl")] if "--out" in named else f"{named['--model_path']}_eval_{stem}"
+            write_gradings(os.path.join(cwd, out), self.correct(name),
+                           {flag[2:]: value for flag, value in named.items()}, samples=int(named.get("--n_samples", 1)))
         elif argv[1] == "dataset/teacher_generate.py":
             assert self.teachers["vllm"].serving_now
             open(os.path.join(cwd, named["--out"]), "wb").close()
@@ -87,16 +88,21 @@ def fake_metrics(script, steps):
     return [{"step": 0, "eval/accuracy": 0.1}, first, last]
 
 
-def write_gradings(stem, correct, args=None, problems=10):
+def write_gradings(stem, correct, args=None, problems=10, samples=1):
+    """`correct` of `problems` right (each of its `samples` samples alike): eval_math's two files."""
     with open(f"{stem}.jsonl", "w", encoding="utf-8") as f:
         for i in range(problems):
             f.write(json.dumps({"index": i, "prompt": "p", "completion": "c", "correct": i < correct,
                                 "eos": True}) + "\n")
     low, high = wilson_interval(correct, problems)
+    summary = {"rows": problems, "samples": problems, "correct": correct, "accuracy": correct / problems,
+               "accuracy_ci95": [low, high], "eos_share": 1.0, "mean_completion_tokens": 22.0, "args": args or {},
+               "commit": demo.code_commit(), "n_samples": samples}
+    if samples > 1:
+        summary.update({f"mean@{samples}": correct / problems, f"mean@{samples}_ci95": [low, high],
+                        "pass@k": {str(samples): correct / problems}, "pass@k_ci95": {str(samples): [low, high]}})
     with open(f"{stem}.summary.json", "w", encoding="utf-8") as f:
-        json.dump({"rows": problems, "samples": problems, "correct": correct, "accuracy": correct / problems,
-                   "accuracy_ci95": [low, high], "eos_share": 1.0, "mean_completion_tokens": 22.0, "args": args or {},
-                   "commit": demo.code_commit()}, f)
+        json.dump(summary, f)
 
 
 class FakeTeacher:
@@ -189,16 +195,19 @@ def test_the_long_task_names_its_data_budget_and_folder_and_grades_every_method_
     assert flags(student_sft)["--export_steps"] == ",".join(map(str, scale.snapshots))
     rows = demo.table_rows(scale, "student_sft_step300")
     for row in (r for r in rows if r.method):
-        train, *curve, final = row.commands
+        train, *curve, sampled, final = row.commands
         named = flags(train)
         assert named["--save_dir"] == task.save_dir == "checkpoints/demo_running_sum"
         assert named["--from_resume"] == "1" and named["--model_path"] == f"{task.save_dir}/student_sft_step300"
         exports = [int(k) for k in named["--export_steps"].split(",")]
         assert exports == ([0] if row.method.own_start else []) + list(scale.curve)
         assert [flags(c)["--model_path"] for c in curve] == [f"{task.save_dir}/{row.name}_step{k}" for k in scale.curve]
-        for command in (*curve, final):
+        for command in (*curve, sampled, final):
             assert flags(command)["--data_path"] == f"{task.data_dir}/eval.parquet"
             assert flags(command)["--max_new_tokens"] == "128"
+        assert flags(sampled)["--model_path"] == flags(final)["--model_path"] == f"{task.save_dir}/{row.name}"
+        assert (flags(sampled)["--n_samples"], flags(sampled)["--temperature"]) == ("8", "1.0")
+        assert flags(sampled)["--out"] == f"{task.save_dir}/{row.name}_eval_sampled8.jsonl"
         if row.method.data == "opd_prompts":
             assert named["--data_path"] == f"{task.data_dir}/opd_prompts.parquet" and named["--max_new_tokens"] == "128"
     by_name = {r.name: r for r in rows}
@@ -218,6 +227,8 @@ def test_the_long_task_runs_in_its_own_folder_and_leaves_the_addition_s_alone(ro
     assert saved["student_choice"] == {"200": 0.3} and "the student's own SFT" in saved["extra_seconds"]
     assert [r["name"] for r in saved["rows"]][:2] == ["teacher", "student_sft_step200"]
     kd = next(r for r in saved["rows"] if r["name"] == "kd_s1")
+    assert kd["sampled"]["n"] == 8 and kd["sampled"]["mean"] == kd["accuracy"]
+    assert saved["rows"][1]["sampled"]["n"] == 8  # the starting student's too
     assert [(p["step"], p["tokens"]) for p in kd["curve"]] == [(8, 400), (16, 400), (32, 400), (64, 820)]
     assert kd["curve"][0]["gradings"] == f"{demo.RUNNING_SUM.save_dir}/kd_s1_step8_eval_eval.jsonl"
     assert kd["curve"][-1]["accuracy"] == kd["accuracy"]
@@ -518,9 +529,31 @@ def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
                      teachers=teachers) == 0
     saved = json.load(open(tmp_path / demo.ADDITION.save_dir / "demo.json"))
     rows = {r["name"]: r for r in saved["rows"]}
-    student = f"teacher_step{demo.SCALES['tiny'].snapshots[0]}"
+    student = f"teacher_step{demo.SCALES['addition']['tiny'].snapshots[0]}"
     assert rows["teacher"]["problems"] == 8 and rows[student]["reverse_kl_to_teacher"] >= 0
     for name in ("kd_s1", "opd_s1", "lf_rule_s1", "rl_s1"):
         assert rows[name]["steps"] == 2 and rows[name]["versus_start"] is not None, name
     assert rows["lf_rule_s1"]["teacher_requests"] > 0
     assert rows["sft_data_s1"]["skipped"].startswith("skipped: ")
+
+
+@pytest.mark.slow
+def test_the_long_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
+    """--task running_sum for real at --scale tiny: the smaller student's own SFT, the curve's exports graded, the
+    sampled gradings, the rule-based teacher answering the long task's questions."""
+    for name in os.listdir(ROOT):
+        if name not in ("checkpoints", ".git"):
+            os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "checkpoints").mkdir()
+    teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": demo.RuleTeacher()}
+    argv = ["--task", "running_sum", "--scale", "tiny", "--methods", "kd,opd,lf_rule,rl"]
+    assert demo.main(argv, root=str(tmp_path), runner=in_this_process(monkeypatch), teachers=teachers) == 0
+    saved = json.load(open(tmp_path / demo.RUNNING_SUM.save_dir / "demo.json"))
+    rows = {r["name"]: r for r in saved["rows"]}
+    scale = demo.SCALES["running_sum"]["tiny"]
+    student = demo.student_name(scale, scale.snapshots[0])
+    assert rows[student]["sampled"]["n"] == scale.sampled and rows["teacher"]["problems"] == 8
+    for name in ("kd_s1", "opd_s1", "lf_rule_s1", "rl_s1"):
+        assert [p["step"] for p in rows[name]["curve"]] == [*scale.curve, scale.budget_steps], name
+        assert rows[name]["sampled"]["n"] == scale.sampled and rows[name]["versus_start"] is not None, name
+    assert rows["lf_rule_s1"]["teacher_requests"] > 0
