@@ -71,7 +71,7 @@ if ROOT not in sys.path:
 
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
-from common.version import code_commit, is_exact  # noqa: E402
+from common.version import code_commit, same_code  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 
 TEACHER_PORT = 8001  # the teacher served by vLLM, a background process of the demo
@@ -564,13 +564,13 @@ def say(text: str) -> None:
 
 def run_row(row: Row, root: str, runner: Callable[[str, str], float]) -> RowRun:
     """The row's commands in order; an evaluation that an earlier table made with the same flags and the same code
-    (its summary's `args` and `commit`, and no local change) is reused, a grading from other code made again."""
+    (its summary's `args` and `commit`: is_current) is reused, a grading from other code made again."""
     seconds, reused = [], False
     for command in row.commands:
         summary = eval_output(root, command, ".summary.json") if is_evaluation(command) else None
         if summary and is_current(summary, command):
-            say(f"{row.name}: an earlier evaluation is reused ({os.path.relpath(summary, root)}: commit "
-                f"{code_commit()}, the same flags)")
+            say(f"{row.name}: an earlier evaluation is reused ({os.path.relpath(summary, root)}: the same code "
+                f"and flags)")
             reused = True
             continue
         say(command)
@@ -592,15 +592,15 @@ def run_teacher(row: Row, root: str, runner: Callable[[str, str], float]) -> Row
 
 def is_current(path: str, command: str) -> bool:
     """Whether the summary at `path` is what `command` (an eval_math command) would write now: made by this commit
-    with no local change, every flag the command names at the command's value (the others at the defaults of the
-    same code)."""
+    with no local change, or by an earlier one from which only docs and tests changed (common/version.py's
+    same_code), every flag the command names at the command's value (the others at the defaults of the same code)."""
     try:
         with open(path, encoding="utf-8") as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return False
-    made_with, commit = summary.get("args") or {}, code_commit()
-    return (is_exact(commit) and summary.get("commit") == commit
+    made_with = summary.get("args") or {}
+    return (same_code(str(summary.get("commit")), code_commit())
             and all(str(made_with.get(flag[2:])) == value for flag, value in named_flags(command).items()))
 
 

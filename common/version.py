@@ -25,3 +25,22 @@ def code_commit() -> str:
 def is_exact(commit: str) -> bool:
     """Whether `commit` names the code exactly: a commit without local changes."""
     return commit != "unknown" and not commit.endswith(LOCAL_CHANGES)
+
+
+# What no result depends on: a result made at an earlier commit still stands when only these changed since
+NOT_CODE = (":(exclude)docs", ":(exclude)*.md", ":(exclude)tests")
+
+
+def same_code(earlier: str, now: str, root: str = ROOT) -> bool:
+    """Whether the code at commit `now` computes what the code at `earlier` did: the same exact commit, or two
+    exact commits between which only documentation and tests changed (NOT_CODE)."""
+    if not (is_exact(earlier) and is_exact(now)):
+        return False
+    if earlier == now:
+        return True
+    try:
+        diff = subprocess.run(["git", "diff", "--quiet", earlier, now, "--", ".", *NOT_CODE], cwd=root,
+                              capture_output=True)
+    except OSError:
+        return False
+    return diff.returncode == 0  # 1: something else changed; 128: a commit unknown here

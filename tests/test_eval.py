@@ -286,3 +286,26 @@ def test_the_code_commit_names_head_and_says_when_the_tree_differs(tmp_path, mon
     assert version.code_commit() == head + " with local changes" and not version.is_exact(version.code_commit())
     monkeypatch.setattr(version, "ROOT", str(tmp_path / "nowhere"))
     assert version.code_commit() == "unknown" and not version.is_exact("unknown")
+
+
+def test_a_result_stands_across_commits_that_change_only_docs_and_tests(tmp_path):
+    """common/version.py's same_code: the same exact commit, or exact commits between which only docs/, *.md and
+    tests/ changed; code changed, a commit with local changes, an unknown commit: not the same code."""
+    from common.version import LOCAL_CHANGES, same_code
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    commits = []
+    for path, text in (("code.py", "a = 1"), ("docs/page.md", "words"), ("README.md", "more"),
+                       ("tests/test_x.py", "x = 1"), ("code.py", "a = 2")):
+        (repo / path).write_text(text)
+        subprocess.run(git + ["add", path], check=True)
+        subprocess.run(git + ["commit", "-qm", path], check=True)
+        commits.append(subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      check=True).stdout.strip())
+    assert same_code(commits[0], commits[0], str(repo)) and same_code(commits[0], commits[3], str(repo))
+    assert not same_code(commits[0], commits[4], str(repo)) and not same_code(commits[3], commits[4], str(repo))
+    assert not same_code(commits[0], commits[0] + LOCAL_CHANGES, str(repo))
+    assert not same_code("abc1234", commits[0], str(repo)) and not same_code("unknown", "unknown", str(repo))
