@@ -8,6 +8,8 @@ models can learn, each row held out with its interval and a paired test against 
     python benchmarks/demo.py --sweep 5e-4,1e-3,2e-3   # each method at each learning rate, seed 1, graded on val
     python benchmarks/demo.py --ablation       # logit-free OPD with each --chunk_weight beside white-box OPD
     python benchmarks/demo.py --scale tiny     # the code path in a few minutes (tests/test_demo.py)
+    python benchmarks/demo.py --task running_sum --methods sft_data,kd,opd,lf_rule,rl   # the long-answer task
+    python benchmarks/demo.py --task running_sum --resume ...   # go on with a table stopped between parts
 
 The task (dataset/make_demo_data.py): two-digit addition written as column addition, "7+8=15, 4+3+1=8. \\boxed{85}",
 held-out problems sharing no operand pair with any training row. Every command runs as a subprocess in the repository
@@ -45,8 +47,16 @@ environment exists (serving/setup_vllm_cpu.sh) or port 8001 is taken (lf_rule's 
 8002). The learning rates in METHODS were chosen by `--sweep` at this budget: each method at each rate, seed 1, graded
 on the 200 `val` problems (never the eval ones).
 
-A run of these names already in checkpoints/demo/ is refused (one line) unless --fresh moves it aside; a run in
-progress (its lock names a live process) is refused either way. A command that fails stops the demo with its exit
+--task running_sum (dataset/make_demo_data.py's long-answer task: a running sum of named numbers, 57-101-token
+answers) writes into checkpoints/demo_running_sum/ and differs where that regime asks (SCALES["running_sum"]): the
+student is a smaller model (qwen3-tiny.json: 4 layers against the teacher's 8) trained by its own SFT, the first of
+its exports at 10-50% on val; every method runs 64 steps, exported and graded at 8, 16 and 32 as well (its curve,
+in demo.json; benchmarks/demo_curves.py draws it against steps, FLOPs and teacher tokens); the student and every
+final model are also graded on 8 samples per problem at temperature 1 (avg@8, pass@8); 128 new tokens everywhere.
+
+A run of these names already in the task's folder is refused (one line) unless --fresh moves it aside or --resume
+goes on with it (every training command resumes, --from_resume 1; an evaluation made by the same code with the
+same flags is reused); a run in progress (its lock names a live process) is refused either way. A command that fails stops the demo with its exit
 code; Ctrl-C reaches the running command too (a training run saves first) and stops the demo (130).
 """
 from __future__ import annotations
