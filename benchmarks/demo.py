@@ -643,7 +643,7 @@ def teacher_commit(save_dir: str) -> str:
 
 
 def choose_student(scale: Scale, root: str, runner: Callable[[str, str], float]) -> tuple[Row, dict[int, float]]:
-    """The first of the teacher's exports whose accuracy on the val problems is in SCALE.student_band, each graded
+    """The first of the candidates' exports whose accuracy on the val problems is in SCALE.student_band, each graded
     in turn (run_row: an earlier grading reused); with none in the band, the one nearest its middle. -> (the student's row, {step:
     val accuracy} of the exports graded)."""
     low, high = scale.student_band
@@ -656,8 +656,9 @@ def choose_student(scale: Scale, root: str, runner: Callable[[str, str], float])
             break
     else:
         step = min(graded, key=lambda s: abs(graded[s] - (low + high) / 2))
-        say(f"no export of the teacher is at {low:.0%}-{high:.0%} on val: the nearest, step {step}, is the student")
-    say(f"the student: the teacher's export at step {step}, {graded[step]:.1%} on the val problems")
+        say(f"no export of {source_label(scale)} is at {low:.0%}-{high:.0%} on val: the nearest, step {step}, is the "
+            f"student")
+    say(f"the student: {source_label(scale)} at step {step}, {graded[step]:.1%} on the val problems")
     return student_row(scale, step), graded
 
 
