@@ -82,7 +82,7 @@ if ROOT not in sys.path:
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
 from common.version import code_commit, same_code  # noqa: E402
-from dataset.make_demo_data import ensure_demo_data  # noqa: E402
+from dataset.make_demo_data import SPLIT_SIZES, ensure_demo_data  # noqa: E402
 
 TEACHER_PORT = 8001  # the teacher served by vLLM, a background process of the demo
 TEACHER_URL = f"http://127.0.0.1:{TEACHER_PORT}/v1"
@@ -165,8 +165,10 @@ class Method:
     flags: str           # the method's own flags ({teacher}: the teacher's folder, {url}: its endpoint)
     learning_rate: float
     needs: str | None = None   # "vllm": the teacher served by vLLM; "rule": the rule-based teacher
-    # the task's split its loop trains on (its --data_path where the task names its data; None: its flags name it)
+    # the task's split its loop trains on (its --data_path where the task names its data; None: its flags name it,
+    # the teacher's answers to the opd_prompts)
     data: str | None = "opd_prompts"
+    rows_per_step: int = 16  # rows of its data an optimizer step takes (RL: 4 prompts, 4 answers each)
     # its runs may start from another model than the student (a LoRA student's base is held in bf16 under --dtype
     # bfloat16): each exports its start (--export_steps 0), the first seed's graded as the baseline the method's rows
     # are tested against
@@ -192,7 +194,7 @@ METHODS = (
     Method("lf_rule", "logit-free OPD, the rule-based black-box teacher", "trainer/train_logit_free.py",
            "--teacher_url {url} " + LOGIT_FREE, 1e-4, needs="rule"),
     Method("rl", "RL (GRPO, groups of 4, math-verify reward)", "trainer/train_rl.py",
-           "--num_generations 4 --batch_size 4", 3e-5),
+           "--num_generations 4 --batch_size 4", 3e-5, rows_per_step=4),
 )
 
 
@@ -306,6 +308,9 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
                                 url=RULE_URL if method.needs == "rule" else TEACHER_URL)
     exports = ([0] if method.own_start else []) + list(curve)
     snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
+    # a run stops at the end of its data: the budget's rows take this many passes (the 512 prompts: 32 steps a pass)
+    epochs = math.ceil(scale.budget_steps * method.rows_per_step / SPLIT_SIZES[method.data or "opd_prompts"])
+    snapshots += f" --epochs {epochs}" if epochs > 1 else ""
     train = (f"python {method.script} --model_path {task.save_dir}/{student} {flags}{data_flags(method, task)} "
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
              f"--save_weight {name}{snapshots} --from_resume 1")
@@ -602,7 +607,7 @@ def run_teacher(row: Row, root: str, runner: Callable[[str, str], float]) -> Row
 
 def is_current(path: str, command: str) -> bool:
     """Whether the summary at `path` is what `command` (an eval_math command) would write now: made by this commit
-    with no local change, or by an earlier one from which only docs and tests changed (common/version.py's
+    with no local change, or by an earlier one from which only docs, tests and benchmarks/ changed (common/version.py's
     same_code), every flag the command names at the command's value (the others at the defaults of the same code)."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -610,7 +615,8 @@ def is_current(path: str, command: str) -> bool:
     except (OSError, ValueError):
         return False
     made_with = summary.get("args") or {}
-    return (same_code(str(summary.get("commit")), code_commit())
+    # eval/eval_math.py imports nothing from benchmarks/: a change there (this script's own) grades nothing anew
+    return (same_code(str(summary.get("commit")), code_commit(), unused=(":(exclude)benchmarks",))
             and all(str(made_with.get(flag[2:])) == value for flag, value in named_flags(command).items()))
 
 

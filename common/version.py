@@ -31,15 +31,16 @@ def is_exact(commit: str) -> bool:
 NOT_CODE = (":(exclude)docs", ":(exclude)*.md", ":(exclude)tests")
 
 
-def same_code(earlier: str, now: str, root: str = ROOT) -> bool:
+def same_code(earlier: str, now: str, root: str = ROOT, unused: tuple[str, ...] = ()) -> bool:
     """Whether the code at commit `now` computes what the code at `earlier` did: the same exact commit, or two
-    exact commits between which only documentation and tests changed (NOT_CODE)."""
+    exact commits between which only documentation and tests changed (NOT_CODE), or folders the result's code
+    does not use (`unused`: git pathspecs, ":(exclude)benchmarks")."""
     if not (is_exact(earlier) and is_exact(now)):
         return False
     if earlier == now:
         return True
     try:
-        diff = subprocess.run(["git", "diff", "--quiet", earlier, now, "--", ".", *NOT_CODE], cwd=root,
+        diff = subprocess.run(["git", "diff", "--quiet", earlier, now, "--", ".", *NOT_CODE, *unused], cwd=root,
                               capture_output=True)
     except OSError:
         return False

@@ -210,6 +210,8 @@ def test_the_long_task_names_its_data_budget_and_folder_and_grades_every_method_
         assert flags(sampled)["--out"] == f"{task.save_dir}/{row.name}_eval_sampled8.jsonl"
         if row.method.data == "opd_prompts":
             assert named["--data_path"] == f"{task.data_dir}/opd_prompts.parquet" and named["--max_new_tokens"] == "128"
+        # 64 steps of 16 of the 512 prompts (or of the teacher's 512 answers) take two passes; RL's 4 prompts one
+        assert named.get("--epochs") == (None if row.method.name in ("kd", "rl") else "2"), row.name
     by_name = {r.name: r for r in rows}
     assert flags(by_name["kd_s1"].commands[0])["--data_path"] == f"{task.data_dir}/sft_train.parquet"
     assert flags(by_name["sft_data_s1"].commands[0])["--data_path"] == demo.teacher_data(task)

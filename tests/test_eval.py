@@ -309,3 +309,4 @@ def test_a_result_stands_across_commits_that_change_only_docs_and_tests(tmp_path
     assert not same_code(commits[0], commits[4], str(repo)) and not same_code(commits[3], commits[4], str(repo))
     assert not same_code(commits[0], commits[0] + LOCAL_CHANGES, str(repo))
     assert not same_code("abc1234", commits[0], str(repo)) and not same_code("unknown", "unknown", str(repo))
+    assert same_code(commits[3], commits[4], str(repo), unused=(":(exclude)code.py",))  # a file the result never used
