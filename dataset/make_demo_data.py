@@ -7,7 +7,7 @@
 
 Every row has DAPO's columns:
     data_source  "demo_arithmetic" (addition) or "demo_running_sum"
-    prompt       [{"role": "user", "content": "What is 47 + 38? Put the final answer in \\boxed{}."}]
+    prompt       [{"role": "user", "content": "What is 47 + 38? Put the final answer in \\boxed{}."}] (addition)
                  (sft_train adds {"role": "assistant", "content": "7+8=15, 4+3+1=8. \\boxed{85}"})
     ability      "math"
     reward_model {"style": "rule", "ground_truth": "85"}
@@ -21,12 +21,13 @@ because the 151,936-row head costs most of a tiny model's time per labelled toke
 pair {a, b}: no split holds a + b and another b + a. The pool (a, b in 10..99, 4,095 pairs) is shuffled with a
 fixed seed.
 
-running_sum (benchmarks/demo.py --task running_sum): 6 to 9 digits 1..9 added left to right, every running total
-written: "What is 3 + 8 + 5 + 9 + 2 + 7? ..." -> "3+8=11, 11+5=16, 16+9=25, 25+2=27, 27+7=34. \\boxed{34}", 41 to
-76 answer tokens (median 65). Each step is a fact "total + digit" (at most 81 + 9: 819 facts), but takes the
-previous step's total, so one wrong total makes every later one and the box wrong: the regime of long generations
-where a student's early mistake decides the rest. A problem is the multiset of its digits: no split holds a
-reordering of another's.
+running_sum (benchmarks/demo.py --task running_sum): a two-digit number and 4 to 6 digits 1..9, each named, added
+left to right with every running total written: "Let a=47, b=3, c=8, d=5. What is a+b+c+d? ..." -> "a+b=47+3=50,
+50+c=50+8=58, 58+d=58+5=63. \\boxed{63}", 57 to 101 answer tokens (median 70). Each step names its number and writes
+its value, so the value is found by name (counting positions in the question is what a small model fails at,
+measured: docs/data.md), then adds it to the previous step's total, so one wrong total makes every later one and the
+box wrong: the regime of long generations where a student's early mistake decides the rest. A problem is its first
+number and the multiset of its digits: no split holds a reordering of another's.
 
 Files per task (disjoint problems), the same on every machine:
     sft_train.parquet    3,000 rows with the worked solution
