@@ -153,9 +153,8 @@ def parse_args(argv: Sequence[str] | None = None):
 def table_models(path: str) -> tuple[str, str, list[tuple[str, str]]]:
     """A demo table's (task, teacher folder, [(label, model folder)]): its starting student, then each method's
     first seed."""
-    import json
-    with open(path, encoding="utf-8") as f:
-        table = json.load(f)
+    from benchmarks.demo import read_json
+    table = read_json(path, "python benchmarks/demo.py")
     folder = os.path.dirname(os.path.abspath(path))
     student = next(r for r in table["rows"] if r["method"] is None and r["name"] != "teacher")
     seeds = [r["seed"] for r in table["rows"] if r["method"]]
@@ -166,10 +165,11 @@ def table_models(path: str) -> tuple[str, str, list[tuple[str, str]]]:
 
 
 def measure_model(student_dir: str, teacher_dir: str, task: str, rows_wanted: int, budget: int | None,
-                  seed: int) -> dict:
+                  seed: int, teacher: torch.nn.Module | None = None) -> dict:
+    """`teacher`: the teacher's model already loaded (--table measures several students against one)."""
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(student_dir)
-    student, teacher = load_pretrained(student_dir), load_pretrained(teacher_dir)
+    student, teacher = load_pretrained(student_dir), teacher or load_pretrained(teacher_dir)
     dataset = RowDataset(ensure_demo_data(task=task)["eval"])
     rows = [dataset[i] for i in range(min(rows_wanted, len(dataset)))]
     budget = budget or (128 if task == "running_sum" else 64)
@@ -194,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.table:
         task, teacher, models = table_models(args.table)
-        measured = [(label, measure_model(folder, teacher, task, args.rows, args.max_new_tokens, args.seed))
+        loaded = load_pretrained(teacher)
+        measured = [(label, measure_model(folder, teacher, task, args.rows, args.max_new_tokens, args.seed, loaded))
                     for label, folder in models]
         print(markdown(measured), flush=True)
         results = {"task": task, "teacher": teacher, "models": [{"label": l, **r} for l, r in measured]}

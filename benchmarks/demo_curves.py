@@ -21,7 +21,6 @@ completion tokens) as the loop logs it; none for RL.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -173,7 +172,7 @@ def mean_prompt_tokens(data_path: str) -> float:
 
 def main(argv: list[str] | None = None, root: str = ROOT) -> dict:
     """`root`: the repository root the table's paths are relative to (the tests' own)."""
-    from benchmarks.demo import SCALES
+    from benchmarks.demo import SCALES, read_json
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="running_sum", choices=list(SCALES), help="the demo's task")
     parser.add_argument("--json", default=None, help="the table's JSON (default: the task's demo.json)")
@@ -181,11 +180,7 @@ def main(argv: list[str] | None = None, root: str = ROOT) -> dict:
     args = parser.parse_args(argv)
     task = SCALES[args.task]["cpu"].task
     path = args.json or os.path.join(root, task.save_dir, "demo.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            table = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist: python benchmarks/demo.py --task {args.task} writes it") from None
+    table = read_json(path, f"python benchmarks/demo.py --task {args.task}")
     by_name = {r["name"]: r for r in table["rows"]}
     student = next(r for r in table["rows"][1:] if r["method"] is None)  # the row after the teacher
     folder = os.path.join(root, task.save_dir)
