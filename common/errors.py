@@ -19,11 +19,13 @@ import argparse
 import errno
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 1, 2, 75, 130
 TRACEBACK_ENV = "DISTILL_TRACEBACK"
+FLAG_ERROR_GRACE_S = 30  # the longest a silent rank waits for rank 0 to say a refused flag (see run_script)
 
 
 class UserError(Exception):
@@ -112,6 +114,10 @@ def run_script(main: Callable[[], object]) -> NoReturn:
         # other error is said by each rank that meets it (a file missing on one node, a server one rank can't reach)
         if not (isinstance(error, FlagError) and os.environ.get("RANK", "0") != "0"):
             print(f"error: {error}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            # torchrun stops every worker when the first one exits: a silent rank that exited before rank 0 printed
+            # would leave the refusal unsaid. Rank 0 refuses the same flag, so its exit ends this wait.
+            time.sleep(FLAG_ERROR_GRACE_S)
         code = error.exit_code
     except KeyboardInterrupt:
         if show_traceback:

@@ -516,6 +516,8 @@ def in_this_process(monkeypatch):
     return run
 
 
+# both serve the rule-based teacher on the demo's fixed port (demo.RULE_PORT, in the commands): one worker runs them
+@pytest.mark.xdist_group("rule_port")
 @pytest.mark.slow
 def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     """Every command for real at --scale tiny (the code path, not the numbers), each script run as `__main__` in
@@ -539,6 +541,8 @@ def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     assert rows["sft_data_s1"]["skipped"].startswith("skipped: ")
 
 
+# both serve the rule-based teacher on the demo's fixed port (demo.RULE_PORT, in the commands): one worker runs them
+@pytest.mark.xdist_group("rule_port")
 @pytest.mark.slow
 def test_the_long_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     """--task running_sum for real at --scale tiny: the smaller student's own SFT, the curve's exports graded, the
@@ -557,6 +561,7 @@ def test_the_long_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     student = demo.student_name(scale, scale.snapshots[0])
     assert rows[student]["sampled"]["n"] == scale.sampled and rows["teacher"]["problems"] == 8
     for name in ("kd_s1", "lf_rule_s1"):
+        assert not rows[name].get("skipped"), rows[name]["skipped"]
         assert [p["step"] for p in rows[name]["curve"]] == [*scale.curve, scale.budget_steps], name
         assert rows[name]["sampled"]["n"] == scale.sampled and rows[name]["versus_start"] is not None, name
     assert rows["lf_rule_s1"]["teacher_requests"] > 0
