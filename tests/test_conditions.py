@@ -113,3 +113,16 @@ def test_a_demo_table_s_models_are_measured_in_turn(tiny_config_path, tmp_path, 
     assert len(lines) == 3 and lines[2].startswith("| KD | ")
     with pytest.raises(FlagError, match="pass --student and --teacher, or --table"):
         conditions.parse_args(["--student", "x"])
+
+
+def test_a_table_written_before_the_long_task_is_the_addition_s(tmp_path):
+    """Tables from before `--task` existed have no scale.task: theirs is the addition task."""
+    rows = [{"name": "teacher", "method": None, "seed": None, "label": "teacher", "skipped": None},
+            {"name": "teacher_step400", "method": None, "seed": None, "label": "student", "skipped": None},
+            {"name": "opd_s1", "method": "opd", "seed": 1, "label": "OPD", "skipped": None}]
+    table = tmp_path / "demo.json"
+    table.write_text(json.dumps({"scale": {"model_config": "model/configs/qwen3-demo.json"}, "rows": rows}))
+    task, teacher, models = conditions.table_models(str(table))
+    assert task == "addition" and teacher == str(tmp_path / "teacher")
+    assert models == [("the student (teacher_step400)", str(tmp_path / "teacher_step400")),
+                      ("OPD", str(tmp_path / "opd_s1"))]
