@@ -34,8 +34,10 @@ root, exactly as printed (its leading `python` is this interpreter), writing int
   lf_rule   logit-free OPD from benchmarks/rule_teacher.py: a rule-based solver behind an OpenAI-compatible endpoint,
             a stand-in for an API better than any local model
   rl        GRPO with the math-verify reward, groups of 4
-Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the table adds the
-95% Wilson interval, McNemar's exact test against the model it started from on the same problems
+Each run is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
+which benchmarks/demo_curves.py draws against steps, FLOPs and teacher tokens, with the paired tests at equal steps
+and equal FLOPs. Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the
+table adds the 95% Wilson interval, McNemar's exact test against the model it started from on the same problems
 (benchmarks/demo_stats.py), the held-out reverse KL to the teacher on the model's own answers, the EOS share, the
 teacher's requests and tokens, the student tokens trained on, the wall time, and for RL the share of groups with
 signal. It prints the table in Markdown with the machine line and writes it as JSON (checkpoints/demo/demo.json).
@@ -134,14 +136,17 @@ SCALES = {"addition": {
     # 2 CPU cores, in fp32: a CPU without bf16 instructions (this project's AMD EPYC, AVX2) computes a bf16 GEMM
     # ~50x slower than an fp32 one (the teacher's step: 31-38 s against 0.75 s, measured); --dtype bfloat16 where
     # the CPU has them (AVX-512 BF16, AMX)
+    # every method's curve at 8, 16 and 32 steps (greedy only: its 22-token answers leave sampling little to show
+    # beside the long task's avg@8 / pass@8, and the CPU table's hour would grow by a third)
     "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=800, snapshots=tuple(range(300, 725, 25)),
-                 budget_steps=32, seeds=(1, 2), dtype="float32", teacher_eval_interval=50),
+                 budget_steps=32, seeds=(1, 2), dtype="float32", teacher_eval_interval=50, curve=(8, 16)),
     # the code path: a few steps of the smallest model, 8 problems
     "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=2,
                   seeds=(1,), dtype="float32", eval_rows=8, student_band=(0.0, 1.0)),
     # one CUDA GPU: the same table, a wider model trained longer
     "cuda": Scale("model/configs/qwen3-demo.json", teacher_steps=2000, snapshots=tuple(range(300, 1250, 50)),
-                  budget_steps=64, seeds=(1, 2), device="cuda", teacher_eval_interval=250),
+                  budget_steps=64, seeds=(1, 2), device="cuda", teacher_eval_interval=250, curve=(8, 16, 32),
+                  sampled=8),
 }, "running_sum": {
     # the teacher: the addition's 8-layer model; the student: 4 layers and a narrower MLP (qwen3-tiny.json), trained
     # by its own SFT on the same worked solutions until its val accuracy is in the band; every method's curve at

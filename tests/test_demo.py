@@ -163,7 +163,9 @@ def test_every_method_starts_from_the_student_at_one_budget_and_writes_into_the_
     assert [r.name for r in trained] == [f"{m.name}_s{s}" for m in demo.METHODS for s in scale.seeds]
     assert len(scale.seeds) == 2
     for row in trained:
-        train, evaluate = row.commands  # the addition's table: no curve
+        train, *curve, evaluate = row.commands  # the addition's table: a curve, no sampled grading
+        assert [flags(c)["--model_path"] for c in curve] == [f"checkpoints/demo/{row.name}_step{k}" for k in scale.curve]
+        assert scale.curve == (8, 16) and not scale.sampled
         named = flags(train)
         assert shlex.split(train)[1] == row.method.script and os.path.isfile(os.path.join(ROOT, row.method.script))
         assert named["--model_path"] == f"checkpoints/demo/{STUDENT}"
