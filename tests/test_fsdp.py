@@ -218,8 +218,9 @@ def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, bla
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
     script, main, own = {
         "opd": (OPD, train_opd, dict(teacher_path=vllm_servers.teacher_dir)),
-        "rl": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0,
-                                  teacher_path=vllm_servers.teacher_dir)),
+        # the OPD term with PowerOPD's reward and IW-OPD's weights (their first pass reads the gathered head too)
+        "rl": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0, opd_reward="power",
+                                  position_weight="iw", teacher_path=vllm_servers.teacher_dir)),
         "rl_lora": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0,
                                        teacher_path=vllm_servers.teacher_dir, **LORA)),
         # one step: this random-init student's entropy is 11.9166 at every position, its peaks 1e-5 above the

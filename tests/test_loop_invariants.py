@@ -1,6 +1,7 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
-rows routed by a column; SFT and RL with a LoRA student) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
+rows routed by a column; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights; SFT and RL with a LoRA
+student, RL's OPD term with those variants) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
 accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
 padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
@@ -33,6 +34,8 @@ LOOPS = {
     "sft": (train_sft, os.path.join(ROOT, "trainer", "train_sft.py")),
     "kd": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
     "opd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
+    # the sampled-token form with PowerOPD's reward and IW-OPD's weights (whole rows per micro-batch, any split)
+    "opd_signal": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # RL with tests/rl_length_reward.py's stand-in reward (a random model never answers right: no group would differ)
     "rl": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
     # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
@@ -54,9 +57,12 @@ LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
               "rl": {"max_new_tokens": 8, "num_generations": 3, "kl_coef": 0.1, "opd_coef": 0.5,
                      "clip_eps_high": 0.28}}
 LOOP_FLAGS["kd_teachers"], LOOP_FLAGS["opd_teachers"] = LOOP_FLAGS["kd"], LOOP_FLAGS["opd"]
-# a LoRA learning rate (the adapters move: B starts at zero), adapters compared besides the merged weights (weights())
+SIGNAL = {"opd_reward": "power", "position_weight": "iw"}
+LOOP_FLAGS["opd_signal"] = {"max_new_tokens": 8, "loss": "sampled_kl", **SIGNAL}
+# a LoRA learning rate (the adapters move: B starts at zero), adapters compared besides the merged weights (weights());
+# RL's OPD term with the sampled-token signal's variants
 LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
-LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA}
+LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA, **SIGNAL}
 
 
 @pytest.fixture(scope="module")

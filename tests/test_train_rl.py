@@ -98,11 +98,13 @@ def test_the_first_loss_is_the_closed_form_of_its_groups(tiny_config_path, chat_
     assert step["clip_fraction"] == 0.0 and math.isfinite(step["entropy"])
 
 
+@pytest.mark.parametrize("variant", [{}, {"opd_reward": "power", "position_weight": "iw", "iw_gamma": 2.0}])
 def test_reward_none_with_the_opd_term_is_the_sampled_kl_opd_step(tiny_config_path, chat_jsonl, teacher_dir,
-                                                                   tmp_path, one_thread):
+                                                                   tmp_path, one_thread, variant):
     """--reward none --opd_coef 1 --num_generations 1 --kl_coef 0: the advantage of token t is -(log p_S - log p_T),
-    on the OPD loop's per-row samples; two steps land on train_opd.py --loss sampled_kl's weights."""
-    common = dict(batch=4, max_steps=2, max_new_tokens=8, teacher_path=teacher_dir)
+    on the OPD loop's per-row samples; two steps land on train_opd.py --loss sampled_kl's weights. So with PowerOPD's
+    reward and IW-OPD's weights: the two loops compute one signal."""
+    common = dict(batch=4, max_steps=2, max_new_tokens=8, teacher_path=teacher_dir, **variant)
     train_rl.main(loop_args(tiny_config_path, chat_jsonl, tmp_path / "rl", reward="none", opd_coef=1,
                             num_generations=1, **common))
     train_opd(loop_args(tiny_config_path, chat_jsonl, tmp_path / "opd", loss="sampled_kl", **common))
@@ -119,6 +121,8 @@ def test_reward_none_with_the_opd_term_is_the_sampled_kl_opd_step(tiny_config_pa
     ({"max_staleness": 1, "rollout_url": "http://127.0.0.1:1/v1"}, ["--max_staleness 1"]),
     ({"clip_eps": 1.5}, ["--clip_eps"]),
     ({"reward": "none"}, ["--reward none"]),
+    ({"position_weight": "iw"}, ["--position_weight iw", "--opd_coef"]),
+    ({"power_alpha": 2.0}, ["--power_alpha", "--opd_reward power"]),
 ])
 def test_bad_set_ups_are_refused_in_one_line(tiny_config_path, chat_jsonl, tmp_path, capsys, flags, names):
     code, stderr = script_exit(train_rl.main, rl_args(tiny_config_path, chat_jsonl, tmp_path / "out", **flags), capsys)

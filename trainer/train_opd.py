@@ -44,8 +44,9 @@ from common.errors import run_script
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX
 from trainer.config import opd as config
+from trainer.config.opd_signal import opd_signal
 from trainer.evaluation.heldout import HeldoutEvaluator
-from trainer.losses.chunked import completion_hidden
+from trainer.losses.chunked import completion_hidden, completion_rows
 from trainer.losses.divergences import evaluation_divergence, training_divergence
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
@@ -85,7 +86,8 @@ def train(args: argparse.Namespace) -> None:
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
     # rows routed, teacher servers connected, vocabularies and chat templates checked, local teachers loaded
     teachers = open_teachers(args, teacher_specs(args), tokenizer, dataset, info.device,
-                             training=lambda t: training_divergence(args.loss, args.beta, args.temperature, t.topk),
+                             training=lambda t: training_divergence(args.loss, args.beta, args.temperature, t.topk,
+                                                                    opd_signal(args)),
                              evaluation=lambda t: evaluation_divergence(args.beta, t.model is not None, t.topk))
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
@@ -109,8 +111,9 @@ def train(args: argparse.Namespace) -> None:
             with clock("train"), run.micro_step(i, len(window)):  # step 4; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-                    # the divergence per token to each row's teacher, summed
-                    loss_sum, num_tokens = teachers.loss(scores, hidden, run.head, targets, chunk, vocab, run.metrics)
+                    # the divergence per token to each row's teacher, summed (IW-OPD's weights: by place in the row)
+                    loss_sum, num_tokens = teachers.loss(scores, hidden, run.head, targets, chunk, vocab, run.metrics,
+                                                         completion_rows(labels))
                 run.backward(loss_sum, num_tokens)
             teachers.reshard()  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)

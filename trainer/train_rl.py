@@ -21,9 +21,10 @@ Per micro-batch (its --batch_size prompts, each G times: a group is never split 
   3. optional frozen models, no gradients: the reference's log-probabilities of the sampled tokens (--kl_coef), the
      teacher's (--opd_coef: local, or the served teacher's)
   4. loss per token = - min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef k3(ref, student), with
-     A = A_group - opd_coef (log p_S(y_t) - log p_T(y_t)) and rho = 1 (the rollouts come from the weights being
-     trained; trainer/losses/policy_gradient.py); summed, the skeleton divides by the window's completion tokens over
-     all ranks (drgrpo: by its rows x --max_new_tokens), clips and steps
+     A = A_group - opd_coef (log p_S(y_t) - log p_T(y_t)) (or its variants: --opd_reward power, PowerOPD's
+     bounded reward; --position_weight iw, IW-OPD's weight by place in the answer) and rho = 1 (the rollouts come
+     from the weights being trained; trainer/losses/policy_gradient.py); summed, the skeleton divides by the
+     window's completion tokens over all ranks (drgrpo: by its rows x --max_new_tokens), clips and steps
 One optimizer step per rollout batch (no PPO epochs). With --reward none, --opd_coef 1, G = 1 and --kl_coef 0 this is
 train_opd.py's --loss sampled_kl, step for step.
 """
@@ -41,7 +42,7 @@ from common.errors import run_script
 from dataset.collators import IGNORE_INDEX
 from trainer.config import rl as config
 from trainer.evaluation.heldout import HeldoutEvaluator
-from trainer.losses.chunked import completion_hidden
+from trainer.losses.chunked import completion_hidden, completion_rows
 from trainer.losses.divergences import Divergence, evaluation_divergence
 from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
                                             group_advantages, token_logprobs)
@@ -141,7 +142,8 @@ def train(args: argparse.Namespace) -> None:
            + (f", OPD term {args.opd_coef:g}" if args.opd_coef else ""))
     vocab, g = len(tokenizer), args.num_generations
     settings = dict(temperature=args.gen_temperature, clip_low=args.clip_eps, clip_high=args.clip_eps_high,
-                    kl_coef=args.kl_coef, opd_coef=args.opd_coef)
+                    kl_coef=args.kl_coef, opd_coef=args.opd_coef, opd_reward=args.opd_reward,
+                    power_alpha=args.power_alpha, iw_gamma=args.iw_gamma)
 
     run.evaluate_when_due(evaluator, teachers.served)  # step 0: the baseline later evaluations compare against
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
@@ -161,8 +163,9 @@ def train(args: argparse.Namespace) -> None:
             with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
+                    rows = completion_rows(labels) if args.position_weight == "iw" else None  # IW-OPD's weights
                     sums = fused_policy_loss(hidden, run.head, targets, values, args.loss_chunk_size, vocab,
-                                               **settings)
+                                             rows=rows, **settings)
                 divisor = labels.shape[0] * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
                 run.backward(sums.loss, divisor)
             reshard_root(reference)  # a sharded frozen model's head, gathered for its forward, is read until here

@@ -7,6 +7,7 @@ import argparse
 from common.errors import ArgumentParser, refuse_first
 from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, add_teacher_args,
                                   default_student, resolve_teacher_path, validate_common_args)
+from trainer.config.opd_signal import add_opd_signal_args, opd_signal_rules
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
 from trainer.teachers.specs import add_teachers_args, served_teacher_rules, teacher_specs, validate_teachers_args
@@ -29,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and one tail bucket per position (what a --teacher_url server returns; with --teacher_path "
                         "the same from its logits); 0: the full vocabulary (local teacher only)")
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that an optimizer step is on-policy")
+    add_opd_signal_args(parser, "--loss sampled_kl")
     add_sampling_args(parser)
     add_server_args(parser)
     args = parser.parse_args(argv)
@@ -52,7 +54,7 @@ def validate_opd_args(args: argparse.Namespace) -> None:
     # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
     # temperature-scaled, untruncated student distribution, on-policy at every step
     unbiased = a.gen_temperature == a.temperature and a.top_k == 0 and a.top_p == 1.0
-    refuse_first([
+    refuse_first(opd_signal_rules(a, sampled_kl, "--loss sampled_kl") + [
         (not 0.0 <= a.lmbda <= 1.0, f"--lmbda must be in [0, 1], got {a.lmbda}"),
         (not 0.0 <= a.beta <= 1.0, f"--beta must be in [0, 1], got {a.beta}"),
         (a.teacher_topk < 0, f"--teacher_topk must be >= 0, got {a.teacher_topk}"),

@@ -9,6 +9,7 @@ import os
 from common.errors import ArgumentParser, refuse, refuse_first
 from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, add_frozen_model_args,
                                   default_student, validate_common_args)
+from trainer.config.opd_signal import add_opd_signal_args, opd_signal_rules
 from trainer.losses.policy_gradient import ADVANTAGES
 from trainer.rl.rewards import REWARDS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
@@ -22,6 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description="RL with verifiable rewards (GRPO family) for a Qwen3 student")
     add_common_args(parser, save_weight="rl")
     add_rl_args(parser)
+    add_opd_signal_args(parser, "the OPD term, --opd_coef")
     add_teachers_args(parser)
     add_sampling_args(parser)
     add_server_args(parser)
@@ -67,7 +69,7 @@ def validate_rl_args(args: argparse.Namespace) -> None:
     a.clip_eps_high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
     teacher = a.teacher_path or a.teacher_url or a.teachers
     served = a.teacher_url or a.teachers and any(spec.url for spec in read_teachers_file(a.teachers))
-    refuse_first([
+    refuse_first(opd_signal_rules(a, bool(a.opd_coef), "--opd_coef (e.g. 1) and a teacher") + [
         (a.num_generations < 1, f"--num_generations must be >= 1, got {a.num_generations}"),
         (a.num_generations == 1 and not a.opd_coef,
          "--num_generations 1: a group of one has no relative reward (its advantage is 0): sample 2 or more, or "

@@ -189,6 +189,11 @@ def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return hidden[keep], targets[keep]
 
 
+def completion_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Each position `completion_hidden` returns, its row: (N,), row by row as it orders them (padded or packed)."""
+    return (labels[:, 1:] != IGNORE_INDEX).nonzero()[:, 0]
+
+
 def packed_completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`completion_hidden` through the packed forward (model/qwen3.py: Packing): the rows' real tokens only, the

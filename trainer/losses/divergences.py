@@ -38,6 +38,12 @@ class Divergence:
     temperature: float = 1.0  # the softmax temperature of both distributions
     topk: int = 0             # topk: K
     alpha: float = 0.0        # kd: the weight of the cross entropy against the data
+    # sampled_kl's variants (trainer/losses/token_signals.py): the per-token reward, PowerOPD's exponent, IW-OPD's
+    # position weight and its gain
+    reward: str = "log_ratio"
+    power_alpha: float = 5.0
+    position_weight: str = "none"
+    iw_gamma: float = 0.5
 
     def extra_names(self) -> tuple[str, ...]:
         """The per-token numbers `divergence_sums` logs beside the loss (DivergenceSums.extras)."""
@@ -60,10 +66,12 @@ class DivergenceSums:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # summed per-token numbers worth logging
 
 
-def training_divergence(loss: str, beta: float, temperature: float, teacher_topk: int) -> Divergence:
-    """The OPD loop's flags (--loss, --beta, --temperature, --teacher_topk) -> what it trains with."""
+def training_divergence(loss: str, beta: float, temperature: float, teacher_topk: int,
+                        signal: dict | None = None) -> Divergence:
+    """The OPD loop's flags (--loss, --beta, --temperature, --teacher_topk; with sampled_kl `signal`, the variant
+    flags' values by Divergence's field names) -> what it trains with."""
     if loss == "sampled_kl":
-        return Divergence("sampled_kl", temperature=temperature)
+        return Divergence("sampled_kl", temperature=temperature, **(signal or {}))
     if teacher_topk:
         return Divergence("topk", beta, temperature, teacher_topk)
     return Divergence("jsd", beta, temperature)
@@ -82,11 +90,11 @@ def evaluation_divergence(beta: float, local_teacher: bool, teacher_topk: int = 
 
 def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, student_weight: torch.Tensor,
                     labels: torch.Tensor, scores, teacher_weight: torch.Tensor | None, chunk_size: int,
-                    vocab_size: int) -> DivergenceSums:
+                    vocab_size: int, rows: torch.Tensor | None = None) -> DivergenceSums:
     """The student's final hidden states at the completion positions and their labels (trainer/losses/chunked.py's
     completion_hidden) against the teacher's `scores` (trainer/teachers/parts.py's `teacher_scores`; `teacher_weight`
     its lm_head for a local teacher, None for a served one) -> the sums, chunk by chunk through the lm_heads (no (N, V)
-    logits)."""
+    logits). `rows`: each position's row (completion_rows), which IW-OPD's position weights need."""
     common = dict(student_weight=student_weight, labels=labels, chunk_size=chunk_size, vocab_size=vocab_size)
     local = teacher_weight is not None
     teacher = dict(teacher_hidden=scores, teacher_weight=teacher_weight) if local else {}
@@ -105,6 +113,9 @@ def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, studen
                                              temperature=divergence.temperature, **common, **teacher)
         return DivergenceSums(loss, tokens, loss, {"ce": ce, "kd": kd})
 
+    weighted = divergence.position_weight == "iw"
     surrogate, tokens, kl = fused_sampled_kl_loss(student_hidden, temperature=divergence.temperature, **common,
-                                                  **teacher, **({} if local else dict(teacher_logprobs=scores)))
+                                                  **teacher, **({} if local else dict(teacher_logprobs=scores)),
+                                                  reward=divergence.reward, alpha=divergence.power_alpha,
+                                                  rows=rows if weighted else None, gamma=divergence.iw_gamma)
     return DivergenceSums(surrogate, tokens, kl, {"reverse_kl_estimate": kl})

@@ -32,6 +32,8 @@ from dataset.collators import IGNORE_INDEX
 from trainer.losses.chunked import checked_vocab_size
 from trainer.losses.closed_forms import _check_args
 from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_loss
+from trainer.losses.policy_gradient import opd_position_weights, token_logprobs
+from trainer.losses.token_signals import token_reward
 
 
 def _log_softmax_(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -117,17 +119,21 @@ def sampled_token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperat
     return log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
 
 
-def sampled_kl_chunk_loss(temperature: float, local_teacher: bool) -> ChunkLoss:
-    """The sampled-token reverse KL (closed_forms.sampled_token_kl_loss) as the driver's closed form: with
-    k = log p_T(y) - log q_T(y) held constant, the surrogate k log p_T(y) per position, its gradient
-    k (onehot(y) - p_T) / T, and the extra ("reverse_kl_estimate") k. The teacher's log q_T(y) from its logits (a
-    local teacher) or from the per-position `values` (a served one's log-probabilities)."""
+def sampled_kl_chunk_loss(temperature: float, local_teacher: bool, reward: str = "log_ratio",
+                          alpha: float = 5.0) -> ChunkLoss:
+    """The sampled-token reverse KL (closed_forms.sampled_token_kl_loss) and its variants (trainer/losses/
+    token_signals.py) as the driver's closed form: with k = -w r held constant (r the token's reward, w its position
+    weight; vanilla: k = log p_T(y) - log q_T(y)), the surrogate k log p_T(y) per position, its gradient
+    k (onehot(y) - p_T) / T, and the extra ("reverse_kl_estimate") log p_T(y) - log q_T(y) whatever the reward.
+    `values` per position: (the teacher's log q_T(y), served; ignored for a local teacher, whose logits give it; w)."""
     def fn(student, teacher, _spares, labels, values):
+        served, weight = values
         logp = sampled_token_log_probs(student, labels, temperature)
-        teacher_logp = sampled_token_log_probs(teacher, labels, temperature) if local_teacher else values.to(logp.dtype)
-        k = torch.where(labels != IGNORE_INDEX, logp - teacher_logp, 0.0)  # a masked row: finite G
+        teacher_logp = sampled_token_log_probs(teacher, labels, temperature) if local_teacher else served.to(logp.dtype)
+        keep = labels != IGNORE_INDEX  # a masked row: finite G
+        k = torch.where(keep, -weight.to(logp.dtype) * token_reward(logp, teacher_logp, reward, alpha), 0.0)
         g = student.exp_().mul_(-k[:, None])  # -k p_T
-        return k * logp, add_at_labels(g, labels, k), (k,)
+        return k * logp, add_at_labels(g, labels, k), (torch.where(keep, logp - teacher_logp, 0.0),)
     return ChunkLoss(fn, grad_scale=1.0 / temperature, extra_names=("reverse_kl_estimate",))
 
 
@@ -164,14 +170,25 @@ def fused_kd_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, te
 def fused_sampled_kl_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
                           teacher_hidden: torch.Tensor | None = None, teacher_weight: torch.Tensor | None = None,
                           teacher_logprobs: torch.Tensor | None = None, temperature: float = 1.0,
-                          chunk_size: int = 512, vocab_size: int | None = None) -> tuple[torch.Tensor, ...]:
+                          chunk_size: int = 512, vocab_size: int | None = None, reward: str = "log_ratio",
+                          alpha: float = 5.0, rows: torch.Tensor | None = None,
+                          gamma: float = 0.5) -> tuple[torch.Tensor, ...]:
     """The sampled-token reverse KL's sums from hidden states and the student's lm_head, the teacher's either as
     hidden states and lm_head (local) or as `teacher_logprobs` of the labels (served): (surrogate_sum, num_tokens,
-    kl_estimate_sum)."""
+    kl_estimate_sum). `reward` and `alpha`: the per-token reward (token_signals.token_reward); `rows` (N,), each
+    position's row: IW-OPD's position weights with `gamma` (None: weight 1), from a first pass over every position
+    without gradients (the student's head once more, and a local teacher's), since a weight needs its whole row."""
     _check_args("sum", temperature)
     local = teacher_hidden is not None
     vocab_size = checked_vocab_size(student_weight, teacher_weight, chunk_size, vocab_size)
-    surrogate, tokens, (kl,) = fused_linear_loss(sampled_kl_chunk_loss(float(temperature), local), student_hidden,
-                                                 student_weight, labels, vocab_size, chunk_size, teacher_hidden,
-                                                 teacher_weight, values=None if local else teacher_logprobs)
+    served = labels.new_zeros(labels.shape, dtype=torch.float32) if local else teacher_logprobs
+    weight = torch.ones_like(served, dtype=torch.float32)
+    if rows is not None:
+        teacher_logp = (token_logprobs(teacher_hidden, teacher_weight, labels, chunk_size, vocab_size, temperature)
+                        if local else teacher_logprobs)
+        weight = opd_position_weights(student_hidden, student_weight, labels, teacher_logp, rows, chunk_size,
+                                      vocab_size, temperature, reward, alpha, gamma)
+    chunk = sampled_kl_chunk_loss(float(temperature), local, reward, float(alpha))
+    surrogate, tokens, (kl,) = fused_linear_loss(chunk, student_hidden, student_weight, labels, vocab_size,
+                                                 chunk_size, teacher_hidden, teacher_weight, values=(served, weight))
     return surrogate, tokens, kl

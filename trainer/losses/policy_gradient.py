@@ -12,7 +12,9 @@ For a prompt x the student samples a group of G completions y_1..y_G and each ge
                 use_bias_correction_kl=False -- TRL 1.16's default multiplies it by rho, which on-policy keeps its
                 value and adds k3 grad log pi to its gradient; tests/test_rl_reference.py)
     OPD term    A_t = A_i - opd_coef * (log pi(y_t) - log p_T(y_t))  (detached: the sampled-token reverse KL to a
-                teacher as a dense per-token advantage)
+                teacher as a dense per-token advantage); its variants A_t = A_i + opd_coef * w_t * r_t with PowerOPD's
+                reward r_t and IW-OPD's position weight w_t (trainer/losses/token_signals.py; vanilla: w_t = 1,
+                r_t = log p_T(y_t) - log pi(y_t))
 
 A group with one reward has A_i = 0 for every member (no signal, no 0/0: the std's epsilon). On-policy (the rollouts
 sampled by the weights being trained) pi_old is pi itself, detached: rho_t = 1, and the gradient of l_t is
@@ -31,6 +33,7 @@ import torch
 
 from dataset.collators import IGNORE_INDEX
 from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_loss
+from trainer.losses.token_signals import position_weights, token_reward
 
 ADVANTAGES = ("grpo", "drgrpo")
 STD_EPSILON = 1e-4  # TRL's: (r - mean) / (std + 1e-4)
@@ -76,12 +79,14 @@ class PolicySums:
 
 
 def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
-                opd_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
+                clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0, opd_coef: float = 0.0,
+                opd_reward: str = "log_ratio", power_alpha: float = 5.0,
+                opd_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The per-token loss (module docstring) summed over labels != -100, from the student's logits (n, V) at the
     completion positions and `values` (n, 4): each token's group advantage, log pi_old (NaN: on-policy, pi itself
-    detached), log p_ref and log p_T (read only with kl_coef / opd_coef) -> PolicySums' fields as a tuple: the
-    reference `fused_policy_loss` is tested against."""
+    detached), log p_ref and log p_T (read only with kl_coef / opd_coef); the OPD term's reward (`opd_reward`,
+    `power_alpha`) and position weights (n,) (None: 1) -> PolicySums' fields as a tuple: the reference
+    `fused_policy_loss` is tested against."""
     mask = labels != IGNORE_INDEX
     low = student_logits.dtype in (torch.float16, torch.bfloat16)  # upcast: the loss runs in fp32 (fp64 stays)
     logp_all = torch.log_softmax((student_logits.float() if low else student_logits) / temperature, dim=-1)
@@ -91,7 +96,9 @@ def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torc
     advantage = values[:, ADVANTAGE]
     opd = (logp.detach() - values[:, TEACHER_LOGP]) if opd_coef else torch.zeros_like(logp)
     if opd_coef:
-        advantage = advantage - opd_coef * opd
+        weight = 1.0 if opd_weights is None else opd_weights.to(logp.dtype)
+        advantage = advantage + opd_coef * weight * token_reward(logp.detach(), values[:, TEACHER_LOGP], opd_reward,
+                                                                 power_alpha)
     ratio = torch.exp(logp - old)
     unclipped, clipped = ratio * advantage, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantage
     per_token = -torch.minimum(unclipped, clipped)
@@ -108,19 +115,24 @@ def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torc
 
 
 def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], labels: torch.Tensor,
-                  values: torch.Tensor, temperature: float, clip_low: float, clip_high: float, kl_coef: float,
-                  opd_coef: float):
+                  values: tuple[torch.Tensor, torch.Tensor], temperature: float, clip_low: float, clip_high: float,
+                  kl_coef: float, opd_coef: float, opd_reward: str, power_alpha: float):
     """`policy_loss` on one chunk in closed form: per token l_t, the extras and dl/dz = c (onehot(y) - p_T) / T
     (the driver's grad_scale is 1 / T), with c = dl/dlog pi(y). c follows autograd's rules for the reference's
     `-minimum(unclipped, clipped)`: the smaller term takes the gradient, a tie gives each half; the clipped term's
-    ratio passes it only inside [1 - eps_low, 1 + eps_high] (clamp's, bounds included)."""
+    ratio passes it only inside [1 - eps_low, 1 + eps_high] (clamp's, bounds included). `values`: (the (n, 4)
+    columns, the OPD term's position weights)."""
+    values, opd_weights = values
     keep = labels != IGNORE_INDEX
     log_p = torch.log_softmax(student.div_(temperature) if temperature != 1.0 else student, dim=-1, out=student)
     logp = log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
     values = values.to(logp.dtype)
     old = torch.where(torch.isnan(values[:, OLD_LOGP]), logp, values[:, OLD_LOGP])
     opd = logp - values[:, TEACHER_LOGP] if opd_coef else torch.zeros_like(logp)
-    advantage = values[:, ADVANTAGE] - opd_coef * opd if opd_coef else values[:, ADVANTAGE]
+    advantage = values[:, ADVANTAGE]
+    if opd_coef:
+        reward = token_reward(logp, values[:, TEACHER_LOGP], opd_reward, power_alpha)
+        advantage = advantage + opd_coef * opd_weights.to(logp.dtype) * reward
     ratio = torch.exp(logp - old)
     unclipped, clipped = ratio * advantage, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantage
     per_token = -torch.minimum(unclipped, clipped)
@@ -141,16 +153,24 @@ def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], l
 
 def fused_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
                       values: torch.Tensor, chunk_size: int, vocab_size: int, temperature: float = 1.0,
-                      clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
-                      opd_coef: float = 0.0) -> PolicySums:
+                      clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0, opd_coef: float = 0.0,
+                      opd_reward: str = "log_ratio", power_alpha: float = 5.0, rows: torch.Tensor | None = None,
+                      iw_gamma: float = 0.5) -> PolicySums:
     """`policy_loss` from the final hidden states at the completion positions, a chunk of positions at a time
     through the lm_head with its gradient in closed form (trainer/losses/fused_linear.py): the (n, V) logits never
-    exist in full and no chunk is computed twice. `values` (n, 4) as `policy_loss` reads them."""
+    exist in full and no chunk is computed twice. `values` (n, 4) and the OPD term's reward as `policy_loss` reads
+    them; `rows` (n,), each position's row: the OPD term weighted by IW-OPD's position weights with `iw_gamma`
+    (`opd_position_weights`; None: weight 1)."""
     chunk = ChunkLoss(functools.partial(_policy_chunk, temperature=temperature, clip_low=clip_low,
-                                        clip_high=clip_high, kl_coef=kl_coef, opd_coef=opd_coef),
+                                        clip_high=clip_high, kl_coef=kl_coef, opd_coef=opd_coef,
+                                        opd_reward=opd_reward, power_alpha=power_alpha),
                       spares=1, grad_scale=1.0 / temperature, extra_names=("clipped", "kl", "entropy", "opd"))
+    weights = values.new_ones(values.shape[0])
+    if rows is not None and opd_coef:  # IW-OPD: each token's weight from its whole row's rewards
+        weights = opd_position_weights(student_hidden, student_weight, labels, values[:, TEACHER_LOGP], rows,
+                                       chunk_size, vocab_size, temperature, opd_reward, power_alpha, iw_gamma)
     loss, tokens, (clipped, kl, entropy, opd) = fused_linear_loss(chunk, student_hidden, student_weight, labels,
-                                                                  vocab_size, chunk_size, values=values)
+                                                                  vocab_size, chunk_size, values=(values, weights))
     return PolicySums(loss, tokens, clipped, kl, entropy, opd)
 
 
@@ -162,6 +182,17 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     with torch.no_grad():
         for start in range(0, hidden.shape[0], chunk_size):
             logits = hidden[start:start + chunk_size] @ weight[:vocab_size].T
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            low = logits.dtype in (torch.float16, torch.bfloat16)  # upcast: fp32 (fp64 stays)
+            logp = torch.log_softmax((logits.float() if low else logits) / temperature, dim=-1)
             parts.append(logp.gather(-1, labels[start:start + chunk_size].clamp_min(0).unsqueeze(-1)).squeeze(-1))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def opd_position_weights(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, teacher_logp: torch.Tensor,
+                         rows: torch.Tensor, chunk_size: int, vocab_size: int, temperature: float, reward: str,
+                         alpha: float, gamma: float) -> torch.Tensor:
+    """IW-OPD's weight of each completion position (token_signals.position_weights) from a first pass over every
+    position without gradients -- the student's head once more -- since a weight needs its whole row's rewards
+    before the loss's chunks, which cut rows, run. `teacher_logp` (n,): the teacher's log-probability of each label."""
+    student_logp = token_logprobs(hidden, weight, labels, chunk_size, vocab_size, temperature)
+    return position_weights(token_reward(student_logp, teacher_logp.to(student_logp.dtype), reward, alpha), rows, gamma)

@@ -100,12 +100,14 @@ class Teachers:
         return parts
 
     def loss(self, parts: list[Part], student_hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
-             chunk_size: int, vocab_size: int, metrics) -> tuple[torch.Tensor, torch.Tensor]:
+             chunk_size: int, vocab_size: int, metrics,
+             rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The student's hidden states at the completion positions and their labels (completion_hidden) against
         each teacher's scores: per teacher the summed per-token loss of its rows (its `divergence`), summed over
         the teachers -> (loss sum, tokens). Each divergence's per-token numbers (CE and KD; the top-K tail mass; the
         sampled-token KL estimate) and, with several teachers, each one's loss join the window's `metrics`, on
-        every micro-batch (zeros where a teacher has no rows: the ranks add the same names)."""
+        every micro-batch (zeros where a teacher has no rows: the ranks add the same names). `rows`: each completion
+        position's row (completion_rows), for a divergence that weights a token by its place in its row."""
         loss_sum = num_tokens = 0
         for part in parts:
             divergence = part.teacher.divergence
@@ -113,7 +115,8 @@ class Teachers:
                 sums = DivergenceSums(0, 0, 0, dict.fromkeys(divergence.extra_names(), 0))
             else:
                 sums = divergence_sums(divergence, part.select(student_hidden), head, part.select(targets),
-                                       part.scores, part.teacher.lm_head_weight, chunk_size, vocab_size)
+                                       part.scores, part.teacher.lm_head_weight, chunk_size, vocab_size,
+                                       None if rows is None else part.select(rows))
             for name, value in sums.extras.items():
                 metrics.token_mean(name, value)
             add_part_metrics(metrics, self, part, sums.value, sums.tokens)  # sampled_kl: its estimate
