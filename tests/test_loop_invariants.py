@@ -1,6 +1,6 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
-rows routed by a column; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights; SFT and RL with a LoRA
+rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights; SFT and RL with a LoRA
 student, RL's OPD term with those variants) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
 accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
 padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
@@ -56,7 +56,10 @@ LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
               # models; asymmetric clipping (on-policy: rho = 1, so it never clips)
               "rl": {"max_new_tokens": 8, "num_generations": 3, "kl_coef": 0.1, "opd_coef": 0.5,
                      "clip_eps_high": 0.28}}
-LOOP_FLAGS["kd_teachers"], LOOP_FLAGS["opd_teachers"] = LOOP_FLAGS["kd"], LOOP_FLAGS["opd"]
+# several teachers with DistiLLM's skew divergences in place of the KL / the JSD (the routing and the divergence are
+# independent: one loop each covers both)
+LOOP_FLAGS["kd_teachers"] = {**LOOP_FLAGS["kd"], "divergence": "skew_kl"}
+LOOP_FLAGS["opd_teachers"] = {"max_new_tokens": 8, "lmbda": 0.5, "loss": "skew_rkl"}
 SIGNAL = {"opd_reward": "power", "position_weight": "iw"}
 LOOP_FLAGS["opd_signal"] = {"max_new_tokens": 8, "loss": "sampled_kl", **SIGNAL}
 # a LoRA learning rate (the adapters move: B starts at zero), adapters compared besides the merged weights (weights());

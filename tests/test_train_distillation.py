@@ -69,6 +69,16 @@ def test_alpha_one_is_sft(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
         assert k["kd"] > 1.0  # the KD term is computed (and large) but carries no weight
 
 
+def test_a_skew_kl_at_zero_is_the_kl(tiny_config_path, chat_jsonl, teacher_dir, tmp_path):
+    """--divergence skew_kl --skew 0: KL(teacher || student) itself, the same two steps as --divergence kl."""
+    flags = dict(batch=2, accumulation=2, max_steps=2, alpha=0.3, temperature=2.0)
+    train_distillation(kd_args(tiny_config_path, chat_jsonl, tmp_path / "kl", teacher_dir, **flags))
+    train_distillation(kd_args(tiny_config_path, chat_jsonl, tmp_path / "skew", teacher_dir, divergence="skew_kl",
+                               skew=0.0, **flags))
+    assert max_weight_diff(weights(tmp_path / "kl"), weights(tmp_path / "skew")) <= 1e-6
+    assert metrics(tmp_path / "skew")[0]["kd"] == pytest.approx(metrics(tmp_path / "kl")[0]["kd"], rel=1e-5)
+
+
 def test_logged_ce_kd_loss_and_grad_norm_equal_a_full_logits_computation(tiny_config_path, chat_jsonl, teacher_dir,
                                                                          tmp_path):
     alpha, temperature = 0.3, 2.0
@@ -159,6 +169,8 @@ def test_a_teacher_with_fewer_rows_than_the_tokenizer_is_refused(tiny_config_pat
 @pytest.mark.parametrize("flags, message", [
     ({"alpha": -0.1}, "--alpha must be in"),
     ({"alpha": 1.5}, "--alpha must be in"),
+    ({"skew": 0.3}, "--skew is the skew"),
+    ({"divergence": "skew_rkl", "skew": 1.0}, "--skew must be in"),
     ({"temperature": 0.0}, "--temperature must be > 0"),
     ({"teacher_path": None}, "no teacher model"),  # default SAVE_DIR/sft, where nothing was trained
 ])

@@ -11,8 +11,9 @@
 Per micro-batch: collate the fixed conversations (labels on the completion only), run the frozen teacher without
 gradients to its hidden states at the completion positions (several teachers: each on its own rows), run the
 student with gradients, and sum per token the cross entropy against the data and the temperature-softened forward
-KL to the row's teacher, chunk by chunk over the full vocabulary. The skeleton normalises by the window's loss
-tokens over all ranks, clips and steps.
+KL to the row's teacher (or DistiLLM's skew KL / skew reverse KL: --divergence skew_kl / skew_rkl --skew a),
+chunk by chunk over the full vocabulary. The skeleton normalises by the window's loss tokens over all ranks, clips
+and steps.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def train(args: argparse.Namespace) -> None:
     tokenizer_dir, tokenizer, dataset, collator = load_sft_data(args)
     # rows routed, vocabularies and chat templates checked, then loaded (several teachers: each row's its own)
     teachers = open_teachers(args, teacher_specs(args), tokenizer, dataset, info.device,
-                             training=lambda t: Divergence("kd", temperature=args.temperature, alpha=args.alpha),
+                             training=lambda t: Divergence("kd", temperature=args.temperature, alpha=args.alpha,
+                                                           kd_divergence=args.divergence, skew=args.skew),
                              evaluation=lambda t: evaluation_divergence(1.0, local_teacher=True))
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, RoutedCollator(collator, teachers.routes), tokenizer_dir, config.RESUMABLE)

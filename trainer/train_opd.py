@@ -25,7 +25,8 @@ Per micro-batch, the paper's eq. 2:
   4. loss per token = generalized JSD over the full vocabulary (beta=1: reverse KL(student || teacher)), computed
      chunk by chunk from hidden states; with --teacher_topk K over the teacher's top-K, the sampled token and one
      tail bucket (a lower bound of it, exact as S covers the mass); or --loss sampled_kl, the policy-gradient form
-     that needs only the teacher's log-probability of the sampled tokens
+     that needs only the teacher's log-probability of the sampled tokens (PowerOPD's reward, IW-OPD's weights:
+     --opd_reward, --position_weight); or --loss skew_kl / skew_rkl, DistiLLM's skew divergences
 The skeleton normalises by the window's loss tokens over all ranks, clips and steps. Each row samples with its own
 seed (seed, epoch, row), so a resumed run samples exactly what the killed one would have, and 2 ranks x accumulation
 2 sample what 1 rank x accumulation 4 does.
@@ -87,7 +88,7 @@ def train(args: argparse.Namespace) -> None:
     # rows routed, teacher servers connected, vocabularies and chat templates checked, local teachers loaded
     teachers = open_teachers(args, teacher_specs(args), tokenizer, dataset, info.device,
                              training=lambda t: training_divergence(args.loss, args.beta, args.temperature, t.topk,
-                                                                    opd_signal(args)),
+                                                                    opd_signal(args), args.skew),
                              evaluation=lambda t: evaluation_divergence(args.beta, t.model is not None, t.topk))
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)

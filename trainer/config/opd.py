@@ -8,6 +8,7 @@ from common.errors import ArgumentParser, refuse_first
 from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, add_teacher_args,
                                   default_student, resolve_teacher_path, validate_common_args)
 from trainer.config.opd_signal import add_opd_signal_args, opd_signal_rules
+from trainer.losses.fused_divergences import SKEW, SKEWS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
 from trainer.teachers.specs import add_teachers_args, served_teacher_rules, teacher_specs, validate_teachers_args
@@ -21,9 +22,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_teacher_args(parser)
     add_teachers_args(parser)
     g = parser.add_argument_group("on-policy distillation")
-    g.add_argument("--loss", default="jsd", choices=["jsd", "sampled_kl"],
+    g.add_argument("--loss", default="jsd", choices=["jsd", "sampled_kl", *SKEWS],
                    help="jsd: generalized JSD over the full vocabulary (beta=1: reverse KL); sampled_kl: "
-                        "policy-gradient reverse KL from the sampled tokens' log-probabilities only")
+                        "policy-gradient reverse KL from the sampled tokens' log-probabilities only; skew_kl / "
+                        "skew_rkl: DistiLLM's skew KL(p_T || a p_T + (1 - a) p_S) / skew reverse KL(p_S || (1 - a) "
+                        "p_T + a p_S), a local teacher")
+    g.add_argument("--skew", type=float, default=SKEW, help="a of --loss skew_kl / skew_rkl, in [0, 1) (0: the KL)")
     g.add_argument("--beta", type=float, default=1.0, help="0: forward KL, 1: reverse KL, between: generalized JSD")
     g.add_argument("--teacher_topk", type=int, default=0,
                    help="K > 0 with --loss jsd: the divergence over the teacher's top-K tokens, the sampled token "
@@ -50,13 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate_opd_args(args: argparse.Namespace) -> None:
-    a, sampled_kl = args, args.loss == "sampled_kl"
+    a, sampled_kl, skewed = args, args.loss == "sampled_kl", args.loss in SKEWS
     # log p_S(y) - log p_T(y) averages to KL(p_S || p_T) only when y is drawn from p_S itself: the loss's
     # temperature-scaled, untruncated student distribution, on-policy at every step
     unbiased = a.gen_temperature == a.temperature and a.top_k == 0 and a.top_p == 1.0
     refuse_first(opd_signal_rules(a, sampled_kl, "--loss sampled_kl") + [
         (not 0.0 <= a.lmbda <= 1.0, f"--lmbda must be in [0, 1], got {a.lmbda}"),
         (not 0.0 <= a.beta <= 1.0, f"--beta must be in [0, 1], got {a.beta}"),
+        (not 0.0 <= a.skew < 1.0, f"--skew must be in [0, 1), got {a.skew}"),
+        (a.skew != SKEW and not skewed, f"--skew is the skew divergences' a: add --loss skew_kl or skew_rkl (got "
+                                        f"--loss {a.loss})"),
+        (skewed and (a.teacher_url or a.teacher_topk),
+         f"--loss {a.loss} needs the teacher's whole distribution: a local --teacher_path (a served teacher's "
+         f"top-K: --loss jsd --teacher_topk K)"),
         (a.teacher_topk < 0, f"--teacher_topk must be >= 0, got {a.teacher_topk}"),
         (sampled_kl and a.teacher_topk > 0,
          "--teacher_topk is for --loss jsd (the top-K divergence); --loss sampled_kl needs the sampled tokens' "

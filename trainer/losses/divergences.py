@@ -10,7 +10,10 @@ Four kinds, by what the teacher gives:
     sampled_kl  the policy-gradient form of reverse KL: the teacher's log-probability of each sampled token only;
                 its loss is a surrogate whose gradient is the reverse KL's, its value the one-sample estimate
     kd          classic KD on fixed data: alpha * cross entropy against the data + (1 - alpha) * T^2
-                KL(teacher || student) over the full vocabulary, a local teacher's logits
+                KL(teacher || student) over the full vocabulary, a local teacher's logits (or T^2 times a skew
+                divergence: `kd_divergence`)
+    skew_kl     DistiLLM's skew KL, KL(p_T || a p_T + (1 - a) p_S), and skew reverse KL, KL(p_S || (1 - a) p_T +
+    skew_rkl    a p_S), over the full vocabulary, a local teacher's logits (a = `skew`; 0: the forward / reverse KL)
 
 Evaluation's choice, stated once (`evaluation_divergence`): the exact full-vocabulary divergence wherever a local
 teacher allows it, whatever training uses; with a served teacher, what training computes.
@@ -25,10 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.losses.fused_divergences import chunked_generalized_jsd_loss, fused_kd_loss, fused_sampled_kl_loss
+from trainer.losses.fused_divergences import (chunked_generalized_jsd_loss, fused_kd_loss, fused_sampled_kl_loss,
+                                              fused_skew_loss)
 from trainer.losses.topk_divergence import chunked_topk_divergence
 
-KINDS = ("jsd", "topk", "sampled_kl", "kd")
+KINDS = ("jsd", "topk", "sampled_kl", "kd", "skew_kl", "skew_rkl")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class Divergence:
     power_alpha: float = 5.0
     position_weight: str = "none"
     iw_gamma: float = 0.5
+    skew: float = 0.1         # skew_kl / skew_rkl, and kd with a skew kd_divergence: DistiLLM's a
+    kd_divergence: str = "kl"  # kd: kl, skew_kl or skew_rkl
 
     def extra_names(self) -> tuple[str, ...]:
         """The per-token numbers `divergence_sums` logs beside the loss (DivergenceSums.extras)."""
@@ -54,6 +60,8 @@ class Divergence:
         """How its value is logged: reverse_kl / jsd_beta<b>, with _top<K> for topk; reverse_kl_estimate."""
         if self.kind == "sampled_kl":
             return "reverse_kl_estimate"
+        if self.kind in ("skew_kl", "skew_rkl"):
+            return f"{self.kind}{self.skew:g}"
         name = "reverse_kl" if self.beta == 1.0 else f"jsd_beta{self.beta:g}"
         return f"{name}_top{self.topk}" if self.kind == "topk" else name
 
@@ -67,11 +75,13 @@ class DivergenceSums:
 
 
 def training_divergence(loss: str, beta: float, temperature: float, teacher_topk: int,
-                        signal: dict | None = None) -> Divergence:
+                        signal: dict | None = None, skew: float = 0.1) -> Divergence:
     """The OPD loop's flags (--loss, --beta, --temperature, --teacher_topk; with sampled_kl `signal`, the variant
-    flags' values by Divergence's field names) -> what it trains with."""
+    flags' values by Divergence's field names; --skew) -> what it trains with."""
     if loss == "sampled_kl":
         return Divergence("sampled_kl", temperature=temperature, **(signal or {}))
+    if loss in ("skew_kl", "skew_rkl"):
+        return Divergence(loss, temperature=temperature, skew=skew)
     if teacher_topk:
         return Divergence("topk", beta, temperature, teacher_topk)
     return Divergence("jsd", beta, temperature)
@@ -110,8 +120,13 @@ def divergence_sums(divergence: Divergence, student_hidden: torch.Tensor, studen
         return DivergenceSums(loss, tokens, loss)
     if divergence.kind == "kd":  # classic KD on the data: alpha CE + (1 - alpha) T^2 KL(teacher || student)
         loss, tokens, ce, kd = fused_kd_loss(student_hidden, alpha=divergence.alpha,
-                                             temperature=divergence.temperature, **common, **teacher)
+                                             temperature=divergence.temperature, **common, **teacher,
+                                             divergence=divergence.kd_divergence, skew=divergence.skew)
         return DivergenceSums(loss, tokens, loss, {"ce": ce, "kd": kd})
+    if divergence.kind in ("skew_kl", "skew_rkl"):
+        loss, tokens = fused_skew_loss(student_hidden, kind=divergence.kind, skew=divergence.skew,
+                                       temperature=divergence.temperature, **common, **teacher)
+        return DivergenceSums(loss, tokens, loss)
 
     weighted = divergence.position_weight == "iw"
     surrogate, tokens, kl = fused_sampled_kl_loss(student_hidden, temperature=divergence.temperature, **common,

@@ -143,6 +143,9 @@ def served_teacher_rules(specs: list[TeacherSpec], loss: str, temperature: float
     for spec in specs:
         if spec.url:
             rules += [
+                (loss in ("skew_kl", "skew_rkl"),
+                 f"teacher {spec.name!r} is served: --loss {loss} needs the whole distribution, a local teacher "
+                 f"(\"path\" in --teachers)"),
                 (loss != "sampled_kl" and not spec.topk,
                  f"teacher {spec.name!r} is served: it gives the log-probabilities of the sampled tokens and of its "
                  f"top-K only, not the whole distribution --loss jsd needs: give it \"topk\": K in --teachers "
