@@ -42,6 +42,19 @@ class GenerateOutput:
     sequences: torch.Tensor        # (B, P + R): prompts (left padded) followed by the completions
     completion_ids: torch.Tensor   # (B, R), pad after a row's EOS
     completion_mask: torch.Tensor  # (B, R), 1 up to and including the first EOS
+    replaced: torch.Tensor | None = None  # (B, R) bool, with a Speculative teacher: the completion tokens it chose
+
+
+@dataclass
+class Speculative:
+    """Speculative KD's teacher beside the student in the decode loop (SKD, arXiv 2410.11325): at every position
+    the student proposes its sampled token; a proposal outside the teacher's `topk` most likely tokens there is
+    replaced by the teacher's own sample (from the row's second stream of uniforms, drawn after the student's, so
+    the student's draws are those of plain sampling). The teacher prefills the prompt and decodes each chosen token
+    into its own cache (`cache`, set by `generate`), in step with the student."""
+    teacher: Qwen3ForCausalLM
+    topk: int
+    cache: KVCache | None = None
 
 
 def draw_uniforms(generator: torch.Generator | Sequence[torch.Generator] | None, batch_size: int, steps: int,
@@ -140,6 +153,19 @@ STOP_CHECK = 8
 DECODE_CHOICES = ["auto", "eager", "compiled"]  # the scripts' --decode
 
 
+def speculative_pick(student_logits: torch.Tensor, teacher_logits: torch.Tensor, sampling: Sampling,
+                     uniforms: torch.Tensor, teacher_uniforms: torch.Tensor,
+                     topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) logits of both -> (B,) tokens and (B,) whether the teacher's sample replaced the student's proposal:
+    the student's token where it is among the teacher's `topk` most likely (over the tokenizer's vocabulary), else
+    the teacher's, both drawn as `pick_token` draws (the logits' padding rows are overwritten)."""
+    proposal = pick_token(student_logits, sampling, uniforms)
+    teacher_token = pick_token(teacher_logits, sampling, teacher_uniforms)  # its padding rows now -inf
+    top = torch.topk(teacher_logits, min(topk, teacher_logits.shape[-1]), dim=-1).indices
+    accepted = (top == proposal[:, None]).any(dim=1)
+    return torch.where(accepted, proposal, teacher_token), ~accepted
+
+
 def default_decode(device_type: str) -> str:
     """--decode auto: "compiled" on CUDA (the first GPU run, Qwen3-0.6B's shape, 32 x 256 greedy: 12.7x the eager
     step's tokens/s, its compile paid once, 44 s), "eager" on a CPU (inductor's step is 1.1-2.5x faster there, but
@@ -165,6 +191,8 @@ class DecodeState:
     uniforms: torch.Tensor | None  # (B_all, R) float64, sampling only
     eos_ids: torch.Tensor          # (E,) long
     pad_token_id: int
+    teacher_uniforms: torch.Tensor | None = None  # (B_all, R) float64: a Speculative teacher's draws
+    replaced: torch.Tensor | None = None          # (B_all, R) bool: the tokens a Speculative teacher chose
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors a step writes in place."""
@@ -186,18 +214,30 @@ def record(state: DecodeState) -> None:
     state.finished |= torch.isin(state.token, state.eos_ids)
 
 
-def decode_step(model: Qwen3ForCausalLM, state: DecodeState, cache: KVCache, sampling: Sampling) -> None:
+def decode_step(model: Qwen3ForCausalLM, state: DecodeState, cache: KVCache, sampling: Sampling,
+                speculative: Speculative | None = None) -> None:
     """One token for every row of the decoding batch, all in place: the latest token recorded; the model on it,
     its keys and values written to the cache's column, its query seeing the positions the key mask allows; the
-    next token picked (seeded: the row's uniform of the next step). No shape changes from one step to the next
-    unless the cache's length does, and nothing is read back to the host."""
+    next token picked (seeded: the row's uniform of the next step; with a `speculative` teacher, which decodes the
+    same token into its own cache, `speculative_pick`). No shape changes from one step to the next unless the
+    cache's length does, and nothing is read back to the host."""
     record(state)
     state.key_mask.index_fill_(1, cache.column, True)
     hidden = model(state.token[:, None], attention_mask=state.key_mask, position_ids=state.position, kv_cache=cache,
                    return_hidden=True).hidden_states
     uniforms = None if state.uniforms is None else state.uniforms[state.rows, state.step + 1]
     logits = next_token_logits(model, hidden[:, -1], greedy=not sampling.do_sample)
-    state.token.copy_(pick_token(logits, sampling, uniforms))
+    if speculative is None:
+        state.token.copy_(pick_token(logits, sampling, uniforms))
+    else:
+        teacher = speculative.teacher
+        teacher_hidden = teacher(state.token[:, None], attention_mask=state.key_mask, position_ids=state.position,
+                                 kv_cache=speculative.cache, return_hidden=True).hidden_states
+        token, replaced = speculative_pick(logits, next_token_logits(teacher, teacher_hidden[:, -1]), sampling,
+                                           uniforms, state.teacher_uniforms[state.rows, state.step + 1],
+                                           speculative.topk)
+        state.token.copy_(token)
+        state.replaced[state.rows, state.step + 1] = replaced
     state.position += 1
     state.step += 1
     state.column += 1  # the cache's column
@@ -295,13 +335,19 @@ class Decoder:
         return self.twin
 
     def __call__(self, model: Qwen3ForCausalLM, state: DecodeState, cache: KVCache, filled: int,
-                 sampling: Sampling) -> None:
-        """One decode step (`decode_step`), in place. `filled`: the cache positions written once this step's are."""
+                 sampling: Sampling, speculative: Speculative | None = None) -> None:
+        """One decode step (`decode_step`), in place. `filled`: the cache positions written once this step's are.
+        A `speculative` teacher decodes in the eager step only (its cache one more that the compiled step's held
+        storage would have to hold)."""
         if not self.compiled:
             visible = -(-filled // KEY_BLOCK) * KEY_BLOCK
             if visible < cache.max_length:  # the key mask's view is written in place: the whole mask follows
                 cache, state = cache.prefix(visible), replace(state, key_mask=state.key_mask[:, :visible])
-            return decode_step(model, state, cache, sampling)
+                if speculative is not None:
+                    speculative = replace(speculative, cache=speculative.cache.prefix(visible))
+            return decode_step(model, state, cache, sampling, speculative)
+        if speculative is not None:
+            raise ValueError("a speculative teacher decodes in the eager step: Decoder(compiled=False)")
         # the step writes the cache and the state in place: marked as inputs of fixed address, which a CUDA graph
         # may write (it is skipped for a graph that mutates an ordinary input)
         for buffer in cache.keys + cache.values + state.tensors():
@@ -355,14 +401,16 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
              top_p: float = 1.0, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | Sequence[torch.Generator] | None = None,
              vocab_size: int | None = None, decoder: Decoder | None = None,
-             all_stopped: Callable[[bool], bool] | None = None) -> GenerateOutput:
+             all_stopped: Callable[[bool], bool] | None = None,
+             speculative: Speculative | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row. `generator`: one for the batch, or one per row (then a row's
     sample depends on its own seed alone). `vocab_size` (the tokenizer's) keeps the embedding's padding rows
     (Qwen3 pads 151,669 real tokens to 151,936) from ever being sampled. `decoder`: a compiled Decoder to reuse
     across calls (default: the eager step). `all_stopped`: for processes that must run every forward together (a
     sharded model all-gathers each layer's weights in it), whether this process's rows have all stopped -> whether
     every process's have (asked every STOP_CHECK steps, at the same steps on every process); until then a process
-    whose rows stopped decodes on, one stopped row wide, its tokens never recorded."""
+    whose rows stopped decodes on, one stopped row wide, its tokens never recorded. `speculative`: speculative KD's
+    teacher (sampling, the eager step), the tokens it chose in the output's `replaced`."""
     model = getattr(model, "module", model)
     decoder = decoder or Decoder()
     B, P = input_ids.shape
@@ -382,8 +430,26 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     if do_sample:
         state.uniforms[:B, :max_new_tokens] = draw_uniforms(generator, B, max_new_tokens, device)
     hidden = model(input_ids, attention_mask=attention_mask, kv_cache=cache, return_hidden=True).hidden_states
-    state.token.copy_(pick_token(next_token_logits(model, hidden[:, -1], greedy=not do_sample), sampling,
-                                 None if state.uniforms is None else state.uniforms[:B, 0]))
+    logits = next_token_logits(model, hidden[:, -1], greedy=not do_sample)
+    if speculative is None:
+        state.token.copy_(pick_token(logits, sampling, None if state.uniforms is None else state.uniforms[:B, 0]))
+    else:
+        if not do_sample or decoder.compiled:
+            raise ValueError("speculative KD samples (do_sample) in the eager step (Decoder(compiled=False))")
+        # the teacher's uniforms after the student's: each row's own draws are those of plain sampling
+        state = replace(state, teacher_uniforms=draw_uniforms(generator, B, max_new_tokens, device),
+                        replaced=torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device))
+        teacher = speculative.teacher
+        speculative = replace(speculative, cache=KVCache(teacher.config, B, cache.max_length,
+                                                         cache_dtype(teacher, device), device))
+        teacher_hidden = teacher(input_ids, attention_mask=attention_mask, kv_cache=speculative.cache,
+                                 return_hidden=True).hidden_states
+        token, replaced = speculative_pick(logits, next_token_logits(teacher, teacher_hidden[:, -1]), sampling,
+                                           state.uniforms[:B, 0], state.teacher_uniforms[:, 0], speculative.topk)
+        state.token.copy_(token)
+        state.replaced[:, 0] = replaced
+        speculative.cache.column = state.column
+        teacher.model.rotary_emb.reserve(cache.max_length)
     # from here the cache is written one position per step (prompts are left padded: the same position for every
     # row), and a row's query sees its prompt's real tokens and every token generated so far
     state.column.fill_(P)
@@ -408,7 +474,9 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
                 keep = state.finished.long().argsort(stable=True)[:1 << max(len(state.rows) - done - 1, 0).bit_length()]
                 state.keep(keep)
                 cache.select_rows(keep)
-        decoder(step_model, state, cache, P + step + 1, sampling)
+                if speculative is not None:
+                    speculative.cache.select_rows(keep)
+        decoder(step_model, state, cache, P + step + 1, sampling, speculative)
     record(state)
 
     completion_ids = state.completion_ids[:B, :max_new_tokens].clone()
@@ -416,8 +484,9 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     # the completions' width: up to the step where this process's rows had all stopped
     steps = int(completion_mask.sum(dim=1).max()) if B else max_new_tokens
     completion_ids, completion_mask = completion_ids[:, :steps], completion_mask[:, :steps]
+    replaced = None if speculative is None else state.replaced[:, :steps] & completion_mask.bool()
     return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
-                          completion_mask=completion_mask)
+                          completion_mask=completion_mask, replaced=replaced)
 
 
 def next_token_logits(model: Qwen3ForCausalLM, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:

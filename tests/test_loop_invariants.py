@@ -1,8 +1,8 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
-rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights; SFT and RL with a LoRA
-student, RL's OPD term with those variants) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32):
-accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
+rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights;
+OPD with speculative KD's rollouts; SFT and RL with a LoRA student, RL's OPD term with those variants) on a tiny
+Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
 padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
 
@@ -36,6 +36,8 @@ LOOPS = {
     "opd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # the sampled-token form with PowerOPD's reward and IW-OPD's weights (whole rows per micro-batch, any split)
     "opd_signal": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
+    # speculative KD: the teacher decodes beside the student and replaces its proposals outside its top-K
+    "opd_skd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # RL with tests/rl_length_reward.py's stand-in reward (a random model never answers right: no group would differ)
     "rl": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
     # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
@@ -62,6 +64,7 @@ LOOP_FLAGS["kd_teachers"] = {**LOOP_FLAGS["kd"], "divergence": "skew_kl"}
 LOOP_FLAGS["opd_teachers"] = {"max_new_tokens": 8, "lmbda": 0.5, "loss": "skew_rkl"}
 SIGNAL = {"opd_reward": "power", "position_weight": "iw"}
 LOOP_FLAGS["opd_signal"] = {"max_new_tokens": 8, "loss": "sampled_kl", **SIGNAL}
+LOOP_FLAGS["opd_skd"] = {"max_new_tokens": 8, "skd_topk": 2048}  # random models: about half the proposals replaced
 # a LoRA learning rate (the adapters move: B starts at zero), adapters compared besides the merged weights (weights());
 # RL's OPD term with the sampled-token signal's variants
 LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}

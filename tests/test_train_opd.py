@@ -144,7 +144,22 @@ def test_skew_at_zero_trains_as_the_jsd_at_its_end(tiny_config_path, chat_jsonl,
     assert max_weight_diff(weights(tmp_path / "skew"), weights(tmp_path / "jsd")) <= 1e-5
 
 
+def test_speculative_kd_with_k_the_vocabulary_trains_as_plain_opd(tiny_config_path, chat_jsonl, teacher_dir,
+                                                                    tmp_path):
+    """--skd_topk K: K = the vocabulary keeps every proposal, so the run is plain OPD's bit for bit; K = 1 replaces
+    the proposals that are not the teacher's argmax, and logs their share."""
+    common = dict(batch=4, max_steps=2, decode="eager")
+    train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / "plain", teacher_dir, **common))
+    train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / "skd", teacher_dir, skd_topk=151936, **common))
+    assert max_weight_diff(weights(tmp_path / "plain"), weights(tmp_path / "skd")) == 0
+    assert [m["skd_replaced_share"] for m in metrics(tmp_path / "skd")] == [0.0, 0.0]
+    train_opd(opd_args(tiny_config_path, chat_jsonl, tmp_path / "top1", teacher_dir, skd_topk=1, **common))
+    assert all(0 < m["skd_replaced_share"] <= 1 for m in metrics(tmp_path / "top1"))
+
+
 @pytest.mark.parametrize("flags, message", [
+    ({"skd_topk": 4, "decode": "compiled"}, "--decode eager"),
+    ({"skd_topk": 4, "loss": "sampled_kl"}, "--skd_topk with --loss sampled_kl"),
     ({"loss": "skew_kl", "teacher_topk": 4}, "whole distribution"),
     ({"skew": 0.2}, "--skew is the skew"),
     ({"lmbda": 1.5}, "lmbda"),

@@ -15,7 +15,8 @@
 Per micro-batch, the paper's eq. 2:
   1. with probability lmbda the step is on-policy (one draw per optimizer step, so the same whatever the split into
      ranks and micro-batches): the student samples y ~ pi_student(.|x) (KV cache, eval mode,
-     no grad; or on the rollout server, which holds the student's weights: pushed and verified before the step's
+     no grad; with --skd_topk K speculative KD: a token outside the teacher's top-K is the teacher's sample; or on
+     the rollout server, which holds the student's weights: pushed and verified before the step's
      first rollout every --sync_interval steps; with --max_staleness S the server samples step s from the weights
      of step s-S, in the background, trainer/rollouts/queue.py); otherwise the dataset's own completions are used
      (lmbda=0 is plain KD on the data)
@@ -43,6 +44,7 @@ import torch
 
 from common.errors import run_script
 from common.seeds import derived_seed
+from model.generate import Speculative
 from dataset.collators import IGNORE_INDEX
 from trainer.config import opd as config
 from trainer.config.opd_signal import opd_signal
@@ -93,7 +95,8 @@ def train(args: argparse.Namespace) -> None:
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
     # every save keeps the rollouts sampled ahead; step 1's coin decides which steps sample
-    rollouts = Rollouts(run, tokenizer, server, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s))
+    speculative = Speculative(teachers.local[0], args.skd_topk) if args.skd_topk else None  # speculative KD
+    rollouts = Rollouts(run, tokenizer, server, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s), speculative)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder,  # each rank its share
                                  **teachers.for_evaluation())
     say_servers(args, args.teacher_topk)
@@ -122,7 +125,7 @@ def train(args: argparse.Namespace) -> None:
         rollouts.add_to(run.metrics)  # served: seconds waited for rollouts, the server's idle time
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         shown = teachers.shown() + ("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
-                                    "sync_logprob_diff")  # several teachers: theirs first
+                                    "sync_logprob_diff", "skd_replaced_share")  # several teachers: theirs first
         # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end
         if run.end_step(metrics, shown, evaluator, rollouts.before_save, teachers.served):
             break

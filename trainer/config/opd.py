@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and one tail bucket per position (what a --teacher_url server returns; with --teacher_path "
                         "the same from its logits); 0: the full vocabulary (local teacher only)")
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that an optimizer step is on-policy")
+    g.add_argument("--skd_topk", type=int, default=0,
+                   help="K > 0: speculative KD, the student samples and each token outside the local teacher's "
+                        "top-K is replaced by the teacher's own sample (built-in engine, eager decode); 0: off")
     add_opd_signal_args(parser, "--loss sampled_kl")
     add_sampling_args(parser)
     add_server_args(parser)
@@ -62,6 +65,15 @@ def validate_opd_args(args: argparse.Namespace) -> None:
         (not 0.0 <= a.lmbda <= 1.0, f"--lmbda must be in [0, 1], got {a.lmbda}"),
         (not 0.0 <= a.beta <= 1.0, f"--beta must be in [0, 1], got {a.beta}"),
         (not 0.0 <= a.skew < 1.0, f"--skew must be in [0, 1), got {a.skew}"),
+        (a.skd_topk < 0, f"--skd_topk must be >= 0, got {a.skd_topk}"),
+        (a.skd_topk and (a.teacher_url or a.teachers),
+         "--skd_topk: the teacher decodes beside the student, token by token: one local --teacher_path (a served "
+         "teacher would be a request per token)"),
+        (a.skd_topk and a.rollout_url, "--skd_topk: the teacher replaces tokens inside the built-in engine; drop "
+                                       "--rollout_url"),
+        (a.skd_topk and a.decode == "compiled", "--skd_topk: the teacher decodes in the eager step: --decode eager"),
+        (a.skd_topk and sampled_kl, "--skd_topk with --loss sampled_kl: the teacher's tokens are not the student's "
+                                    "samples, which the estimate needs; use --loss jsd"),
         (a.skew != SKEW and not skewed, f"--skew is the skew divergences' a: add --loss skew_kl or skew_rkl (got "
                                         f"--loss {a.loss})"),
         (skewed and (a.teacher_url or a.teacher_topk),

@@ -28,6 +28,7 @@ from common.errors import refuse_first
 from common.seeds import derived_seed
 from dataset.collators import build_sequences
 from model import Decoder, generate
+from model.generate import Speculative
 from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.rollouts.queue import RolloutQueue
@@ -40,15 +41,17 @@ Sequences = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attent
 
 
 class Rollouts:
-    def __init__(self, run: Run, tokenizer, server: CompletionServer | None, on_policy: Callable[[int, int], bool]):
+    def __init__(self, run: Run, tokenizer, server: CompletionServer | None, on_policy: Callable[[int, int], bool],
+                 speculative: Speculative | None = None):
         """The rollouts of `run`'s student (`run.raw_model`, unwrapped: it samples, or the server gets its weights,
         under the run's autocast and compute dtype; every request to the server inside the run's failure protocol,
         Run.fail_together), which every save of the run keeps (the ones sampled ahead, resumed from its checkpoint).
         `on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
         `decoder`: the built-in engine's decode step (--decode: compiled by default on CUDA), which the loop's
-        held-out evaluation shares (one compiled step, one held cache)."""
+        held-out evaluation shares (one compiled step, one held cache). `speculative`: speculative KD's teacher in
+        the built-in engine (OPD's --skd_topk), the share of tokens it replaced logged (`skd_replaced_share`)."""
         args = run.args
-        self.args, self.tokenizer, self.server = args, tokenizer, server
+        self.args, self.tokenizer, self.server, self.speculative = args, tokenizer, server, speculative
         self.decoder = Decoder(compiled=args.decode == "compiled")
         self.on_policy, self.student, self.autocast = on_policy, run.raw_model, run.autocast
         self.fail_together = run.fail_together
@@ -95,7 +98,7 @@ class Rollouts:
                 return served_sequences(batch, completions, self.tokenizer, self.device)
             if on_policy:
                 return sample_completions(self.student, self.args, self.tokenizer, batch, epoch, self.device,
-                                          self.autocast, self.decoder)
+                                          self.autocast, self.decoder, self.speculative, self.stats)
             data = {k: v.to(self.device) for k, v in self.data_collator(batch["rows"]).items()}
             return data["input_ids"], data["attention_mask"], data["labels"]
 
@@ -166,9 +169,12 @@ def sampling_settings(args: argparse.Namespace, tokenizer) -> dict:
 
 
 def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict, epoch: int, device: str,
-                       autocast, decoder: Decoder | None = None) -> Sequences:
+                       autocast, decoder: Decoder | None = None, speculative: Speculative | None = None,
+                       stats: WindowMetrics | None = None) -> Sequences:
     """Steps 1-2 on-policy with the built-in engine (KV cache, eval mode, no grad; `decoder`'s decode step, eager by
-    default) -> input_ids, attention_mask and labels on the completion through its first EOS."""
+    default; a `speculative` teacher replacing the student's proposals outside its top-K, their share of the
+    completion tokens into `stats`) -> input_ids, attention_mask and labels on the completion through its first
+    EOS."""
     prompt_ids = batch["prompt_ids"].to(device)
     prompt_mask = batch["prompt_attention_mask"].to(device)
     was_training = student.training
@@ -176,8 +182,11 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
     generators = [torch.Generator(device).manual_seed(seed) for seed in row_seeds(args.seed, batch, epoch)]
     with autocast():
         out = generate(student, prompt_ids, prompt_mask, args.max_new_tokens, generator=generators,
-                       pad_token_id=tokenizer.pad_token_id, decoder=decoder, **sampling_settings(args, tokenizer))
+                       pad_token_id=tokenizer.pad_token_id, decoder=decoder, speculative=speculative,
+                       **sampling_settings(args, tokenizer))
     student.train(was_training)
+    if speculative is not None:
+        stats.ratio("skd_replaced_share", out.replaced.sum(), out.completion_mask.sum())
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
 

@@ -1,0 +1,85 @@
+# python -m pytest tests/test_speculative.py
+"""Speculative KD in the built-in decode engine (model/generate.py's Speculative): with K = the vocabulary the
+rollouts are plain sampling's bit for bit (no proposal is ever outside the teacher's top-K, and the teacher's draws
+come after the student's); with K = 1 a kept token is the teacher's argmax and every replaced token is the
+teacher's own sample, recomputed here by a full forward of the teacher on the prefix; rows that stop early leave
+both caches alike."""
+import pytest
+import torch
+
+from model import Qwen3Config, create_model
+from model.generate import Sampling, Speculative, generate, pick_token
+
+VOCAB, PAD, NEW = 300, 299, 12
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A student and a teacher of different depths, float64 (a recomputed draw is never a rounding apart)."""
+    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    student = create_model(Qwen3Config(num_hidden_layers=1, **config), seed=1, dtype=torch.float64).eval()
+    teacher = create_model(Qwen3Config(num_hidden_layers=2, **config), seed=2, dtype=torch.float64).eval()
+    return student, teacher
+
+
+def prompts():
+    ids = torch.tensor([[PAD, PAD, 5, 17, 42], [7, 8, 9, 10, 11], [PAD, PAD, PAD, PAD, 3]])
+    return ids, (ids != PAD).long()
+
+
+def seeds():
+    return [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
+
+
+def rollout(student, teacher=None, topk=0, eos=None):
+    ids, mask = prompts()
+    with torch.no_grad():
+        return generate(student, ids, mask, NEW, generator=seeds(), pad_token_id=PAD, vocab_size=VOCAB - 1,
+                        eos_token_id=eos, speculative=Speculative(teacher, topk) if teacher is not None else None)
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_with_k_the_vocabulary_the_rollouts_are_plain_samplings(pair, stops):
+    """Also where rows stop at EOS (a token plain sampling draws in row 0), the batch narrowing in both engines."""
+    student, teacher = pair
+    eos = int(rollout(student).completion_ids[0, 3]) if stops else None
+    plain = rollout(student, eos=eos)
+    assert bool((plain.completion_mask.sum(1) < NEW).any()) == stops
+    speculative = rollout(student, teacher, topk=VOCAB, eos=eos)
+    assert torch.equal(speculative.completion_ids, plain.completion_ids)
+    assert torch.equal(speculative.completion_mask, plain.completion_mask)
+    assert not bool(speculative.replaced.any())
+
+
+def test_with_k_one_kept_tokens_are_the_teachers_argmax_and_replaced_ones_its_samples(pair):
+    student, teacher = pair
+    out = rollout(student, teacher, topk=1)
+    ids, mask = prompts()
+    teacher_uniforms = [(g.manual_seed(s), torch.rand(NEW, generator=g, dtype=torch.float64),
+                         torch.rand(NEW, generator=g, dtype=torch.float64))[2]
+                        for g, s in zip(seeds(), (11, 12, 13))]  # after the student's draws, as generate draws them
+    sampling = Sampling(True, 1.0, 0, 1.0, VOCAB - 1)
+    replaced = 0
+    for row in range(3):
+        for t in range(int(out.completion_mask[row].sum())):
+            prefix = torch.cat([ids[row], out.completion_ids[row, :t]])[None]
+            with torch.no_grad():
+                logits = teacher(prefix, attention_mask=torch.cat([mask[row], torch.ones(t, dtype=torch.long)])[None]
+                                 ).logits[:, -1].clone()
+            token = int(out.completion_ids[row, t])
+            if bool(out.replaced[row, t]):
+                replaced += 1
+                assert token == int(pick_token(logits.clone(), sampling, teacher_uniforms[row][t:t + 1]))
+            else:
+                assert token == int(logits[0, :VOCAB - 1].argmax())
+    assert 0 < replaced < int(out.completion_mask.sum())  # both cases occur
+
+
+def test_the_compiled_step_and_greedy_are_refused(pair):
+    student, teacher = pair
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="eager step"):
+        generate(student, ids, mask, 4, do_sample=False, speculative=Speculative(teacher, 1))
