@@ -116,8 +116,9 @@ def train(args: argparse.Namespace) -> None:
                 with run.autocast():
                     hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
                     # the divergence per token to each row's teacher, summed (IW-OPD's weights: by place in the row)
+                    rows = completion_rows(labels) if args.position_weight == "iw" else None
                     loss_sum, num_tokens = teachers.loss(scores, hidden, run.head, targets, chunk, vocab, run.metrics,
-                                                         completion_rows(labels))
+                                                         rows)
                 run.backward(loss_sum, num_tokens)
             teachers.reshard()  # a sharded teacher's head, gathered for its forward, is read until here
             add_rollout_stats(run.metrics, input_ids, labels, tokenizer.eos_token_id, on_policy)
