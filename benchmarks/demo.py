@@ -34,6 +34,9 @@ root, exactly as printed (its leading `python` is this interpreter), writing int
   lf_rule   logit-free OPD from benchmarks/rule_teacher.py: a rule-based solver behind an OpenAI-compatible endpoint,
             a stand-in for an API better than any local model
   rl        GRPO with the math-verify reward, groups of 4
+The OPD variants (VARIANTS: self-distillation, speculative KD, skew reverse KL, PowerOPD, IW-OPD and their
+sampled-token base, each one flag on OPD's command at OPD's learning rate) are rows of their own by name, outside the
+default table: `--methods opd,opd_self,opd_skd,...`; each is also tested against OPD's row of the same seed.
 Each run is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
 which benchmarks/demo_curves.py draws against steps, FLOPs and teacher tokens, with the paired tests at equal steps
 and equal FLOPs. Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the
@@ -178,6 +181,8 @@ class Method:
     # bfloat16): each exports its start (--export_steps 0), the first seed's graded as the baseline the method's rows
     # are tested against
     own_start: bool = False
+    # a variant of another method (its name): each row also tested against that method's row of the same seed
+    variant_of: str | None = None
 
 
 # The learning rates: `--sweep` at this budget, graded on the val problems (the student: 41.5%), seed 1 (docs and the
@@ -200,6 +205,26 @@ METHODS = (
            "--teacher_url {url} " + LOGIT_FREE, 1e-4, needs="rule"),
     Method("rl", "RL (GRPO, groups of 4, math-verify reward)", "trainer/train_rl.py",
            "--num_generations 4 --batch_size 4", 3e-5, rows_per_step=4),
+)
+
+
+# The OPD signals the field compares (docs/training.md), each one flag on white-box OPD, at OPD's learning rate (not
+# swept), each row also tested against OPD's of the same seed; not in the default table (`--methods opd,opd_self,...`
+# adds them)
+OPD_TEACHER = "--teacher_path {teacher}"
+VARIANTS = (
+    Method("opd_self", "self-distillation (the live student shown the answer)", "trainer/train_opd.py",
+           "--self_teacher live", 3e-4, variant_of="opd"),
+    Method("opd_skd", "speculative KD (top-25)", "trainer/train_opd.py", f"{OPD_TEACHER} --skd_topk 25", 3e-4,
+           variant_of="opd"),
+    Method("opd_skew", "skew reverse KL (a = 0.1)", "trainer/train_opd.py", f"{OPD_TEACHER} --loss skew_rkl", 3e-4,
+           variant_of="opd"),
+    Method("opd_power", "PowerOPD (sampled-token, a = 5)", "trainer/train_opd.py",
+           f"{OPD_TEACHER} --loss sampled_kl --opd_reward power", 3e-4, variant_of="opd"),
+    Method("opd_iw", "IW-OPD (sampled-token, g = 0.5)", "trainer/train_opd.py",
+           f"{OPD_TEACHER} --loss sampled_kl --position_weight iw", 3e-4, variant_of="opd"),
+    Method("opd_sampled", "sampled-token OPD (PowerOPD's and IW-OPD's base)", "trainer/train_opd.py",
+           f"{OPD_TEACHER} --loss sampled_kl", 3e-4, variant_of="opd"),
 )
 
 
@@ -789,6 +814,7 @@ class Result:
     versus_start: tuple[int, int, float] | None = None  # (only this row right, only its start right, p)
     curve: list[dict] = field(default_factory=list)  # curve_points
     sampled: dict | None = None  # the final model's grading on SCALE.sampled samples per problem (sampled_summary)
+    versus_base: tuple[int, int, float] | None = None  # a variant against its method's row of the same seed
 
 
 def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
@@ -810,8 +836,17 @@ def collect(root: str, rows: Sequence[Row], runs: dict[str, RowRun],
         start = None if row.student or row.name == "teacher" else by_name[row.baseline] if row.baseline else student
         reverse_kl, paired = statistics(root, row, start)
         results.append(Result(row, run, summary, steps, reverse_kl, paired, curve_points(root, row, steps),
-                              sampled_summary(root, row)))
+                              sampled_summary(root, row), versus_base(root, row, by_name, runs)))
     return results
+
+
+def versus_base(root: str, row: Row, by_name: dict[str, Row], runs: dict[str, RowRun]) -> tuple | None:
+    """A variant's paired test against its method's row of the same seed, where that row is in the table."""
+    base = by_name.get(f"{row.method.variant_of}_s{row.seed}") if row.method and row.method.variant_of else None
+    if base is None or runs[base.name].skipped is not None:
+        return None
+    from benchmarks.demo_stats import paired_test
+    return paired_test(gradings_path(root, row), gradings_path(root, base))
 
 
 def sampled_summary(root: str, row: Row) -> dict | None:
@@ -902,6 +937,11 @@ def notes(result: Result) -> str:
     if not steps:
         return "evaluation reused (the same commit and flags)" if result.run.reused else ""
     parts = [f"{steps[-1]['step']} steps, loss {steps[0]['loss']:.3g} -> {steps[-1]['loss']:.3g}"]
+    if result.versus_base is not None:
+        parts.insert(0, f"vs {result.row.method.variant_of} seed {result.row.seed}: {versus(result.versus_base)}")
+    if "skd_replaced_share" in steps[0]:
+        parts.append(f"tokens replaced by the teacher {steps[0]['skd_replaced_share']:.0%} -> "
+                     f"{steps[-1]['skd_replaced_share']:.0%}")
     if "zero_variance_share" in steps[0]:
         signal = 1 - sum(m["zero_variance_share"] for m in steps) / len(steps)
         parts.append(f"groups with signal {signal:.0%} (step 1 {1 - steps[0]['zero_variance_share']:.0%}, last "
@@ -936,7 +976,8 @@ def record(result: Result) -> dict:
             "groups_with_signal": (1 - sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
                                    if result.steps and "zero_variance_share" in result.steps[0] else None),
             "gradings": os.path.relpath(gradings_path(".", row), "."), "curve": result.curve,
-            "sampled": result.sampled}
+            "sampled": result.sampled,
+            "versus_base": list(result.versus_base) if result.versus_base else None}
 
 
 def table(results: Sequence[Result]) -> str:
@@ -1024,11 +1065,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="instead of the table: logit-free OPD from the served teacher with each --chunk_weight, "
                              "and white-box OPD, each seed (docs/logit_free.md)")
     parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
-                        help="comma-separated methods of the table or the sweep (default: all)")
+                        help="comma-separated methods of the table or the sweep (default: METHODS; the OPD "
+                             "variants, VARIANTS, by name: " + ",".join(m.name for m in VARIANTS) + ")")
     args = parser.parse_args(argv)
     if args.resume and (args.fresh or args.retrain):
         parser.error("--resume goes on with the runs that --fresh and --retrain move aside: pass one of them")
-    names = {m.name: m for m in METHODS}
+    names = {m.name: m for m in METHODS + VARIANTS}
     unknown = [name for name in args.methods.split(",") if name not in names]
     if unknown:
         parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(names)}")

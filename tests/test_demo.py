@@ -567,3 +567,23 @@ def test_the_long_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
         assert [p["step"] for p in rows[name]["curve"]] == [*scale.curve, scale.budget_steps], name
         assert rows[name]["sampled"]["n"] == scale.sampled and rows[name]["versus_start"] is not None, name
     assert rows["lf_rule_s1"]["teacher_requests"] > 0
+
+
+def test_the_opd_variants_are_rows_of_their_own_each_tested_against_opd_of_its_seed(root, capsys):
+    """`--methods opd,opd_self,opd_skd`: each variant's run carries its one flag on OPD's command, and its notes hold
+    its McNemar test against white-box OPD's row of the same seed, counted from the two rows' gradings."""
+    run_demo(root, ["--methods", "opd,opd_self,opd_skd"])
+    saved = json.loads((root / demo.ADDITION.save_dir / "demo.json").read_text())
+    rows = {r["name"]: r for r in saved["rows"]}
+    assert "--self_teacher live" in rows["opd_self_s1"]["commands"][0]
+    assert "--teacher_path" not in rows["opd_self_s1"]["commands"][0]
+    assert "--skd_topk 25" in rows["opd_skd_s2"]["commands"][0]
+    for name in ("opd_self_s1", "opd_self_s2", "opd_skd_s1", "opd_skd_s2"):
+        seed = name[-1]
+        mine, base = correct_of(name), correct_of(f"opd_s{seed}")
+        # the first `correct` of 10 problems right in each: only the better one gains, by the difference
+        gained, lost = max(mine - base, 0), max(base - mine, 0)
+        assert rows[name]["versus_base"][:2] == [gained, lost], (name, rows[name]["versus_base"])
+    assert rows["opd_s1"]["versus_base"] is None
+    assert "vs opd seed 1: +" in capsys.readouterr().out
+    assert set(demo.parse_args(["--methods", "opd_power,opd_iw,opd_skew,opd_sampled"]).methods) <= set(demo.VARIANTS)

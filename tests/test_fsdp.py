@@ -205,19 +205,22 @@ def test_opd_with_a_sharded_student_needs_a_rollout_server(tiny_config_path, cha
 
 @pytest.mark.serial
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["opd", "rl", "logit_free", "rl_lora"])
+@pytest.mark.parametrize("loop", ["opd", "opd_self", "rl", "logit_free", "rl_lora"])
 def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, black_box_stub, tmp_path):
     """A sharded student cannot decode on its own (every rank holds a part of every layer): it samples on the
     rollout server, rank 0 pushing the weights gathered from the shards; the sharded frozen models (OPD's teacher,
     RL's reference and teacher, the logit-free anchor's reference) score on all ranks; the student's head is read
     where the forward has gathered it. 2 sharded ranks train as one process does. rl_lora: a LoRA student, its
     adapters sharded with its base, the merged weights pushed (each adapter gathered whole, small), its reference
-    its own base."""
+    its own base. opd_self: self-distillation, the live student its own teacher (its sharded forward without
+    gradients on the privileged prompts, then the student's own; the head both read is the one gathered)."""
     config = tmp_path / "served_config.json"
     config.write_text(json.dumps(SERVED_CONFIG))
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
     script, main, own = {
         "opd": (OPD, train_opd, dict(teacher_path=vllm_servers.teacher_dir)),
+        "opd_self": (OPD, train_opd, dict(self_teacher="live", max_prompt_length=64,
+                                          privileged_template="{question} The answer: {ground_truth}.")),
         # the OPD term with PowerOPD's reward and IW-OPD's weights (their first pass reads the gathered head too)
         "rl": (RL, train_rl, dict(num_generations=2, kl_coef=0.1, opd_coef=1.0, opd_reward="power",
                                   position_weight="iw", teacher_path=vllm_servers.teacher_dir)),

@@ -1,7 +1,7 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
 rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights;
-OPD with speculative KD's rollouts; SFT and RL with a LoRA student, RL's OPD term with those variants) on a tiny
+OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; SFT and RL with a LoRA student, RL's OPD term with those variants) on a tiny
 Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
 padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
@@ -38,6 +38,8 @@ LOOPS = {
     "opd_signal": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # speculative KD: the teacher decodes beside the student and replaces its proposals outside its top-K
     "opd_skd": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
+    # self-distillation: the student's EMA, shown the row's answer in its prompt, is the teacher (the EMA resumed)
+    "opd_self": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # RL with tests/rl_length_reward.py's stand-in reward (a random model never answers right: no group would differ)
     "rl": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
     # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
@@ -65,6 +67,8 @@ LOOP_FLAGS["opd_teachers"] = {"max_new_tokens": 8, "lmbda": 0.5, "loss": "skew_r
 SIGNAL = {"opd_reward": "power", "position_weight": "iw"}
 LOOP_FLAGS["opd_signal"] = {"max_new_tokens": 8, "loss": "sampled_kl", **SIGNAL}
 LOOP_FLAGS["opd_skd"] = {"max_new_tokens": 8, "skd_topk": 2048}  # random models: about half the proposals replaced
+LOOP_FLAGS["opd_self"] = {"max_new_tokens": 8, "self_teacher": "ema", "ema_decay": 0.5, "max_prompt_length": 64,
+                          "privileged_template": "{question} The answer: {ground_truth}."}
 # a LoRA learning rate (the adapters move: B starts at zero), adapters compared besides the merged weights (weights());
 # RL's OPD term with the sampled-token signal's variants
 LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
@@ -107,7 +111,8 @@ def loop(request, files):
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
     teacher = {"teachers": files["teachers"]} if several else {"teacher_path": files["teacher"]}
-    extra = {**LOOP_FLAGS[request.param], **(teacher if not request.param.startswith("sft") else {})}
+    own_teacher = request.param.startswith("sft") or request.param == "opd_self"  # none, or the student itself
+    extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}
     data = routed(files["data"]) if several else files["data"]
 
     def args(save_dir, **flags):

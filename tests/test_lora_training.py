@@ -142,16 +142,19 @@ def test_a_resume_onto_another_base_or_without_lora_is_refused_in_one_line(tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["rl", "logit_free"])
+@pytest.mark.parametrize("loop", ["rl", "logit_free", "opd_self"])
 def test_a_lora_students_reference_is_its_own_base(loop, tiny_config_path, chat_jsonl, tmp_path, black_box_stub):
     """Every live module's parameters and buffers at the first optimizer step, distinct storages by data_ptr: with a
     LoRA student and no --reference_path under 1.1 copies of the base; a full student's reference is a second copy
-    (the probe sees it: about 2)."""
+    (the probe sees it: about 2). The same for self-distillation's --self_teacher start, the student as it began."""
     script, own = {
         "rl": (os.path.join(ROOT, "tests", "rl_length_reward.py"), dict(num_generations=2, kl_coef=0.1)),
         "logit_free": (os.path.join(ROOT, "trainer", "train_logit_free.py"),
                        dict(teacher_url=black_box_stub.url, chunk_len=3, audit_chunks=2, continuations=3,
                             anchor_beta=0.5)),
+        "opd_self": (os.path.join(ROOT, "trainer", "train_opd.py"),
+                     dict(self_teacher="start", max_prompt_length=64,
+                          privileged_template="{question} The answer: {ground_truth}.")),
     }[loop]
     copies = {}
     for name, lora in (("lora", LORA), ("full", {})):

@@ -11,6 +11,7 @@
     ... --loss sampled_kl --teacher_url http://127.0.0.1:8001/v1   # the teacher's log-probs from a server
     ... --teacher_topk 16 --teacher_url http://127.0.0.1:8001/v1    # its top-16 per position (--loss jsd)
     ... --teachers teachers.json --default_teacher math   # each row from the teacher its `teacher` column names
+    ... --self_teacher ema --privileged_template "{question} The answer is {ground_truth}."   # self-distillation
 
 Per micro-batch, the paper's eq. 2:
   1. with probability lmbda the step is on-policy (one draw per optimizer step, so the same whatever the split into
@@ -28,6 +29,8 @@ Per micro-batch, the paper's eq. 2:
      tail bucket (a lower bound of it, exact as S covers the mass); or --loss sampled_kl, the policy-gradient form
      that needs only the teacher's log-probability of the sampled tokens (PowerOPD's reward, IW-OPD's weights:
      --opd_reward, --position_weight); or --loss skew_kl / skew_rkl, DistiLLM's skew divergences
+With --self_teacher start|ema|live the teacher is the student itself (its start, an EMA, or its live weights) and
+scores each completion after the row's privileged prompt (--privileged_template), not the student's.
 The skeleton normalises by the window's loss tokens over all ranks, clips and steps. Each row samples with its own
 seed (seed, epoch, row), so a resumed run samples exactly what the killed one would have, and 2 ranks x accumulation
 2 sample what 1 rank x accumulation 4 does.
@@ -56,6 +59,7 @@ from trainer.rollouts.source import Rollouts
 from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, load_prompt_data,
                               train_noting_stop_signals)
 from trainer.teachers.specs import teacher_specs
+from trainer.teachers.self_teacher import check_privileged_prompts, open_self_teachers
 from trainer.teachers.teacher_set import open_teachers
 
 
@@ -86,14 +90,20 @@ def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
     # with lmbda < 1 some micro-batches distil the dataset's own completions: then every row needs one
     tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", args.lmbda < 1.0)
+    distilling_self = args.self_teacher != "none"  # self-distillation: the student, shown privileged context
+    if distilling_self:
+        check_privileged_prompts(dataset, collator, args.privileged_template, args.max_prompt_length)
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
+    training = lambda t: training_divergence(args.loss, args.beta, args.temperature, t.topk, opd_signal(args),
+                                             args.skew)
     # rows routed, teacher servers connected, vocabularies and chat templates checked, local teachers loaded
-    teachers = open_teachers(args, teacher_specs(args), tokenizer, dataset, info.device,
-                             training=lambda t: training_divergence(args.loss, args.beta, args.temperature, t.topk,
-                                                                    opd_signal(args), args.skew),
-                             evaluation=lambda t: evaluation_divergence(args.beta, t.model is not None, t.topk))
+    teachers = open_teachers(args, [] if distilling_self else teacher_specs(args), tokenizer, dataset, info.device,
+                             training, evaluation=lambda t: evaluation_divergence(args.beta, t.model is not None,
+                                                                                  t.topk))
     student = build_student(args, info.device, tokenizer)
     run = Run(args, info, student, dataset, collator, tokenizer_dir, config.RESUMABLE)
+    if distilling_self:  # the teacher is the student: built (and with an EMA, resumed) with the run
+        teachers = open_self_teachers(args, run, tokenizer, training)
     # every save keeps the rollouts sampled ahead; step 1's coin decides which steps sample
     speculative = Speculative(teachers.local[0], args.skd_topk) if args.skd_topk else None  # speculative KD
     rollouts = Rollouts(run, tokenizer, server, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s), speculative)
@@ -125,6 +135,7 @@ def train(args: argparse.Namespace) -> None:
         clock.add_to(run.metrics)  # gen_s / train_s and their shares, reduced over ranks with the rest
         rollouts.add_to(run.metrics)  # served: seconds waited for rollouts, the server's idle time
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
+        teachers.after_step()  # a self-teacher's EMA follows the new weights
         shown = teachers.shown() + ("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
                                     "sync_logprob_diff", "skd_replaced_share")  # several teachers: theirs first
         # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end

@@ -8,6 +8,7 @@ from common.errors import ArgumentParser, refuse_first
 from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, add_teacher_args,
                                   default_student, resolve_teacher_path, validate_common_args)
 from trainer.config.opd_signal import add_opd_signal_args, opd_signal_rules
+from trainer.config.self_distillation import add_self_distillation_args, self_distillation_rules
 from trainer.losses.fused_divergences import SKEW, SKEWS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
@@ -38,12 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="K > 0: speculative KD, the student samples and each token outside the local teacher's "
                         "top-K is replaced by the teacher's own sample (built-in engine, eager decode); 0: off")
     add_opd_signal_args(parser, "--loss sampled_kl")
+    add_self_distillation_args(parser)
     add_sampling_args(parser)
     add_server_args(parser)
     args = parser.parse_args(argv)
     default_student(args, "kd", "python trainer/train_sft.py && python trainer/train_distillation.py")
     validate_common_args(args)
-    if not args.teacher_url and not args.teachers:
+    refuse_first(self_distillation_rules(args))
+    if not args.teacher_url and not args.teachers and args.self_teacher == "none":
         resolve_teacher_path(args)
     validate_sampling_args(args)
     validate_opd_args(args)

@@ -207,7 +207,7 @@ class Checkpoints:
             "swanlab_run_id": state.swanlab_run_id, "skipped_steps": state.skipped_steps, "elapsed_s": state.elapsed_s,
             "args": vars(self.args),
             "dtype": resolve_precision(self.dist.device, self.args.dtype).name, "rng": rng,
-            "rollouts": rollouts,
+            "rollouts": rollouts, "kept": state.kept,
         }
 
     def write(self, model: torch.nn.Module, checkpoint: dict, shards: str | None, step: int) -> None:
@@ -248,7 +248,8 @@ class Checkpoints:
         scaler.load_state_dict(checkpoint["scaler"])
         state = RunState(checkpoint["epoch"], checkpoint["step"], checkpoint["samples_in_epoch"],
                          checkpoint["swanlab_run_id"], checkpoint.get("skipped_steps", 0),
-                         checkpoint.get("elapsed_s", 0.0), checkpoint.get("rollouts") or {})
+                         checkpoint.get("elapsed_s", 0.0), checkpoint.get("rollouts") or {},
+                         checkpoint.get("kept") or {})
         if state.samples_in_epoch >= (dataset_size // self.dist.world_size) * self.dist.world_size:
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
         restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, state.step)

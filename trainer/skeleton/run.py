@@ -70,6 +70,7 @@ class Run:
                            self.effective_settings())
         self.metrics = WindowMetrics(self.device)  # the window's numbers: the loop's own and the run's
         self.kept_rollouts = lambda: self.state.rollouts  # what a save keeps of the rollouts sampled ahead
+        self.kept_states: dict[str, Callable[[], object]] = {}  # what a save keeps of the loop's own state
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
         # wall time of the processes before this one (a resumed run's "done" line counts the whole run)
         self.started_at_step, self.elapsed_before = self.state.step, self.state.elapsed_s
@@ -305,11 +306,17 @@ class Run:
         every save from here on: a resumed run trains on them, from weights it no longer has."""
         self.kept_rollouts = kept
 
+    def keep_state(self, name: str, state: Callable[[], object]) -> None:
+        """A loop's own state (`state()`: rank 0's, the same on every rank) goes into every save from here on, under
+        `name`; a resume finds it in `self.state.kept[name]` (a self-teacher's EMA)."""
+        self.kept_states[name] = state
+
     def save(self) -> None:
         """Every rank: the export and the resume file of this step (trainer/skeleton/checkpoint.py: the resume file
         is the commit point, written last)."""
         self.state.elapsed_s = self.elapsed_before + self.logs.timer.elapsed()
         self.state.rollouts = self.kept_rollouts()
+        self.state.kept = {name: state() for name, state in self.kept_states.items()}
         self.checkpoints.save(self.raw_model, self.optimizer, self.scaler, self.state, self.global_batch)
         self.saved_step = self.state.step
 

@@ -1,5 +1,6 @@
 """What a run has done and keeps across a resume, besides the weights and the optimizer: where it stands in the data
-(epoch, step, samples), its tracker id, fp16's skipped steps, and the rollouts sampled ahead for coming steps.
+(epoch, step, samples), its tracker id, fp16's skipped steps, the rollouts sampled ahead for coming steps, and what a
+loop keeps of its own (a self-teacher's EMA).
 Checkpoints save it (trainer/skeleton/checkpoint.py); the run alone updates it (the data position as its stream
 yields windows; the rollouts sampled ahead, a copy of the rollout queue's, at every save)."""
 from __future__ import annotations
@@ -19,6 +20,8 @@ class RunState:
     # after a resume every rank's): step -> {"version", "rows": {sample key: completion token ids}}
     # (trainer/rollouts/queue.py's sample_key)
     rollouts: dict[int, dict] = field(default_factory=dict)
+    # a loop's own state, by name, taken from rank 0 at every save (Run.keep_state: the same on every rank)
+    kept: dict[str, object] = field(default_factory=dict)
 
 
 def merge_rollouts(per_rank: list[dict[int, dict]], from_step: int) -> dict[int, dict]:

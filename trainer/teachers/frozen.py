@@ -82,16 +82,23 @@ def frozen_hidden(model: torch.nn.Module, autocast, input_ids: torch.Tensor, att
 
 
 def load_reference(args: argparse.Namespace, tokenizer, device: str, student: torch.nn.Module) -> torch.nn.Module:
-    """The frozen starting model a KL anchor holds the student to: --reference_path, else the student's own
-    starting point -- a LoRA student's own base, its adapters switched off (`BaseOf`: no second copy); its
-    --model_path; or with --model_config the same random init (the config and --seed), built again and frozen."""
-    if adapter_count(student) and not args.reference_path:
-        print0("the reference: the LoRA student's own base, its adapters switched off (no second copy)")
+    """The frozen model a KL anchor holds the student to: --reference_path, else the student's own starting point
+    (`load_start`)."""
+    return load_start(args, tokenizer, device, student, args.reference_path)
+
+
+def load_start(args: argparse.Namespace, tokenizer, device: str, student: torch.nn.Module, path: str | None,
+               role: str = "reference") -> torch.nn.Module:
+    """The model at `path`, frozen, else the student's own starting point -- a LoRA student's own base, its adapters
+    switched off (`BaseOf`: no second copy); its --model_path; or with --model_config the same random init (the
+    config and --seed), built again and frozen. `role` names it in messages."""
+    if adapter_count(student) and not path:
+        print0(f"the {role}: the LoRA student's own base, its adapters switched off (no second copy)")
         return BaseOf(student)
-    path = args.reference_path or args.model_path
+    path = path or args.model_path
     if path:
-        return load_frozen(args, path, tokenizer, device, role="reference")
-    print0(f"the reference: the student's random init again ({os.path.relpath(args.model_config)}, seed {args.seed})")
+        return load_frozen(args, path, tokenizer, device, role=role)
+    print0(f"the {role}: the student's random init again ({os.path.relpath(args.model_config)}, seed {args.seed})")
     precision = resolve_precision(device, args.dtype, args.teacher_dtype)
-    reference = create_model(Qwen3Config.from_json(args.model_config), seed=args.seed, device=device)
-    return reference.to(precision.teacher).eval().requires_grad_(False)
+    start = create_model(Qwen3Config.from_json(args.model_config), seed=args.seed, device=device)
+    return start.to(precision.teacher).eval().requires_grad_(False)

@@ -139,6 +139,10 @@ class Teachers:
                 out[part.index] = scores.to(out.dtype)
             add_part_metrics(metrics, self, part, None, 0 if scores is None else scores.numel())
 
+    def after_step(self) -> None:
+        """After each optimizer step: nothing for a frozen or served teacher (a self-teacher's EMA follows the
+        weights: trainer/teachers/self_teacher.py)."""
+
     def reshard(self) -> None:
         """Each sharded teacher's gathered head freed, after the backward that read it
         (trainer/skeleton/sharding.py)."""
