@@ -635,18 +635,23 @@ def run_teacher(row: Row, root: str, runner: Callable[[str, str], float]) -> Row
     return run_row(row, root, runner)
 
 
+GRADING_UNUSED = (":(exclude)benchmarks", ":(exclude)trainer")  # git pathspecs of what a grading never runs
+
+
 def is_current(path: str, command: str) -> bool:
     """Whether the summary at `path` is what `command` (an eval_math command) would write now: made by this commit
-    with no local change, or by an earlier one from which only docs, tests and benchmarks/ changed (common/version.py's
-    same_code), every flag the command names at the command's value (the others at the defaults of the same code)."""
+    with no local change, or by an earlier one from which only docs, tests, benchmarks/ and trainer/ changed
+    (common/version.py's same_code), every flag the command names at the command's value (the others at the
+    defaults of the same code)."""
     try:
         with open(path, encoding="utf-8") as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return False
     made_with = summary.get("args") or {}
-    # eval/eval_math.py imports nothing from benchmarks/: a change there (this script's own) grades nothing anew
-    return (same_code(str(summary.get("commit")), code_commit(), unused=(":(exclude)benchmarks",))
+    # eval/eval_math.py imports nothing from benchmarks/ (this script's own) nor trainer/ (the loops): a change there
+    # grades nothing anew (tests/test_demo.py checks the imports)
+    return (same_code(str(summary.get("commit")), code_commit(), unused=GRADING_UNUSED)
             and all(str(made_with.get(flag[2:])) == value for flag, value in named_flags(command).items()))
 
 

@@ -9,6 +9,7 @@ import os
 import runpy
 import shlex
 import socket
+import subprocess
 import sys
 import time
 
@@ -587,3 +588,13 @@ def test_the_opd_variants_are_rows_of_their_own_each_tested_against_opd_of_its_s
     assert rows["opd_s1"]["versus_base"] is None
     assert "vs opd seed 1: +" in capsys.readouterr().out
     assert set(demo.parse_args(["--methods", "opd_power,opd_iw,opd_skew,opd_sampled"]).methods) <= set(demo.VARIANTS)
+
+
+def test_a_grading_runs_no_code_of_the_folders_whose_changes_it_ignores():
+    """is_current reuses a grading across commits that changed only benchmarks/ and trainer/: eval/eval_math.py
+    must import neither (measured in a fresh interpreter)."""
+    probe = ("import json, sys; sys.path.insert(0, '.'); import eval.eval_math; "
+             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    folders = {spec.split(")")[1] for spec in demo.GRADING_UNUSED}
+    assert folders == {"benchmarks", "trainer"} and not folders & set(json.loads(loaded.stdout)), loaded.stdout
