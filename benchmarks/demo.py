@@ -208,9 +208,9 @@ METHODS = (
 )
 
 
-# The OPD signals the field compares (docs/training.md), each one flag on white-box OPD, at OPD's learning rate (not
-# swept), each row also tested against OPD's of the same seed; not in the default table (`--methods opd,opd_self,...`
-# adds them)
+# The OPD signals the field compares (docs/training.md), each one flag on white-box OPD, at OPD's learning rate (the
+# variants' `--sweep 1e-4,1e-3` found it best or level for each: the README), each row also tested against OPD's of
+# the same seed; not in the default table (`--methods opd,opd_self,...` adds them)
 OPD_TEACHER = "--teacher_path {teacher}"
 VARIANTS = (
     Method("opd_self", "self-distillation (the live student shown the answer)", "trainer/train_opd.py",
