@@ -196,7 +196,8 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors a step writes in place."""
-        return [self.token, self.position, self.key_mask, self.finished, self.step, self.column, self.completion_ids]
+        return [self.token, self.position, self.key_mask, self.finished, self.step, self.column, self.completion_ids,
+                *([] if self.replaced is None else [self.replaced])]
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep only the decoding batch's rows `index`, moved to the leading rows of the same storage (as
@@ -269,76 +270,84 @@ class Decoder:
     cast every weight at every token (3x the weight traffic of reading bf16 weights, and on CUDA the casts held in
     the graphs' memory pool). The twin computes what autocast computes (the same casts, made ahead), and shares the
     embedding and the norms, which autocast leaves in fp32. It stays allocated between rollouts too: 2 bytes per
-    parameter of the linear layers (the head's own copy included when it is tied to the embedding)."""
+    parameter of the linear layers (the head's own copy included when it is tied to the embedding).
+
+    A Speculative teacher decodes inside the same compiled step: its cache a second held storage ("teacher"), its
+    twin a second twin, both kept between rollouts as the model's are."""
 
     CACHE_BLOCK = 128
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
         self.compiled_step = torch.compile(decode_step, fullgraph=True, mode="reduce-overhead") if compiled else None
-        self.storage: KVCache | None = None
+        self.storage: dict[str, KVCache] = {}  # the compiled step's cache storage per model: "model", "teacher"
         self.held: DecodeState | None = None  # the compiled step's state storage
-        self.twin: Qwen3ForCausalLM | None = None
-        self.twin_of: weakref.ref | None = None  # the model the twin copies
+        self.twins: dict[str, tuple[Qwen3ForCausalLM, weakref.ref]] = {}  # per model: (twin, the model it copies)
 
-    def cache(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        """An empty cache of `batch_size` rows and at least `length` positions."""
+    def cache(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device,
+              role: str = "model") -> KVCache:
+        """An empty cache of `batch_size` rows and at least `length` positions for the model `role` names ("model";
+        "teacher": a Speculative teacher's, held beside the model's when compiled)."""
         if not self.compiled:
             return KVCache(config, batch_size, -(-length // KEY_BLOCK) * KEY_BLOCK, dtype, device)
         length = -(-length // self.CACHE_BLOCK) * self.CACHE_BLOCK
-        held = self.storage
+        held = self.storage.get(role)
         if held is None or len(held.keys[0]) < batch_size or held.max_length < length \
                 or held.keys[0].dtype != dtype or held.keys[0].device != device:
             rows = max(batch_size, len(held.keys[0]) if held is not None else 0)
             longest = max(length, held.max_length if held is not None else 0)
-            self.storage = None  # the old storage goes before the new one is allocated
-            self.storage = KVCache(config, rows, longest, dtype, device)
-        return self.storage.view(batch_size, length)
+            self.storage.pop(role, None)  # the old storage goes before the new one is allocated
+            self.storage[role] = KVCache(config, rows, longest, dtype, device)
+        return self.storage[role].view(batch_size, length)
 
-    def state(self, batch_size: int, length: int, new_tokens: int, sampled: bool,
-              device: torch.device) -> DecodeState:
+    def state(self, batch_size: int, length: int, new_tokens: int, sampled: bool, device: torch.device,
+              speculative: bool = False) -> DecodeState:
         """A DecodeState of `batch_size` rows, a key mask over `length` cache positions and `new_tokens` completion
-        columns: fresh when eager; compiled, views of the held storage (at its addresses; grown when too small),
-        its completions filled with pad by `generate`."""
+        columns (with a `speculative` teacher's uniforms and replaced tokens): fresh when eager; compiled, views of
+        the held storage (at its addresses; grown when too small), its completions filled with pad by `generate`."""
         if not self.compiled:
-            return empty_state(batch_size, length, new_tokens, sampled, device)
+            return empty_state(batch_size, length, new_tokens, sampled, device, speculative)
         held = self.held
         if held is None or len(held.rows) < batch_size or held.key_mask.shape[1] < length \
                 or held.completion_ids.shape[1] < new_tokens or held.rows.device != device \
-                or (sampled and held.uniforms is None):
+                or (sampled and held.uniforms is None) or (speculative and held.replaced is None):
             rows = max(batch_size, len(held.rows) if held is not None else 0)
             longest = max(length, held.key_mask.shape[1] if held is not None else 0)
             tokens = max(new_tokens, held.completion_ids.shape[1] if held is not None else 0)
+            speculative = speculative or (held is not None and held.replaced is not None)
             self.held = None
-            self.held = empty_state(rows, longest, tokens, True, device)
+            self.held = empty_state(rows, longest, tokens, True, device, speculative)
         held = self.held
         return DecodeState(held.rows[:batch_size], held.token[:batch_size], held.position[:batch_size],
                            held.key_mask[:batch_size, :length], held.finished[:batch_size], held.step,
-                           held.column, held.completion_ids, held.uniforms if sampled else None, held.eos_ids, 0)
+                           held.column, held.completion_ids, held.uniforms if sampled else None, held.eos_ids, 0,
+                           held.teacher_uniforms if speculative else None, held.replaced if speculative else None)
 
-    def step_model(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-        """The model one rollout's decode steps run: `model` itself, or compiled under an autocast whose dtype its
-        linear weights do not have, the low-precision twin (see the class docstring), its weights copied from
-        `model` now."""
+    def step_model(self, model: Qwen3ForCausalLM, role: str = "model") -> Qwen3ForCausalLM:
+        """The model one rollout's decode steps run for `role` (as in `cache`): `model` itself, or compiled under
+        an autocast whose dtype its linear weights do not have, the low-precision twin (see the class docstring),
+        its weights copied from `model` now."""
         device_type = model.lm_head.weight.device.type
         if not (self.compiled and torch.is_autocast_enabled(device_type)):
             return model
         dtype = torch.get_autocast_dtype(device_type)
         if model.lm_head.weight.dtype == dtype:
             return model
-        if self.twin is None or self.twin_of() is not model or self.twin.lm_head.weight.dtype != dtype:
-            self.twin, self.twin_of = None, None  # the old twin goes before the new one is allocated
-            self.twin, self.twin_of = low_precision_twin(model, dtype), weakref.ref(model)
+        twin, twin_of = self.twins.get(role, (None, None))
+        if twin is None or twin_of() is not model or twin.lm_head.weight.dtype != dtype:
+            twin = None
+            self.twins.pop(role, None)  # the old twin goes before the new one is allocated
+            self.twins[role] = low_precision_twin(model, dtype), weakref.ref(model)
         else:  # in place: a CUDA graph replays at the addresses it captured
-            for twin_linear, linear in linear_pairs(self.twin, model):
+            for twin_linear, linear in linear_pairs(twin, model):
                 twin_linear.weight.copy_(linear.weight)
-        return self.twin
+        return self.twins[role][0]
 
     def __call__(self, model: Qwen3ForCausalLM, state: DecodeState, cache: KVCache, filled: int,
                  sampling: Sampling, speculative: Speculative | None = None) -> None:
         """One decode step (`decode_step`), in place. `filled`: the cache positions written once this step's are.
-        A `speculative` teacher decodes in the eager step only (its cache one more that the compiled step's held
-        storage would have to hold)."""
+        A `speculative` teacher decodes the same token into its own cache in the same step (compiled: in the same
+        graph, its cache a second held storage)."""
         if not self.compiled:
             visible = -(-filled // KEY_BLOCK) * KEY_BLOCK
             if visible < cache.max_length:  # the key mask's view is written in place: the whole mask follows
@@ -346,25 +355,27 @@ class Decoder:
                 if speculative is not None:
                     speculative = replace(speculative, cache=speculative.cache.prefix(visible))
             return decode_step(model, state, cache, sampling, speculative)
-        if speculative is not None:
-            raise ValueError("a speculative teacher decodes in the eager step: Decoder(compiled=False)")
-        # the step writes the cache and the state in place: marked as inputs of fixed address, which a CUDA graph
+        # the step writes the caches and the state in place: marked as inputs of fixed address, which a CUDA graph
         # may write (it is skipped for a graph that mutates an ordinary input)
-        for buffer in cache.keys + cache.values + state.tensors():
+        teacher_cache = [] if speculative is None else speculative.cache.keys + speculative.cache.values
+        for buffer in cache.keys + cache.values + teacher_cache + state.tensors():
             torch._dynamo.mark_static_address(buffer)
         torch.compiler.cudagraph_mark_step_begin()
-        self.compiled_step(model, state, cache, sampling)
+        self.compiled_step(model, state, cache, sampling, speculative)
 
 
-def empty_state(batch_size: int, length: int, new_tokens: int, sampled: bool, device: torch.device) -> DecodeState:
+def empty_state(batch_size: int, length: int, new_tokens: int, sampled: bool, device: torch.device,
+                speculative: bool = False) -> DecodeState:
     long = dict(dtype=torch.long, device=device)
+    uniforms = lambda: torch.zeros(batch_size, new_tokens, dtype=torch.float64, device=device)  # noqa: E731
     return DecodeState(torch.arange(batch_size, device=device), torch.zeros(batch_size, **long),
                        torch.zeros(batch_size, 1, **long), torch.zeros(batch_size, length, dtype=torch.bool,
                                                                         device=device),
                        torch.zeros(batch_size, dtype=torch.bool, device=device), torch.zeros(1, **long),
                        torch.zeros(1, **long), torch.zeros(batch_size, new_tokens, **long),
-                       torch.zeros(batch_size, new_tokens, dtype=torch.float64, device=device) if sampled else None,
-                       torch.zeros(0, **long), 0)
+                       uniforms() if sampled else None, torch.zeros(0, **long), 0,
+                       uniforms() if speculative else None,
+                       torch.zeros(batch_size, new_tokens, dtype=torch.bool, device=device) if speculative else None)
 
 
 def low_precision_twin(model: Qwen3ForCausalLM, dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -410,7 +421,8 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     sharded model all-gathers each layer's weights in it), whether this process's rows have all stopped -> whether
     every process's have (asked every STOP_CHECK steps, at the same steps on every process); until then a process
     whose rows stopped decodes on, one stopped row wide, its tokens never recorded. `speculative`: speculative KD's
-    teacher (sampling, the eager step), the tokens it chose in the output's `replaced`."""
+    teacher (sampling; in the compiled step its cache and twin held by `decoder` beside the model's), the tokens
+    it chose in the output's `replaced`."""
     model = getattr(model, "module", model)
     decoder = decoder or Decoder()
     B, P = input_ids.shape
@@ -421,8 +433,10 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     pad_token_id = pad_token_id if pad_token_id is not None else (eos_list[0] if eos_list else 0)
     sampling = Sampling(do_sample, temperature, top_k, top_p, vocab_size)
 
+    if speculative is not None and not do_sample:
+        raise ValueError("speculative KD samples: do_sample=True")
     cache = decoder.cache(model.config, B, P + max_new_tokens, cache_dtype(model, device), device)
-    state = decoder.state(B, cache.max_length, max_new_tokens, do_sample, device)
+    state = decoder.state(B, cache.max_length, max_new_tokens, do_sample, device, speculative is not None)
     # the EOS ids padded with -1 (no token) to a multiple of 8: one shape, so one compiled graph, for the usual lists
     eos_ids = torch.tensor(eos_list + [-1] * (max(8, -(-len(eos_list) // 8) * 8) - len(eos_list)), device=device)
     state = replace(state, eos_ids=eos_ids, pad_token_id=pad_token_id)
@@ -434,22 +448,21 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     if speculative is None:
         state.token.copy_(pick_token(logits, sampling, None if state.uniforms is None else state.uniforms[:B, 0]))
     else:
-        if not do_sample or decoder.compiled:
-            raise ValueError("speculative KD samples (do_sample) in the eager step (Decoder(compiled=False))")
         # the teacher's uniforms after the student's: each row's own draws are those of plain sampling
-        state = replace(state, teacher_uniforms=draw_uniforms(generator, B, max_new_tokens, device),
-                        replaced=torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device))
+        state.teacher_uniforms[:B, :max_new_tokens] = draw_uniforms(generator, B, max_new_tokens, device)
+        state.replaced.zero_()
         teacher = speculative.teacher
-        speculative = replace(speculative, cache=KVCache(teacher.config, B, cache.max_length,
-                                                         cache_dtype(teacher, device), device))
+        speculative = replace(speculative, cache=decoder.cache(teacher.config, B, cache.max_length,
+                                                               cache_dtype(teacher, device), device, "teacher"))
         teacher_hidden = teacher(input_ids, attention_mask=attention_mask, kv_cache=speculative.cache,
                                  return_hidden=True).hidden_states
         token, replaced = speculative_pick(logits, next_token_logits(teacher, teacher_hidden[:, -1]), sampling,
-                                           state.uniforms[:B, 0], state.teacher_uniforms[:, 0], speculative.topk)
+                                           state.uniforms[:B, 0], state.teacher_uniforms[:B, 0], speculative.topk)
         state.token.copy_(token)
-        state.replaced[:, 0] = replaced
+        state.replaced[:B, 0] = replaced
         speculative.cache.column = state.column
-        teacher.model.rotary_emb.reserve(cache.max_length)
+        speculative = replace(speculative, teacher=decoder.step_model(teacher, "teacher"))
+        speculative.teacher.model.rotary_emb.reserve(cache.max_length)
     # from here the cache is written one position per step (prompts are left padded: the same position for every
     # row), and a row's query sees its prompt's real tokens and every token generated so far
     state.column.fill_(P)
@@ -484,7 +497,7 @@ def generate(model: Qwen3ForCausalLM, input_ids: torch.Tensor, attention_mask: t
     # the completions' width: up to the step where this process's rows had all stopped
     steps = int(completion_mask.sum(dim=1).max()) if B else max_new_tokens
     completion_ids, completion_mask = completion_ids[:, :steps], completion_mask[:, :steps]
-    replaced = None if speculative is None else state.replaced[:, :steps] & completion_mask.bool()
+    replaced = None if speculative is None else state.replaced[:B, :steps] & completion_mask.bool()
     return GenerateOutput(sequences=torch.cat([input_ids, completion_ids], dim=1), completion_ids=completion_ids,
                           completion_mask=completion_mask, replaced=replaced)
 

@@ -94,7 +94,7 @@ def test_the_compiled_step_under_autocast_reads_bf16_weights_refreshed_once_per_
             eager = generate(model, ids, mask, NEW_TOKENS, do_sample=False).sequences
         P = ids.shape[1]
         assert_equal_until_a_close_call(compiled, eager[:, P:], top2_margins(model, eager, mask, P))
-        twin = decoder.twin
+        twin = decoder.twins["model"][0]
         if change is None:
             first, addresses = twin, [p.data_ptr() for p in twin.parameters()]
         assert twin is first and [p.data_ptr() for p in twin.parameters()] == addresses

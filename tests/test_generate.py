@@ -311,10 +311,10 @@ def test_the_compiled_decode_step_samples_the_eager_steps_tokens(models, monkeyp
     decoder = Decoder(compiled=True)
     calls = []  # per compiled call: (width, the addresses it writes, whether each is marked static)
     step = decoder.compiled_step
-    monkeypatch.setattr(decoder, "compiled_step", lambda model, state, cache, sampling: calls.append(
+    monkeypatch.setattr(decoder, "compiled_step", lambda model, state, cache, sampling, speculative: calls.append(
         (len(state.rows), tuple(t.data_ptr() for t in [cache.keys[0], *state.tensors()]),
          all(hasattr(t, "_dynamo_static_input_type") for t in [cache.keys[0], *state.tensors()])))
-        or step(model, state, cache, sampling))
+        or step(model, state, cache, sampling, speculative))
     ids, mask = prompts()
     seeds = [11, 22, 33, 44]
     free = generate(ours, ids, mask, 16, pad_token_id=PAD, generator=_per_row(seeds), top_k=4).completion_ids

@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--lmbda", type=float, default=1.0, help="probability that an optimizer step is on-policy")
     g.add_argument("--skd_topk", type=int, default=0,
                    help="K > 0: speculative KD, the student samples and each token outside the local teacher's "
-                        "top-K is replaced by the teacher's own sample (built-in engine, eager decode); 0: off")
+                        "top-K is replaced by the teacher's own sample (the built-in engine, either --decode); 0: off")
     add_opd_signal_args(parser, "--loss sampled_kl")
     add_self_distillation_args(parser)
     add_sampling_args(parser)
@@ -74,7 +74,6 @@ def validate_opd_args(args: argparse.Namespace) -> None:
          "teacher would be a request per token)"),
         (a.skd_topk and a.rollout_url, "--skd_topk: the teacher replaces tokens inside the built-in engine; drop "
                                        "--rollout_url"),
-        (a.skd_topk and a.decode == "compiled", "--skd_topk: the teacher decodes in the eager step: --decode eager"),
         (a.skd_topk and sampled_kl, "--skd_topk with --loss sampled_kl: the teacher's tokens are not the student's "
                                     "samples, which the estimate needs; use --loss jsd"),
         (a.skew != SKEW and not skewed, f"--skew is the skew divergences' a: add --loss skew_kl or skew_rkl (got "
