@@ -98,7 +98,7 @@ def policy_fused(c, h, w, values, chunk_size=8):
 
 
 def policy_dense(c, logits, values):
-    loss, _, clipped, kl, entropy, opd = policy_loss(logits, values, c["labels"], **POLICY)
+    loss, _, clipped, kl, entropy, opd, *_ = policy_loss(logits, values, c["labels"], **POLICY)
     return loss, clipped, kl, entropy, opd
 
 

@@ -56,7 +56,7 @@ def test_the_clipped_loss_on_hand_picked_ratios():
     logits = torch.stack([one_position_logits(float(v)) for v in logp]).requires_grad_()
     values = torch.zeros(4, 4, dtype=torch.float64)
     values[:, ADVANTAGE], values[:, OLD_LOGP] = advantage, logp - torch.log(rho)
-    loss, tokens, clipped, kl, _, _ = policy_loss(logits, values, torch.zeros(4, dtype=torch.long),
+    loss, tokens, clipped, kl, *_ = policy_loss(logits, values, torch.zeros(4, dtype=torch.long),
                                                   clip_low=0.2, clip_high=0.28)
     per_token = torch.tensor([-1.28, 0.8, -2.2, -0.5], dtype=torch.float64)
     assert float(loss.detach()) == pytest.approx(float(per_token.sum()), abs=1e-5)
@@ -78,7 +78,7 @@ def test_on_policy_is_the_plain_policy_gradient_and_the_opd_term_the_sampled_kl(
     values[:, OLD_LOGP] = float("nan")
     values[:, TEACHER_LOGP] = torch.log_softmax(torch.randn(6, 11, dtype=torch.float64), -1)[
         torch.arange(6), labels.clamp_min(0)]
-    loss, tokens, _, _, _, opd = policy_loss(logits, values, labels, temperature=1.3, opd_coef=0.7)
+    loss, tokens, _, _, _, opd, *_ = policy_loss(logits, values, labels, temperature=1.3, opd_coef=0.7)
     logp = torch.log_softmax(logits / 1.3, -1)[torch.arange(6), labels.clamp_min(0)]
     mask = labels != -100
     gap = (logp - values[:, TEACHER_LOGP]).detach()
@@ -90,19 +90,48 @@ def test_on_policy_is_the_plain_policy_gradient_and_the_opd_term_the_sampled_kl(
     assert torch.allclose(grad, expected, atol=1e-10)
 
 
-def dense_reference(hidden, weight, labels, values, temperature, eps_low, eps_high, kl_coef, opd_coef):
-    """The loss written from the formulas on full (n, V) logits."""
+def dense_reference(hidden, weight, labels, values, temperature, eps_low, eps_high, kl_coef, opd_coef, kind="clip"):
+    """The loss written from the formulas on full (n, V) logits: PPO's clipped surrogate, or CISPO's detached
+    clipped weight times log pi."""
     logp = torch.log_softmax(hidden @ weight.T / temperature, -1).gather(1, labels[:, None]).squeeze(1)
     old = torch.where(values[:, OLD_LOGP].isnan(), logp.detach(), values[:, OLD_LOGP])
     advantage = values[:, ADVANTAGE] - opd_coef * (logp.detach() - values[:, TEACHER_LOGP])
     ratio = (logp - old).exp()
-    pg = -torch.min(ratio * advantage, ratio.clamp(1 - eps_low, 1 + eps_high) * advantage)
+    if kind == "cispo":
+        pg = -ratio.clamp(1 - eps_low, 1 + eps_high).detach() * advantage * logp
+    else:
+        pg = -torch.min(ratio * advantage, ratio.clamp(1 - eps_low, 1 + eps_high) * advantage)
     d = values[:, REF_LOGP] - logp
     return (pg + kl_coef * (d.exp() - d - 1)).sum()
 
 
+def test_cispo_on_hand_picked_ratios():
+    """The weight is rho clipped to [1 - eps_low, 1 + eps_high] and detached: rho = 1.5 -> 1.28, 0.5 -> 0.8, 1.1
+    stays; every token keeps a gradient, - weight * A per unit of log pi (PPO's clip zeroes the first two)."""
+    logp = torch.log(torch.tensor([0.3, 0.2, 0.4], dtype=torch.float64))
+    rho = torch.tensor([1.5, 0.5, 1.1], dtype=torch.float64)
+    advantage = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
+    logits = torch.stack([one_position_logits(float(v)) for v in logp]).requires_grad_()
+    values = torch.zeros(3, 4, dtype=torch.float64)
+    values[:, ADVANTAGE], values[:, OLD_LOGP] = advantage, logp - torch.log(rho)
+    loss, tokens, clipped, _, _, _, ratio, approx_kl = policy_loss(
+        logits, values, torch.zeros(3, dtype=torch.long), clip_low=0.2, clip_high=0.28, kind="cispo")
+    weight = torch.tensor([1.28, 0.8, 1.1], dtype=torch.float64)
+    assert float(loss.detach()) == pytest.approx(float(-(weight * advantage * logp).sum()), rel=1e-12)
+    assert int(tokens) == 3 and int(clipped) == 2
+    assert float(ratio) == pytest.approx(3.1, rel=1e-12)
+    assert float(approx_kl) == pytest.approx(float((rho - 1 - rho.log()).sum()), rel=1e-12)
+    loss.backward()
+    p = torch.softmax(logits.detach(), -1)
+    onehot = torch.nn.functional.one_hot(torch.zeros(3, dtype=torch.long), 4).double()
+    assert torch.allclose(logits.grad, (-weight * advantage)[:, None] * (onehot - p), atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["clip", "cispo"])
 @pytest.mark.parametrize("on_policy", [True, False], ids=["on-policy", "off-policy"])
-def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy):
+def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy, kind):
+    """Off-policy (log pi_old recorded: the ratio away from 1, the clip binding on some tokens), the fused loss's
+    value, gradients and logged sums (the ratio's, the approximate KL's) against float64 definitions."""
     torch.manual_seed(2)
     n, h, v = 13, 8, 40
     hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
@@ -113,13 +142,17 @@ def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy):
     values[:, REF_LOGP] = -3.0 + 0.3 * torch.randn(n, dtype=torch.float64)
     values[:, TEACHER_LOGP] = -3.0 + 0.3 * torch.randn(n, dtype=torch.float64)
     settings = dict(temperature=0.9, clip_low=0.2, clip_high=0.28, kl_coef=0.05, opd_coef=0.5)
-    sums = fused_policy_loss(hidden, weight, labels, values, chunk_size=4, vocab_size=v, **settings)
+    sums = fused_policy_loss(hidden, weight, labels, values, chunk_size=4, vocab_size=v, kind=kind, **settings)
     grads = torch.autograd.grad(sums.loss, (hidden, weight))
-    reference = dense_reference(hidden, weight[:v], labels, values, 0.9, 0.2, 0.28, 0.05, 0.5)
+    reference = dense_reference(hidden, weight[:v], labels, values, 0.9, 0.2, 0.28, 0.05, 0.5, kind)
     expected = torch.autograd.grad(reference, (hidden, weight))
     assert float(sums.loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-10)
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(grads, expected))
     assert int(sums.tokens) == n and float(sums.kl) > 0 and (int(sums.clipped) > 0) != on_policy
+    logp = torch.log_softmax(hidden.detach() @ weight[:v].detach().T / 0.9, -1).gather(1, labels[:, None]).squeeze(1)
+    log_ratio = torch.zeros(n, dtype=torch.float64) if on_policy else logp - values[:, OLD_LOGP]
+    assert float(sums.ratio) == pytest.approx(float(log_ratio.exp().sum()), rel=1e-10)
+    assert float(sums.approx_kl) == pytest.approx(float((log_ratio.exp() - 1 - log_ratio).sum()), rel=1e-9, abs=1e-12)
 
 
 def test_token_logprobs_is_the_log_softmax_of_the_label():

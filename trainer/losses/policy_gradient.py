@@ -6,7 +6,12 @@ For a prompt x the student samples a group of G completions y_1..y_G and each ge
                 drgrpo:  A_i =  r_i - mean(r)                         no std: its 1/std up-weights easy and hard
                                                                       prompts (Dr. GRPO, arXiv 2503.20783)
     ratio       rho_t = exp(log pi(y_t) - log pi_old(y_t))           pi_old: the weights that sampled (behaviour)
-    per token   l_t = - min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t) + kl_coef * k3_t
+    per token   clip:   l_t = - min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t) + kl_coef * k3_t
+                cispo:  l_t = - sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t) + kl_coef * k3_t
+                        (MiniMax-M1, arXiv 2506.13585: the importance weight clipped and detached, so no token's
+                        gradient is dropped; its paper sets no lower bound, eps_low = 1, and tunes eps_high)
+    approx KL   (rho_t - 1) - log rho_t per token: its mean over pi_old's samples estimates KL(pi_old || pi)
+                (--target_kl's measure)
     k3          k3_t = exp(log p_ref(y_t) - log pi(y_t)) - (log p_ref(y_t) - log pi(y_t)) - 1   (>= 0; its mean
                 over samples from pi is KL(pi || p_ref); Schulman's k3, GRPO's (DeepSeekMath) and TRL's with
                 use_bias_correction_kl=False -- TRL 1.16's default multiplies it by rho, which on-policy keeps its
@@ -36,6 +41,7 @@ from trainer.losses.fused_linear import ChunkLoss, add_at_labels, fused_linear_l
 from trainer.losses.token_signals import position_weights, token_reward
 
 ADVANTAGES = ("grpo", "drgrpo")
+POLICY_LOSSES = ("clip", "cispo")
 STD_EPSILON = 1e-4  # TRL's: (r - mean) / (std + 1e-4)
 
 # the columns of the per-token values the loss reads (policy_values)
@@ -70,23 +76,25 @@ class PolicySums:
     kl: torch.Tensor        # sum of k3_t (0 without a reference)
     entropy: torch.Tensor   # sum of the full-vocabulary entropy of pi at each position
     opd: torch.Tensor       # sum of log pi(y_t) - log p_T(y_t) (0 without a teacher)
+    ratio: torch.Tensor     # sum of rho_t
+    approx_kl: torch.Tensor  # sum of (rho_t - 1) - log rho_t
 
     def __add__(self, other: "PolicySums") -> "PolicySums":
         return PolicySums(*(a + b for a, b in zip(self.astuple(), other.astuple())))
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
-        return self.loss, self.tokens, self.clipped, self.kl, self.entropy, self.opd
+        return self.loss, self.tokens, self.clipped, self.kl, self.entropy, self.opd, self.ratio, self.approx_kl
 
 
 def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                 clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0, opd_coef: float = 0.0,
                 opd_reward: str = "log_ratio", power_alpha: float = 5.0,
-                opd_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """The per-token loss (module docstring) summed over labels != -100, from the student's logits (n, V) at the
-    completion positions and `values` (n, 4): each token's group advantage, log pi_old (NaN: on-policy, pi itself
-    detached), log p_ref and log p_T (read only with kl_coef / opd_coef); the OPD term's reward (`opd_reward`,
-    `power_alpha`) and position weights (n,) (None: 1) -> PolicySums' fields as a tuple: the reference
-    `fused_policy_loss` is tested against."""
+                opd_weights: torch.Tensor | None = None, kind: str = "clip") -> tuple[torch.Tensor, ...]:
+    """The per-token loss (module docstring; `kind` clip or cispo) summed over labels != -100, from the student's
+    logits (n, V) at the completion positions and `values` (n, 4): each token's group advantage, log pi_old (NaN:
+    on-policy, pi itself detached), log p_ref and log p_T (read only with kl_coef / opd_coef); the OPD term's reward
+    (`opd_reward`, `power_alpha`) and position weights (n,) (None: 1) -> PolicySums' fields as a tuple: the
+    reference `fused_policy_loss` is tested against."""
     mask = labels != IGNORE_INDEX
     low = student_logits.dtype in (torch.float16, torch.bfloat16)  # upcast: the loss runs in fp32 (fp64 stays)
     logp_all = torch.log_softmax((student_logits.float() if low else student_logits) / temperature, dim=-1)
@@ -100,28 +108,35 @@ def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torc
         advantage = advantage + opd_coef * weight * token_reward(logp.detach(), values[:, TEACHER_LOGP], opd_reward,
                                                                  power_alpha)
     ratio = torch.exp(logp - old)
-    unclipped, clipped = ratio * advantage, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantage
-    per_token = -torch.minimum(unclipped, clipped)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    if kind == "cispo":
+        per_token = -weight.detach() * advantage * logp
+        took_clip = (weight != ratio).detach()
+    else:
+        unclipped, clipped = ratio * advantage, weight * advantage
+        per_token = -torch.minimum(unclipped, clipped)
+        took_clip = (clipped < unclipped).detach()
     kl = k3(values[:, REF_LOGP], logp) if kl_coef else torch.zeros_like(logp)
     if kl_coef:
         per_token = per_token + kl_coef * kl
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-        took_clip = clipped < unclipped
+        approx_kl = ratio - 1 - (logp - old)
     zero = torch.zeros((), device=logp.device)
     return (torch.where(mask, per_token, zero).sum(), mask.sum(), (took_clip & mask).sum(),
             torch.where(mask, kl, zero).sum().detach(), torch.where(mask, entropy, zero).sum(),
-            torch.where(mask, opd, zero).sum())
+            torch.where(mask, opd, zero).sum(), torch.where(mask, ratio, zero).sum().detach(),
+            torch.where(mask, approx_kl, zero).sum())
 
 
 def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], labels: torch.Tensor,
                   values: tuple[torch.Tensor, torch.Tensor], temperature: float, clip_low: float, clip_high: float,
-                  kl_coef: float, opd_coef: float, opd_reward: str, power_alpha: float):
+                  kl_coef: float, opd_coef: float, opd_reward: str, power_alpha: float, kind: str):
     """`policy_loss` on one chunk in closed form: per token l_t, the extras and dl/dz = c (onehot(y) - p_T) / T
-    (the driver's grad_scale is 1 / T), with c = dl/dlog pi(y). c follows autograd's rules for the reference's
-    `-minimum(unclipped, clipped)`: the smaller term takes the gradient, a tie gives each half; the clipped term's
-    ratio passes it only inside [1 - eps_low, 1 + eps_high] (clamp's, bounds included). `values`: (the (n, 4)
-    columns, the OPD term's position weights)."""
+    (the driver's grad_scale is 1 / T), with c = dl/dlog pi(y). clip: c follows autograd's rules for the
+    reference's `-minimum(unclipped, clipped)`: the smaller term takes the gradient, a tie gives each half; the
+    clipped term's ratio passes it only inside [1 - eps_low, 1 + eps_high] (clamp's, bounds included). cispo: c is
+    minus the detached clipped weight times A. `values`: (the (n, 4) columns, the OPD term's position weights)."""
     values, opd_weights = values
     keep = labels != IGNORE_INDEX
     log_p = torch.log_softmax(student.div_(temperature) if temperature != 1.0 else student, dim=-1, out=student)
@@ -134,11 +149,15 @@ def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], l
         reward = token_reward(logp, values[:, TEACHER_LOGP], opd_reward, power_alpha)
         advantage = advantage + opd_coef * opd_weights.to(logp.dtype) * reward
     ratio = torch.exp(logp - old)
-    unclipped, clipped = ratio * advantage, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantage
-    per_token = -torch.minimum(unclipped, clipped)
-    inside = (ratio >= 1 - clip_low) & (ratio <= 1 + clip_high)
-    share = torch.where(unclipped == clipped, 0.5, (unclipped < clipped).float())  # the unclipped term's
-    c = -advantage * ratio * (share + (1.0 - share) * inside)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    if kind == "cispo":
+        per_token, c, took_clip = -weight * advantage * logp, -weight * advantage, weight != ratio
+    else:
+        unclipped, clipped = ratio * advantage, weight * advantage
+        per_token, took_clip = -torch.minimum(unclipped, clipped), clipped < unclipped
+        inside = (ratio >= 1 - clip_low) & (ratio <= 1 + clip_high)
+        share = torch.where(unclipped == clipped, 0.5, (unclipped < clipped).float())  # the unclipped term's
+        c = -advantage * ratio * (share + (1.0 - share) * inside)
     kl = torch.zeros_like(logp)
     if kl_coef:
         kl = k3(values[:, REF_LOGP], logp)
@@ -148,30 +167,33 @@ def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], l
     p = torch.exp(log_p, out=spares[0])
     entropy = -torch.bmm(p.unsqueeze(1), log_p.unsqueeze(2)).view(-1)
     g = add_at_labels(p.mul_(-c[:, None]), labels, c)
-    return per_token, g, ((clipped < unclipped).float(), kl, entropy, opd)
+    return per_token, g, (took_clip.float(), kl, entropy, opd, ratio, ratio - 1 - (logp - old))
 
 
 def fused_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
                       values: torch.Tensor, chunk_size: int, vocab_size: int, temperature: float = 1.0,
                       clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0, opd_coef: float = 0.0,
                       opd_reward: str = "log_ratio", power_alpha: float = 5.0, rows: torch.Tensor | None = None,
-                      iw_gamma: float = 0.5) -> PolicySums:
+                      iw_gamma: float = 0.5, kind: str = "clip") -> PolicySums:
     """`policy_loss` from the final hidden states at the completion positions, a chunk of positions at a time
     through the lm_head with its gradient in closed form (trainer/losses/fused_linear.py): the (n, V) logits never
-    exist in full and no chunk is computed twice. `values` (n, 4) and the OPD term's reward as `policy_loss` reads
-    them; `rows` (n,), each position's row: the OPD term weighted by IW-OPD's position weights with `iw_gamma`
-    (`opd_position_weights`; None: weight 1)."""
+    exist in full and no chunk is computed twice. `values` (n, 4), the OPD term's reward and `kind` as
+    `policy_loss` reads them; `rows` (n,), each position's row: the OPD term weighted by IW-OPD's position weights
+    with `iw_gamma` (`opd_position_weights`; None: weight 1)."""
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"policy loss {kind!r}: use one of {POLICY_LOSSES}")
     chunk = ChunkLoss(functools.partial(_policy_chunk, temperature=temperature, clip_low=clip_low,
                                         clip_high=clip_high, kl_coef=kl_coef, opd_coef=opd_coef,
-                                        opd_reward=opd_reward, power_alpha=power_alpha),
-                      spares=1, grad_scale=1.0 / temperature, extra_names=("clipped", "kl", "entropy", "opd"))
+                                        opd_reward=opd_reward, power_alpha=power_alpha, kind=kind),
+                      spares=1, grad_scale=1.0 / temperature,
+                      extra_names=("clipped", "kl", "entropy", "opd", "ratio", "approx_kl"))
     weights = values.new_ones(values.shape[0])
     if rows is not None and opd_coef:  # IW-OPD: each token's weight from its whole row's rewards
         weights = opd_position_weights(student_hidden, student_weight, labels, values[:, TEACHER_LOGP], rows,
                                        chunk_size, vocab_size, temperature, opd_reward, power_alpha, iw_gamma)
-    loss, tokens, (clipped, kl, entropy, opd) = fused_linear_loss(chunk, student_hidden, student_weight, labels,
-                                                                  vocab_size, chunk_size, values=(values, weights))
-    return PolicySums(loss, tokens, clipped, kl, entropy, opd)
+    loss, tokens, extras = fused_linear_loss(chunk, student_hidden, student_weight, labels, vocab_size, chunk_size,
+                                             values=(values, weights))
+    return PolicySums(loss, tokens, *extras)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
