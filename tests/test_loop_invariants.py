@@ -1,7 +1,8 @@
 # python -m pytest tests/test_loop_invariants.py
 """The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
 rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights;
-OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; SFT and RL with a LoRA student, RL's OPD term with those variants) on a tiny
+OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; RL with update epochs over
+minibatches and CISPO; SFT and RL with a LoRA student, RL's OPD term with those variants) on a tiny
 Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
 padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
@@ -42,6 +43,9 @@ LOOPS = {
     "opd_self": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
     # RL with tests/rl_length_reward.py's stand-in reward (a random model never answers right: no group would differ)
     "rl": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
+    # RL's rollout batch trained in 2 epochs of 2 minibatches (log pi_old recorded, the ratio live), CISPO's loss:
+    # minibatches of whole groups that micro-batches and ranks cut differently
+    "rl_epochs": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
     # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
     # a rank has no row for one of them
     "kd_teachers": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
@@ -73,6 +77,7 @@ LOOP_FLAGS["opd_self"] = {"max_new_tokens": 8, "self_teacher": "ema", "ema_decay
 # RL's OPD term with the sampled-token signal's variants
 LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
 LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA, **SIGNAL}
+LOOP_FLAGS["rl_epochs"] = {**LOOP_FLAGS["rl"], "update_epochs": 2, "num_minibatches": 2, "policy_loss": "cispo"}
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def test_fp16_skipped_steps_are_counted_and_said(tiny_config_path, chat_jsonl, t
     assert [m["skipped_steps"] for m in logged] == [1, 2]
     assert all(math.isfinite(m["loss"]) and not math.isfinite(m["grad_norm"]) for m in logged)
     out = capsys.readouterr().out
-    assert "step 1: fp16 gradients overflowed, the step was skipped and the loss scale lowered to" in out
+    assert "step 1: fp16 gradients overflowed, the update was skipped and the loss scale lowered to" in out
     assert "(2 skipped in this run)" in out
 
 

@@ -115,11 +115,112 @@ def test_reward_none_with_the_opd_term_is_the_sampled_kl_opd_step(tiny_config_pa
                                                                    abs=1e-6)
 
 
+def test_later_updates_of_a_rollout_batch_are_the_clipped_surrogate_of_a_float64_definition(
+        tiny_config_path, chat_jsonl, tmp_path, monkeypatch, one_thread):
+    """--update_epochs 2: the step's second update trains the same rollouts again from weights the first moved,
+    against log pi_old recorded before the first. Each update's gradient (read before it is applied, normalised by
+    its tokens) is recomputed by autograd of the clipped surrogate written here in float64, on a float64 copy of
+    the weights the update started from and the rollouts the loop trained: the first update's ratio is 1 (up to
+    rounding: its log pi_old is a forward of the same weights), the second's binds the clip on some tokens."""
+    from trainer.losses.policy_gradient import OLD_LOGP
+    from trainer.skeleton.optimizer_step import loss_divisor
+    from trainer.skeleton.run import Run
+    updates, parts = [], []
+    apply_update = Run.apply_update
+
+    def spy(run, tokens, loss):
+        named = dict(run.raw_model.named_parameters())
+        updates.append(({k: p.detach().clone() for k, p in named.items()},
+                        {k: p.grad.detach() * loss_divisor(run.args) / tokens for k, p in named.items()}))
+        return apply_update(run, tokens, loss)
+    real_minibatches = train_rl.minibatches
+
+    def recorded(*args):
+        for minibatch in real_minibatches(*args):
+            parts.append(minibatch)
+            yield minibatch
+    monkeypatch.setattr(Run, "apply_update", spy)
+    monkeypatch.setattr(train_rl, "minibatches", recorded)
+    monkeypatch.setattr(train_rl, "reward_of", length_reward)
+    train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1, update_epochs=2,
+                          learning_rate=0.05, clip_eps_high=0.28))
+    assert len(updates) == len(parts) == 2
+    logged = metrics(tmp_path)[0]
+    assert logged["updates"] == 2 and logged["first_ratio"] == pytest.approx(1.0, abs=1e-6)
+    model = create_model(Qwen3Config.from_json(tiny_config_path), dtype=torch.float64)
+    vocab = len(load_tokenizer(None))  # the loop's softmax: the tokenizer's tokens, not the embedding's padding
+    clipped = []
+    for (start, grads), minibatch in zip(updates, parts):
+        model.load_state_dict({k: v.double() for k, v in start.items()}, strict=False)
+        params = dict(model.named_parameters())
+        loss, tokens = 0.0, 0
+        for part in minibatch:
+            logits = model(part.input_ids, attention_mask=part.attention_mask).logits[:, :-1]
+            labels = part.labels[:, 1:]
+            keep = labels != IGNORE_INDEX
+            logp = torch.log_softmax(logits[keep][:, :vocab], -1).gather(1, labels[keep][:, None]).squeeze(1)
+            advantage, old = part.values[:, ADVANTAGE].double(), part.values[:, OLD_LOGP].double()
+            ratio = torch.exp(logp - old)
+            loss = loss - torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.28) * advantage).sum()
+            tokens += int(keep.sum())
+            clipped.append(int(((ratio < 0.8) & (advantage < 0) | (ratio > 1.28) & (advantage > 0)).sum()))
+        expected = torch.autograd.grad(loss / tokens, [params[k] for k in grads])
+        norm = torch.sqrt(sum((e ** 2).sum() for e in expected))
+        error = torch.sqrt(sum(((g.double() - e) ** 2).sum() for g, e in zip(grads.values(), expected)))
+        assert float(error / norm) < 1e-6
+    assert clipped[0] == 0 and sum(clipped) > 0, clipped
+
+
+def test_minibatches_cut_the_rollout_batch_into_whole_groups_in_order():
+    """P prompts per rank in M minibatches of P / M consecutive prompts with all their completions, wherever the
+    micro-batches cut them: each row once per epoch, in the stream's order, its tokens' values with it."""
+    from trainer.rl.minibatches import Rollout, minibatches
+    g = 2
+
+    def micro_batch(first_prompt: int, prompts: int) -> Rollout:
+        rows = prompts * g
+        ids = torch.arange(first_prompt * g, first_prompt * g + rows)[:, None].expand(rows, 4).clone()
+        labels = torch.full((rows, 4), IGNORE_INDEX)
+        labels[:, 2] = 1
+        labels[ids[:, 0] % 2 == 1, 3] = 1  # rows of 1 and 2 completion tokens
+        tokens = (labels[:, 1:] != IGNORE_INDEX).sum(1)
+        values = torch.repeat_interleave(ids[:, 0], tokens).float()[:, None].expand(-1, 4)
+        return Rollout(ids, torch.ones_like(ids), labels, values)
+    batch = [micro_batch(0, 3), micro_batch(3, 3)]  # 6 prompts, 12 rows
+    cut = list(minibatches(batch, 2, 3, g))
+    assert len(cut) == 6
+    for minibatch in cut[:3]:
+        rows = torch.cat([part.input_ids[:, 0] for part in minibatch])
+        assert len(rows) == 4 and bool((rows[1:] == rows[:-1] + 1).all()) and int(rows[0]) % 4 == 0
+        for part in minibatch:
+            tokens = (part.labels[:, 1:] != IGNORE_INDEX).sum(1)
+            assert torch.equal(part.values[:, 0], torch.repeat_interleave(part.input_ids[:, 0], tokens).float())
+    assert [[p.input_ids[:, 0].tolist() for p in m] for m in cut[:3]] == \
+        [[p.input_ids[:, 0].tolist() for p in m] for m in cut[3:]]  # the second epoch: the same minibatches
+    assert list(minibatches(batch, 1, 1, g)) == [batch]  # one minibatch: the micro-batches as they are
+
+
+def test_target_kl_stops_every_rank_at_the_same_update(tiny_config_path, chat_jsonl, tmp_path, monkeypatch,
+                                                       one_thread):
+    """--target_kl: the updates after the first minibatch whose approximate KL to pi_old passes it are skipped (the
+    first minibatch's is ~0, so at least two updates run); without it, all E x M."""
+    monkeypatch.setattr(train_rl, "reward_of", length_reward)
+    common = dict(batch=4, max_steps=2, update_epochs=3, num_minibatches=2, learning_rate=0.05, policy_loss="cispo")
+    train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path / "all", **common))
+    train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path / "kl", target_kl=1e-6, **common))
+    assert [m["updates"] for m in metrics(tmp_path / "all")] == [6, 6]
+    assert all(2 <= m["updates"] < 6 for m in metrics(tmp_path / "kl"))
+
+
 @pytest.mark.parametrize("flags, names", [
     ({"num_generations": 1}, ["--num_generations 1"]),
     ({"opd_coef": 1}, ["--opd_coef", "--teacher_path"]),
     ({"max_staleness": 1, "rollout_url": "http://127.0.0.1:1/v1"}, ["--max_staleness 1"]),
     ({"clip_eps": 1.5}, ["--clip_eps"]),
+    ({"clip_eps": 1.0}, ["--clip_eps", "cispo"]),
+    ({"num_minibatches": 3}, ["--num_minibatches 3", "--batch_size"]),
+    ({"target_kl": 0.1}, ["--target_kl", "--update_epochs"]),
+    ({"update_epochs": 0}, ["--update_epochs"]),
     ({"reward": "none"}, ["--reward none"]),
     ({"position_weight": "iw"}, ["--position_weight iw", "--opd_coef"]),
     ({"power_alpha": 2.0}, ["--power_alpha", "--opd_reward power"]),

@@ -20,13 +20,18 @@ Per micro-batch (its --batch_size prompts, each G times: a group is never split 
      \\boxed{} answer); advantages within each group: grpo (r - mean) / (std + 1e-4), drgrpo r - mean
   3. optional frozen models, no gradients: the reference's log-probabilities of the sampled tokens (--kl_coef), the
      teacher's (--opd_coef: local, or the served teacher's)
-  4. loss per token = - min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef k3(ref, student), with
-     A = A_group - opd_coef (log p_S(y_t) - log p_T(y_t)) (or its variants: --opd_reward power, PowerOPD's
-     bounded reward; --position_weight iw, IW-OPD's weight by place in the answer) and rho = 1 (the rollouts come
-     from the weights being trained; trainer/losses/policy_gradient.py); summed, the skeleton divides by the
-     window's completion tokens over all ranks (drgrpo: by its rows x --max_new_tokens), clips and steps
-One optimizer step per rollout batch (no PPO epochs). With --reward none, --opd_coef 1, G = 1 and --kl_coef 0 this is
-train_opd.py's --loss sampled_kl, step for step.
+     (with --update_epochs or --num_minibatches > 1: log pi_old, the sampling weights' log-probabilities, by a
+     forward before any update)
+  4. loss per token = - min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef k3(ref, student) (--policy_loss
+     cispo: - sg(clip(rho)) A log pi + ...), with A = A_group - opd_coef (log p_S(y_t) - log p_T(y_t)) (or its
+     variants: --opd_reward power, PowerOPD's bounded reward; --position_weight iw, IW-OPD's weight by place in the
+     answer) and rho = pi / pi_old (trainer/losses/policy_gradient.py); summed, the skeleton divides by the
+     minibatch's completion tokens over all ranks (drgrpo: by its rows x --max_new_tokens), clips and updates
+The rollout batch (a step's prompts) is trained in --update_epochs E passes over --num_minibatches M minibatches of
+whole groups (trainer/rl/minibatches.py), an update each; --target_kl skips the rest once a minibatch's approximate
+KL passes it. E = M = 1 (the default): one update per rollout batch, rho = 1 (the rollouts come from the weights being
+trained). With --reward none, --opd_coef 1, G = 1 and --kl_coef 0 this is train_opd.py's --loss sampled_kl, step for
+step.
 """
 from __future__ import annotations
 
@@ -46,12 +51,14 @@ from trainer.losses.chunked import completion_hidden, completion_rows
 from trainer.losses.divergences import Divergence, evaluation_divergence
 from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
                                             group_advantages, token_logprobs)
+from trainer.rl.minibatches import Rollout, minibatches
 from trainer.rl.rewards import GroupCollator, check_ground_truths, reward_of
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
 from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, load_prompt_data, print0,
                               train_noting_stop_signals)
 from trainer.skeleton.sharding import reshard_root
+from trainer.skeleton.window_metrics import all_reduce_sum
 from trainer.teachers.frozen import frozen_hidden, load_reference
 from trainer.teachers.parts import Part
 from trainer.teachers.specs import teacher_specs
@@ -89,6 +96,41 @@ def token_values(advantages: torch.Tensor, labels: torch.Tensor, input_ids: torc
             values[:, REF_LOGP] = token_logprobs(hidden, reference.lm_head.weight, targets, chunk, vocab, temperature)
     teachers.token_logprobs(scores, targets, values[:, TEACHER_LOGP], temperature, chunk, vocab, autocast, metrics)
     return values
+
+
+def behaviour_logprobs(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                       temperature: float, chunk: int, vocab: int) -> torch.Tensor:
+    """Step 3b: log pi_old of each sampled token (completion_hidden's order) at `temperature`, from the weights
+    that sampled them, before the step's first update: the ratio's denominator for every later minibatch."""
+    with torch.no_grad(), run.autocast():
+        hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
+        logp = token_logprobs(hidden, run.head, targets, chunk, vocab, temperature)
+    reshard_root(run.raw_model)  # no backward follows this forward: a sharded student's root is freed here
+    return logp
+
+
+def add_policy_stats(metrics, sums, args: argparse.Namespace, first: bool) -> None:
+    """A trained part's clip fraction, entropy, KL and OPD estimates; with several updates per step the ratio and
+    the approximate KL to pi_old (`first`: the step's first minibatch, whose ratio is 1 up to rounding: the check
+    that sampling and training compute the same log-probabilities)."""
+    metrics.ratio("clip_fraction", sums.clipped, sums.tokens)
+    metrics.ratio("entropy", sums.entropy, sums.tokens)
+    if args.kl_coef:
+        metrics.ratio("kl", sums.kl, sums.tokens)
+    if args.opd_coef:
+        metrics.ratio("reverse_kl_estimate", sums.opd, sums.tokens)
+    if args.update_epochs * args.num_minibatches > 1:
+        metrics.ratio("approx_kl", sums.approx_kl, sums.tokens)
+        if first:
+            metrics.ratio("first_ratio", sums.ratio, sums.tokens)
+
+
+def kl_passed(kl: torch.Tensor, target_kl: float, run: Run) -> bool:
+    """Whether a minibatch's approximate KL (`kl`: its sum and tokens on this rank) over all ranks passed
+    --target_kl: decided from the all-reduced value, so every rank stops at the same update (a rank stopping alone
+    would wait forever in DDP's next all-reduce)."""
+    total, count = all_reduce_sum(kl.double(), run.dist).tolist()
+    return total / max(count, 1.0) > target_kl
 
 
 def add_group_stats(metrics, rewards: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor, input_ids, eos: int,
@@ -141,15 +183,17 @@ def train(args: argparse.Namespace) -> None:
            + f", advantage {args.advantage}" + (f", KL {args.kl_coef:g}" if args.kl_coef else "")
            + (f", OPD term {args.opd_coef:g}" if args.opd_coef else ""))
     vocab, g = len(tokenizer), args.num_generations
+    updates = args.update_epochs * args.num_minibatches  # optimizer updates per step (per rollout batch)
     settings = dict(temperature=args.gen_temperature, clip_low=args.clip_eps, clip_high=args.clip_eps_high,
                     kl_coef=args.kl_coef, opd_coef=args.opd_coef, opd_reward=args.opd_reward,
-                    power_alpha=args.power_alpha, iw_gamma=args.iw_gamma)
+                    power_alpha=args.power_alpha, iw_gamma=args.iw_gamma, kind=args.policy_loss)
 
     run.evaluate_when_due(evaluator, teachers.served)  # step 0: the baseline later evaluations compare against
     for epoch, window, coming in run.windows_ahead(args.max_staleness):
         clock = PhaseClock(run.device)
         rollouts.before_step(run.step, epoch, window, coming, clock)  # served: push + verify the weights, then sample
-        for i, batch in enumerate(window):
+        rollout_batch = []
+        for batch in window:
             # 1. G samples per prompt, labels on each completion
             input_ids, attention_mask, labels = rollouts.sequences(batch, run.step, epoch, True, clock)
             with clock("reward"):  # 2. graded against the ground truth, compared within the group
@@ -160,26 +204,37 @@ def train(args: argparse.Namespace) -> None:
                 values = token_values(advantages, labels, input_ids, attention_mask, reference, teachers, scores,
                                       temperature=args.gen_temperature, chunk=args.loss_chunk_size, vocab=vocab,
                                       autocast=run.teacher_autocast, metrics=run.metrics)
-            with clock("train"), run.micro_step(i, len(window)):  # 4. the loss; DDP syncs on the window's last
-                with run.autocast():
-                    hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-                    rows = completion_rows(labels) if args.position_weight == "iw" else None  # IW-OPD's weights
-                    sums = fused_policy_loss(hidden, run.head, targets, values, args.loss_chunk_size, vocab,
-                                             rows=rows, **settings)
-                divisor = labels.shape[0] * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
-                run.backward(sums.loss, divisor)
             reshard_root(reference)  # a sharded frozen model's head, gathered for its forward, is read until here
             teachers.reshard()
-            run.metrics.ratio("clip_fraction", sums.clipped, sums.tokens)
-            run.metrics.ratio("entropy", sums.entropy, sums.tokens)
-            if args.kl_coef:
-                run.metrics.ratio("kl", sums.kl, sums.tokens)
-            if args.opd_coef:
-                run.metrics.ratio("reverse_kl_estimate", sums.opd, sums.tokens)
+            if updates > 1:  # 3b. log pi_old, before any update moves the weights that sampled
+                with clock("old_logp"):
+                    values[:, OLD_LOGP] = behaviour_logprobs(run, input_ids, attention_mask, labels,
+                                                             args.gen_temperature, args.loss_chunk_size, vocab)
             add_group_stats(run.metrics, rewards, correct, labels, input_ids, tokenizer.eos_token_id, g)
+            rollout_batch.append(Rollout(input_ids, attention_mask, labels, values))
+        # 4. the loss: E passes over M minibatches of the rollout batch, an update each (the step's last below)
+        for update, minibatch in enumerate(minibatches(rollout_batch, args.update_epochs, args.num_minibatches, g)):
+            kl = torch.zeros(2, device=run.device)  # the minibatch's approximate KL summed, and its tokens
+            for j, part in enumerate(minibatch):
+                with clock("train"), run.micro_step(j, len(minibatch)):  # DDP syncs on the minibatch's last
+                    with run.autocast():
+                        hidden, targets = completion_hidden(run.model, part.input_ids, part.attention_mask,
+                                                            part.labels)
+                        rows = completion_rows(part.labels) if args.position_weight == "iw" else None  # IW-OPD
+                        sums = fused_policy_loss(hidden, run.head, targets, part.values, args.loss_chunk_size,
+                                                 vocab, rows=rows, **settings)
+                    divisor = len(part.labels) * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
+                    run.backward(sums.loss, divisor)
+                add_policy_stats(run.metrics, sums, args, first=update == 0)
+                kl += torch.stack([sums.approx_kl, sums.tokens.to(kl.dtype)]).detach()
+            stop = args.target_kl and kl_passed(kl, args.target_kl, run)
+            if update == updates - 1 or stop:
+                break
+            with clock("train"):
+                run.update()  # exact normalisation over the minibatch and all ranks, clip, AdamW
         clock.add_to(run.metrics)  # gen / reward / teacher / train seconds and their shares
         rollouts.add_to(run.metrics)
-        metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
+        metrics = run.optimizer_step()  # the step's last update: exact normalisation over all ranks, clip, AdamW
         reward_std(metrics)
         shown = ("reward", f"pass@{g}", "zero_variance_share", "eos_share", "completion_len")
         # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end

@@ -10,7 +10,7 @@ from common.errors import ArgumentParser, refuse, refuse_first
 from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_common_args, add_frozen_model_args,
                                   default_student, validate_common_args)
 from trainer.config.opd_signal import add_opd_signal_args, opd_signal_rules
-from trainer.losses.policy_gradient import ADVANTAGES
+from trainer.losses.policy_gradient import ADVANTAGES, POLICY_LOSSES
 from trainer.rl.rewards import REWARDS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
@@ -50,9 +50,22 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
                         "OPD term alone)")
     g.add_argument("--format_reward", type=float, default=0.0,
                    help="added to the reward of a completion with a final \\boxed{} answer, right or wrong")
+    g.add_argument("--policy_loss", default="clip", choices=POLICY_LOSSES,
+                   help="clip: PPO's clipped surrogate -min(rho A, clip(rho) A); cispo: MiniMax-M1's -sg(clip(rho)) A "
+                        "log pi, no token's gradient dropped (its paper: no lower bound, --clip_eps 1, and a tuned "
+                        "--clip_eps_high)")
     g.add_argument("--clip_eps", type=float, default=0.2, help="PPO's clip: rho within [1 - eps_low, 1 + eps_high]")
     g.add_argument("--clip_eps_high", type=float, default=None,
                    help="the upper clip when it differs (DAPO: 0.28); default --clip_eps")
+    g.add_argument("--update_epochs", type=int, default=1,
+                   help="E: passes over each rollout batch, each minibatch one optimizer update (minimind's "
+                        "ppo_update_iters); > 1 records log pi_old by a forward before the batch's first update")
+    g.add_argument("--num_minibatches", type=int, default=1,
+                   help="M: the rollout batch (a step's prompts) split into M minibatches of whole groups, one "
+                        "update each: E x M updates per step")
+    g.add_argument("--target_kl", type=float, default=0.0,
+                   help="> 0: a step's remaining updates are skipped once a minibatch's approximate KL(pi_old || pi) "
+                        "(mean of rho - 1 - log rho over its tokens, all ranks) passes it; 0: off")
     g.add_argument("--kl_coef", type=float, default=0.0,
                    help="weight of the k3 estimate of KL(student || reference) per token (0: no reference loaded)")
     g.add_argument("--reference_path", default=None,
@@ -74,8 +87,18 @@ def validate_rl_args(args: argparse.Namespace) -> None:
         (a.num_generations == 1 and not a.opd_coef,
          "--num_generations 1: a group of one has no relative reward (its advantage is 0): sample 2 or more, or "
          "train on --opd_coef alone"),
-        (not 0 < a.clip_eps < 1 or a.clip_eps_high <= 0,
-         f"--clip_eps must be in (0, 1) and --clip_eps_high > 0, got {a.clip_eps} and {a.clip_eps_high}"),
+        (not (0 < a.clip_eps < 1 or a.policy_loss == "cispo" and a.clip_eps == 1) or a.clip_eps_high <= 0,
+         f"--clip_eps must be in (0, 1) (cispo: (0, 1], 1 for no lower bound) and --clip_eps_high > 0, got "
+         f"{a.clip_eps} and {a.clip_eps_high}"),
+        (a.update_epochs < 1 or a.num_minibatches < 1,
+         f"--update_epochs and --num_minibatches must be >= 1, got {a.update_epochs} and {a.num_minibatches}"),
+        ((a.batch_size * a.accumulation_steps) % a.num_minibatches,
+         f"--num_minibatches {a.num_minibatches} must divide a step's prompts per rank, --batch_size x "
+         f"--accumulation_steps = {a.batch_size * a.accumulation_steps} (minibatches of whole groups, the same "
+         f"rows on any world size)"),
+        (a.target_kl < 0, f"--target_kl must be >= 0, got {a.target_kl}"),
+        (a.target_kl and a.update_epochs * a.num_minibatches == 1,
+         "--target_kl stops a step's later updates: it needs --update_epochs or --num_minibatches > 1"),
         (a.kl_coef < 0 or a.opd_coef < 0 or a.format_reward < 0,
          "--kl_coef, --opd_coef and --format_reward must be >= 0"),
         (a.opd_coef and not teacher, "--opd_coef needs a teacher: --teacher_path DIR, --teacher_url URL or "

@@ -69,6 +69,10 @@ class Run:
         self.logs = RunLog(args, info, self.state, self.checkpoints.metrics_path, self.total_steps,
                            self.effective_settings())
         self.metrics = WindowMetrics(self.device)  # the window's numbers: the loop's own and the run's
+        # the loss and tokens backwarded since the last update, and the tokens of this step's earlier updates
+        # (`update`: PPO's minibatches)
+        self.pending = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.updated_tokens, self.updates = 0.0, 0
         self.kept_rollouts = lambda: self.state.rollouts  # what a save keeps of the rollouts sampled ahead
         self.kept_states: dict[str, Callable[[], object]] = {}  # what a save keeps of the loop's own state
         self.saved_step = self.state.step if args.from_resume and os.path.exists(self.resume_path) else None
@@ -207,15 +211,21 @@ class Run:
         self.scaler.scale(loss_sum / loss_divisor(self.args)).backward()
         self.metrics.token_mean("loss", loss_sum)
         self.metrics.total("tokens", num_tokens)
+        self.pending += torch.stack([torch.as_tensor(loss_sum).detach().double().to(self.device).reshape(()),
+                                     torch.as_tensor(num_tokens, dtype=torch.float64, device=self.device)])
 
-    def optimizer_step(self) -> dict:
-        """Exact normalisation over the window and all ranks, clip, step (trainer/skeleton/optimizer_step.py). Returns
-        the window's metrics."""
+    def update(self) -> float:
+        """An optimizer update inside the step, before its last (PPO's minibatches of one rollout batch): the
+        gradients backwarded since the previous update, over all ranks, divided by their tokens, clipped, AdamW at
+        the step's learning rate (`apply_update`). The step's last update is `optimizer_step`'s. -> the norm."""
+        loss_sum, tokens = all_reduce_sum(self.pending.clone(), self.dist).tolist()
+        self.updated_tokens += tokens
+        return self.apply_update(tokens, loss_sum / max(tokens, 1.0))
+
+    def apply_update(self, global_tokens: float, loss: float) -> float:
+        """The pending gradients of `global_tokens` loss tokens (all ranks) whose mean loss is `loss`: exact
+        normalisation, clip, AdamW (trainer/skeleton/optimizer_step.py) -> the gradient norm."""
         args, state = self.args, self.state
-        values, stop = self.metrics.reduce(self.dist, float(self.stop_request.signal))
-        # a signal that reached only some ranks stops all of them after this same step
-        self.stop_signal = self.stop_request.signal or (signal.SIGTERM if stop else 0)
-        global_tokens, loss = values.pop("tokens"), values.pop("loss")
         lr = get_lr(state.step, self.total_steps, args.learning_rate, self.warmup_steps)
         # DDP averaged the gradients over ranks; the micro-steps divided by loss_divisor: undo both, divide by tokens
         scale = loss_divisor(args) * self.dist.world_size / max(global_tokens, 1.0)
@@ -223,15 +233,31 @@ class Run:
                                          loss, state.step + 1)
         if skipped:
             state.skipped_steps += 1
-            print0(f"step {state.step + 1}: fp16 gradients overflowed, the step was skipped and the loss scale "
+            print0(f"step {state.step + 1}: fp16 gradients overflowed, the update was skipped and the loss scale "
                    f"lowered to {self.scaler.get_scale():g} ({state.skipped_steps} skipped in this run)")
+        self.pending.zero_()
+        self.updates += 1
+        return grad_norm
+
+    def optimizer_step(self) -> dict:
+        """Exact normalisation over the window and all ranks, clip, step (trainer/skeleton/optimizer_step.py): the
+        step's last update (its earlier ones `update`'s). Returns the window's metrics."""
+        args, state = self.args, self.state
+        values, stop = self.metrics.reduce(self.dist, float(self.stop_request.signal))
+        # a signal that reached only some ranks stops all of them after this same step
+        self.stop_signal = self.stop_request.signal or (signal.SIGTERM if stop else 0)
+        global_tokens, loss = values.pop("tokens"), values.pop("loss")
+        # the window's tokens are whole numbers in float64: what the earlier updates took leaves this one's exactly
+        grad_norm = self.apply_update(global_tokens - self.updated_tokens, loss)
+        updates, self.updated_tokens, self.updates = self.updates, 0.0, 0
         state.step += 1
         state.samples_in_epoch += self.global_batch  # nominal for a short tail window: the epoch ends there
         elapsed = self.logs.timer.tick(global_tokens)
         # epochs counted from 1 wherever a person reads them: metrics.jsonl, the tracker, the console
+        lr = get_lr(state.step - 1, self.total_steps, args.learning_rate, self.warmup_steps)  # the step's rate
         return {"step": state.step, "epoch": state.epoch + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": int(global_tokens), "tokens_per_s": self.logs.timer.tokens_per_s(),
-                "step_ms": elapsed * 1000.0,
+                "step_ms": elapsed * 1000.0, **({"updates": updates} if updates > 1 else {}),
                 **({"skipped_steps": state.skipped_steps} if self.scaler.is_enabled() else {}), **values}
 
     @contextlib.contextmanager
