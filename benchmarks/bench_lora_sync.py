@@ -234,12 +234,13 @@ def sample_rate(server: CompletionServer, batch: dict, max_new_tokens: int, toke
     """-> (generated tokens per second, each row's completion ids): temperature 1, fixed per-row seeds, the loops'
     request (serving/engine.py)."""
     start = time.perf_counter()
-    completions = server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens,
+    samples = server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], max_new_tokens,
                                        seeds=[1000 + row for row in range(len(batch["prompt_ids"]))],
                                        temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
                                        vocab_size=len(tokenizer), model_vocab_size=model_vocab_size)
     seconds = time.perf_counter() - start
     time.sleep(SERVER_TAIL_S)
+    completions = [ids for ids, _ in samples]
     return sum(map(len, completions)) / seconds, completions
 
 

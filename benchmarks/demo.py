@@ -36,7 +36,8 @@ root, exactly as printed (its leading `python` is this interpreter), writing int
   rl        GRPO with the math-verify reward, groups of 4
 The OPD variants (VARIANTS: self-distillation, speculative KD, skew reverse KL, PowerOPD, IW-OPD and their
 sampled-token base, each one flag on OPD's command at OPD's learning rate) are rows of their own by name, outside the
-default table: `--methods opd,opd_self,opd_skd,...`; each is also tested against OPD's row of the same seed.
+default table: `--methods opd,opd_self,opd_skd,...`; each is also tested against OPD's row of the same seed. So are
+RL's (rl_epochs: 2 update epochs x 2 minibatches; rl_cispo: the same with CISPO), tested against RL's row.
 Each run is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
 which benchmarks/demo_curves.py draws against steps, FLOPs and teacher tokens, with the paired tests at equal steps
 and equal FLOPs. Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the
@@ -225,6 +226,15 @@ VARIANTS = (
            f"{OPD_TEACHER} --loss sampled_kl --position_weight iw", 3e-4, variant_of="opd"),
     Method("opd_sampled", "sampled-token OPD (PowerOPD's and IW-OPD's base)", "trainer/train_opd.py",
            f"{OPD_TEACHER} --loss sampled_kl", 3e-4, variant_of="opd"),
+    # RL beyond one on-policy update: each rollout batch trained in 2 epochs of 2 minibatches (4 updates a step,
+    # the ratio and the clip live from the second), with PPO's clipped surrogate or CISPO's clipped weight (tinker's
+    # default band for it, [0, 4]: no lower bound, as its paper); at RL's rate, tested against RL's row
+    Method("rl_epochs", "RL, 2 update epochs x 2 minibatches (clipped surrogate)", "trainer/train_rl.py",
+           "--num_generations 4 --batch_size 4 --update_epochs 2 --num_minibatches 2", 3e-5, rows_per_step=4,
+           variant_of="rl"),
+    Method("rl_cispo", "RL, 2 update epochs x 2 minibatches (CISPO)", "trainer/train_rl.py",
+           "--num_generations 4 --batch_size 4 --update_epochs 2 --num_minibatches 2 --policy_loss cispo "
+           "--clip_eps 1 --clip_eps_high 3", 3e-5, rows_per_step=4, variant_of="rl"),
 )
 
 

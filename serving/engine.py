@@ -103,14 +103,17 @@ class CompletionServer:
         (`sampling`: `sample_tokens`'s settings)."""
         completions = self.sample_tokens(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
                                          eos_token_id=eos_token_id, **sampling)
-        return completions_output(prompt_ids, completions, eos_token_id, pad_token_id)
+        return completions_output(prompt_ids, [ids for ids, _ in completions], eos_token_id, pad_token_id)
 
     def sample_tokens(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, *,
                       seeds: Sequence[int], do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
                       top_p: float = 1.0, eos_token_id: int | list[int], vocab_size: int,
-                      model_vocab_size: int) -> list[list[int]]:
+                      model_vocab_size: int) -> list[tuple[list[int], list[float]]]:
         """The requests alone: each row's completion token ids as the server returned them (through its EOS or
-        `max_new_tokens`). Plain lists, no tensor work: what a background thread can do (trainer/rollouts/queue.py)."""
+        `max_new_tokens`), and the log-probability the server drew each with (at the temperature, after top-k /
+        top-p and the logit bias: a server started with --logprobs-mode processed_logprobs, as
+        serving/vllm_launch.py starts it). Plain lists, no tensor work: what a background thread can do
+        (trainer/rollouts/queue.py)."""
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         padding_rows = {str(i): -100.0 for i in range(vocab_size, model_vocab_size)}
@@ -119,10 +122,10 @@ class CompletionServer:
             "temperature": temperature if do_sample else 0.0, "top_p": top_p if do_sample else 1.0,
             "top_k": top_k if do_sample else 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "ignore_eos": True, "stop_token_ids": eos_ids,
-            "logit_bias": padding_rows,
+            "logit_bias": padding_rows, "logprobs": 0,
             "return_token_ids": True, "skip_special_tokens": False,
         } for row, seed in zip(rows, seeds)]
-        return self._post_all(payloads, _completion_token_ids)
+        return self._post_all(payloads, _sampled_tokens)
 
     # -- scoring -------------------------------------------------------------------------------------------------------
 
@@ -240,11 +243,18 @@ def _choice(body: Any) -> dict[str, Any]:
     return choice
 
 
-def _completion_token_ids(body: Any) -> list[int]:
-    ids = _choice(body).get("token_ids")
+def _sampled_tokens(body: Any) -> tuple[list[int], list[float]]:
+    """choices[0].token_ids and choices[0].logprobs.token_logprobs, one per sampled token."""
+    choice = _choice(body)
+    ids = choice.get("token_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
         raise ValueError("choices[0].token_ids missing (the server must accept return_token_ids, as vLLM does)")
-    return ids
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    if not isinstance(logprobs, list) or len(logprobs) != len(ids) or \
+            not all(isinstance(x, (int, float)) for x in logprobs):
+        raise ValueError("choices[0].logprobs.token_logprobs missing or not one per token (the server must accept "
+                         "logprobs, as vLLM does)")
+    return ids, [float(x) for x in logprobs]
 
 
 def _prompt_logprobs(body: Any) -> torch.Tensor:

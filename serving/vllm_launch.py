@@ -10,8 +10,11 @@ points at another):
 
     VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this repository> python -m vllm.entrypoints.openai.api_server \
         --model DIR --served-model-name NAME --dtype DTYPE --max-model-len N --host HOST --port PORT \
-        --worker-extension-cls serving.vllm_worker.WeightSyncWorker
+        --logprobs-mode processed_logprobs --worker-extension-cls serving.vllm_worker.WeightSyncWorker
 
+processed_logprobs: a sampled token's log-probability as it was drawn -- after the temperature, top-k/top-p and the
+logit bias that keeps the embedding's padding rows out -- which RL's rollout correction divides by (vLLM's default,
+raw_logprobs, is the model's before any of them; prompt log-probabilities, a teacher's scores, are the same in both).
 Dev mode serves /collective_rpc and /reset_prefix_cache (the weight sync uses both); the worker extension loads the
 pushed weights (serving/vllm_worker.py). On a CPU, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) defaults to 1 here.
 Dev mode also serves endpoints that change the server's state: bind it to 127.0.0.1 or a private network only.
@@ -73,7 +76,7 @@ def vllm_command(python: str, model: str, name: str, port: int, dtype: str = "fl
     logprobs = ["--max-logprobs", str(max_logprobs)] if max_logprobs is not None else []
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--host", host, "--port", str(port),
-            *logprobs, "--worker-extension-cls", EXTENSION, *(extra or [])]
+            *logprobs, "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION, *(extra or [])]
 
 
 def vllm_env() -> dict[str, str]:

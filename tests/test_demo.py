@@ -590,6 +590,20 @@ def test_the_opd_variants_are_rows_of_their_own_each_tested_against_opd_of_its_s
     assert set(demo.parse_args(["--methods", "opd_power,opd_iw,opd_skew,opd_sampled"]).methods) <= set(demo.VARIANTS)
 
 
+def test_the_rl_variants_run_update_epochs_and_are_tested_against_rl_of_their_seed(root):
+    """`--methods rl,rl_epochs,rl_cispo`: RL's command with 2 update epochs x 2 minibatches (and CISPO's loss with
+    its band), each row tested against RL's of the same seed."""
+    run_demo(root, ["--methods", "rl,rl_epochs,rl_cispo"])
+    rows = {r["name"]: r for r in json.loads((root / demo.ADDITION.save_dir / "demo.json").read_text())["rows"]}
+    epochs, cispo = flags(rows["rl_epochs_s1"]["commands"][0]), flags(rows["rl_cispo_s2"]["commands"][0])
+    assert epochs["--update_epochs"] == "2" and epochs["--num_minibatches"] == "2" and "--policy_loss" not in epochs
+    assert cispo["--policy_loss"] == "cispo" and (cispo["--clip_eps"], cispo["--clip_eps_high"]) == ("1", "3")
+    assert flags(rows["rl_s1"]["commands"][0])["--learning_rate"] == epochs["--learning_rate"]
+    for name in ("rl_epochs_s1", "rl_cispo_s2"):
+        mine, base = correct_of(name), correct_of(f"rl_s{name[-1]}")
+        assert rows[name]["versus_base"][:2] == [max(mine - base, 0), max(base - mine, 0)]
+
+
 def test_a_grading_runs_no_code_of_the_folders_whose_changes_it_ignores():
     """is_current reuses a grading across commits that changed only benchmarks/ and trainer/: eval/eval_math.py
     must import neither (measured in a fresh interpreter)."""

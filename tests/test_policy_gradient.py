@@ -90,9 +90,10 @@ def test_on_policy_is_the_plain_policy_gradient_and_the_opd_term_the_sampled_kl(
     assert torch.allclose(grad, expected, atol=1e-10)
 
 
-def dense_reference(hidden, weight, labels, values, temperature, eps_low, eps_high, kl_coef, opd_coef, kind="clip"):
+def dense_reference(hidden, weight, labels, values, temperature, eps_low, eps_high, kl_coef, opd_coef, kind="clip",
+                    is_weights=None):
     """The loss written from the formulas on full (n, V) logits: PPO's clipped surrogate, or CISPO's detached
-    clipped weight times log pi."""
+    clipped weight times log pi, each times the rollout correction's weight."""
     logp = torch.log_softmax(hidden @ weight.T / temperature, -1).gather(1, labels[:, None]).squeeze(1)
     old = torch.where(values[:, OLD_LOGP].isnan(), logp.detach(), values[:, OLD_LOGP])
     advantage = values[:, ADVANTAGE] - opd_coef * (logp.detach() - values[:, TEACHER_LOGP])
@@ -101,6 +102,8 @@ def dense_reference(hidden, weight, labels, values, temperature, eps_low, eps_hi
         pg = -ratio.clamp(1 - eps_low, 1 + eps_high).detach() * advantage * logp
     else:
         pg = -torch.min(ratio * advantage, ratio.clamp(1 - eps_low, 1 + eps_high) * advantage)
+    if is_weights is not None:
+        pg = is_weights * pg
     d = values[:, REF_LOGP] - logp
     return (pg + kl_coef * (d.exp() - d - 1)).sum()
 
@@ -127,11 +130,13 @@ def test_cispo_on_hand_picked_ratios():
     assert torch.allclose(logits.grad, (-weight * advantage)[:, None] * (onehot - p), atol=1e-12)
 
 
+@pytest.mark.parametrize("corrected", [False, True], ids=["", "is-weighted"])
 @pytest.mark.parametrize("kind", ["clip", "cispo"])
 @pytest.mark.parametrize("on_policy", [True, False], ids=["on-policy", "off-policy"])
-def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy, kind):
+def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy, kind, corrected):
     """Off-policy (log pi_old recorded: the ratio away from 1, the clip binding on some tokens), the fused loss's
-    value, gradients and logged sums (the ratio's, the approximate KL's) against float64 definitions."""
+    value, gradients and logged sums (the ratio's, the approximate KL's) against float64 definitions; with the
+    rollout correction's importance weights on the policy term."""
     torch.manual_seed(2)
     n, h, v = 13, 8, 40
     hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
@@ -142,9 +147,11 @@ def test_the_chunked_loss_and_gradient_equal_a_dense_reference(on_policy, kind):
     values[:, REF_LOGP] = -3.0 + 0.3 * torch.randn(n, dtype=torch.float64)
     values[:, TEACHER_LOGP] = -3.0 + 0.3 * torch.randn(n, dtype=torch.float64)
     settings = dict(temperature=0.9, clip_low=0.2, clip_high=0.28, kl_coef=0.05, opd_coef=0.5)
-    sums = fused_policy_loss(hidden, weight, labels, values, chunk_size=4, vocab_size=v, kind=kind, **settings)
+    is_weights = torch.rand(n, dtype=torch.float64) * 2 if corrected else None
+    sums = fused_policy_loss(hidden, weight, labels, values, chunk_size=4, vocab_size=v, kind=kind,
+                             is_weights=is_weights, **settings)
     grads = torch.autograd.grad(sums.loss, (hidden, weight))
-    reference = dense_reference(hidden, weight[:v], labels, values, 0.9, 0.2, 0.28, 0.05, 0.5, kind)
+    reference = dense_reference(hidden, weight[:v], labels, values, 0.9, 0.2, 0.28, 0.05, 0.5, kind, is_weights)
     expected = torch.autograd.grad(reference, (hidden, weight))
     assert float(sums.loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-10)
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(grads, expected))

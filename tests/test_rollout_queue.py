@@ -167,3 +167,17 @@ def test_staleness_flags_that_cannot_work_are_refused_in_one_line(tiny_config_pa
                                                     teacher_path=tmp_path / "teacher", **flags), capsys)
     assert_one_line_error(code, stderr, 2, *names)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_steps_kept_rollouts_take_about_13_bytes_per_token_in_the_resume_file():
+    """docs/serving.md's figure: the kept rollouts of one step of 256 rows x 1,024 tokens -- token ids and the
+    server's log-probabilities, as the queue keeps them -- serialised as the resume file holds them: 3.4 MB."""
+    import io
+    import random
+    rng = random.Random(0)
+    rows = {row: ([rng.randrange(151_669) for _ in range(1024)], [-5 * rng.random() for _ in range(1024)])
+            for row in range(256)}
+    buffer = io.BytesIO()
+    torch.save({2: {"version": 1, "rows": rows}}, buffer)
+    per_token = len(buffer.getvalue()) / (256 * 1024)
+    assert 12 < per_token < 14, per_token

@@ -45,12 +45,34 @@ def test_window_metrics_reduce_by_kind():
         window.total("tokens", tokens)
         window.ratio("eos_share", ended, rows)
         window.rank_mean("gen_s", seconds)
+        window.maximum("gap_max", seconds / 3)
     values, extra = window.reduce(DistInfo(), extra=3.0)
-    assert values == {"loss": 2.0, "tokens": 5.0, "eos_share": 0.75, "gen_s": 2.0} and extra == 3.0
+    assert values == {"loss": 2.0, "tokens": 5.0, "eos_share": 0.75, "gen_s": 2.0, "gap_max": 0.5} and extra == 3.0
     assert window.sums == {} and window.kinds == {}  # the next window starts empty
     window.total("tokens", 1)
     with pytest.raises(ValueError, match="tokens"):
         window.ratio("tokens", 1, 2)
+
+
+def _reduce_on_two_ranks(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    window = WindowMetrics("cpu")
+    window.total("tokens", 1 + rank)
+    window.maximum("gap_max", [0.9, 0.2][rank])
+    window.maximum("gap_max", [0.1, 0.4][rank])  # a second micro-batch: the largest of the rank's stays
+    values, _ = window.reduce(DistInfo(rank=rank, local_rank=rank, world_size=2))
+    torch.save(values, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_window_maxima_are_the_largest_over_micro_batches_and_ranks(tmp_path):
+    """A maximum (the rollout correction's sampler gap) is reduced by MAX over ranks, beside the sums' all-reduce:
+    every rank logs the largest of all."""
+    import torch.multiprocessing as mp
+    mp.spawn(_reduce_on_two_ranks, args=(str(tmp_path / "init"), str(tmp_path / "values")), nprocs=2)
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"values.{rank}") == {"tokens": 3.0, "gap_max": pytest.approx(0.9)}
 
 
 def test_a_components_numbers_merged_into_the_window_reduce_as_if_added_there():

@@ -215,7 +215,8 @@ def test_target_kl_stops_every_rank_at_the_same_update(tiny_config_path, chat_js
 @pytest.mark.parametrize("flags, names", [
     ({"num_generations": 1}, ["--num_generations 1"]),
     ({"opd_coef": 1}, ["--opd_coef", "--teacher_path"]),
-    ({"max_staleness": 1, "rollout_url": "http://127.0.0.1:1/v1"}, ["--max_staleness 1"]),
+    ({"rollout_correction": "tis"}, ["--rollout_correction tis", "--rollout_url"]),
+    ({"is_cap": 0.5}, ["--is_cap"]),
     ({"clip_eps": 1.5}, ["--clip_eps"]),
     ({"clip_eps": 1.0}, ["--clip_eps", "cispo"]),
     ({"num_minibatches": 3}, ["--num_minibatches 3", "--batch_size"]),

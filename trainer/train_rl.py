@@ -20,8 +20,10 @@ Per micro-batch (its --batch_size prompts, each G times: a group is never split 
      \\boxed{} answer); advantages within each group: grpo (r - mean) / (std + 1e-4), drgrpo r - mean
   3. optional frozen models, no gradients: the reference's log-probabilities of the sampled tokens (--kl_coef), the
      teacher's (--opd_coef: local, or the served teacher's)
-     (with --update_epochs or --num_minibatches > 1: log pi_old, the sampling weights' log-probabilities, by a
-     forward before any update)
+     (with --update_epochs or --num_minibatches > 1, or served rollouts: log pi_old, the sampling weights'
+     log-probabilities, by a forward before any update; served, the gap to the server's own log-probabilities
+     logged, and rollouts from older weights (--max_staleness, --sync_interval) weighted by --rollout_correction:
+     trainer/losses/rollout_correction.py)
   4. loss per token = - min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + kl_coef k3(ref, student) (--policy_loss
      cispo: - sg(clip(rho)) A log pi + ...), with A = A_group - opd_coef (log p_S(y_t) - log p_T(y_t)) (or its
      variants: --opd_reward power, PowerOPD's bounded reward; --position_weight iw, IW-OPD's weight by place in the
@@ -51,6 +53,7 @@ from trainer.losses.chunked import completion_hidden, completion_rows
 from trainer.losses.divergences import Divergence, evaluation_divergence
 from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
                                             group_advantages, token_logprobs)
+from trainer.losses.rollout_correction import correction_weights
 from trainer.rl.minibatches import Rollout, minibatches
 from trainer.rl.rewards import GroupCollator, check_ground_truths, reward_of
 from trainer.rollouts.servers import connect_server, say_servers
@@ -107,6 +110,14 @@ def behaviour_logprobs(run: Run, input_ids: torch.Tensor, attention_mask: torch.
         logp = token_logprobs(hidden, run.head, targets, chunk, vocab, temperature)
     reshard_root(run.raw_model)  # no backward follows this forward: a sharded student's root is freed here
     return logp
+
+
+def add_sampler_gap(metrics, old_logp: torch.Tensor, sampler_logp: torch.Tensor) -> None:
+    """|log pi_old - log mu| over the sampled tokens, mean and max: how far the trainer's log-probabilities are
+    from the server's (rounding for on-policy rollouts; the weights' drift for older ones)."""
+    gap = (old_logp.double() - sampler_logp.double()).abs()
+    metrics.ratio("sampler_logp_gap", gap.sum(), len(gap))
+    metrics.maximum("sampler_logp_gap_max", gap.max() if len(gap) else 0.0)
 
 
 def add_policy_stats(metrics, sums, args: argparse.Namespace, first: bool) -> None:
@@ -206,12 +217,23 @@ def train(args: argparse.Namespace) -> None:
                                       autocast=run.teacher_autocast, metrics=run.metrics)
             reshard_root(reference)  # a sharded frozen model's head, gathered for its forward, is read until here
             teachers.reshard()
-            if updates > 1:  # 3b. log pi_old, before any update moves the weights that sampled
+            rollout = Rollout(input_ids, attention_mask, labels, values)
+            sampled = rollouts.sampler(batch, run.step, labels)  # served: the server's log mu, its weights' step
+            if updates > 1 or sampled is not None:  # 3b. log pi_old, before any update moves the weights
                 with clock("old_logp"):
-                    values[:, OLD_LOGP] = behaviour_logprobs(run, input_ids, attention_mask, labels,
-                                                             args.gen_temperature, args.loss_chunk_size, vocab)
+                    old_logp = behaviour_logprobs(run, input_ids, attention_mask, labels, args.gen_temperature,
+                                                  args.loss_chunk_size, vocab)
+                if updates > 1:  # the ratio's denominator (one update: the weights trained, rho = 1 exactly)
+                    values[:, OLD_LOGP] = old_logp
+            if sampled is not None:
+                sampler_logp, version = sampled
+                add_sampler_gap(run.metrics, old_logp, sampler_logp)
+                if version < run.step and args.rollout_correction != "none":  # 3c. older weights' rollouts
+                    rollout = rollout.corrected(*correction_weights(
+                        old_logp, sampler_logp, completion_rows(labels), args.rollout_correction, args.is_cap,
+                        args.icepop_low, args.icepop_high))
             add_group_stats(run.metrics, rewards, correct, labels, input_ids, tokenizer.eos_token_id, g)
-            rollout_batch.append(Rollout(input_ids, attention_mask, labels, values))
+            rollout_batch.append(rollout)
         # 4. the loss: E passes over M minibatches of the rollout batch, an update each (the step's last below)
         for update, minibatch in enumerate(minibatches(rollout_batch, args.update_epochs, args.num_minibatches, g)):
             kl = torch.zeros(2, device=run.device)  # the minibatch's approximate KL summed, and its tokens
@@ -222,7 +244,7 @@ def train(args: argparse.Namespace) -> None:
                                                             part.labels)
                         rows = completion_rows(part.labels) if args.position_weight == "iw" else None  # IW-OPD
                         sums = fused_policy_loss(hidden, run.head, targets, part.values, args.loss_chunk_size,
-                                                 vocab, rows=rows, **settings)
+                                                 vocab, rows=rows, is_weights=part.is_weights, **settings)
                     divisor = len(part.labels) * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
                     run.backward(sums.loss, divisor)
                 add_policy_stats(run.metrics, sums, args, first=update == 0)

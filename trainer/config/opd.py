@@ -93,8 +93,12 @@ def validate_opd_args(args: argparse.Namespace) -> None:
          f"--top_p {a.top_p}: a biased estimate); --loss jsd samples any way"),
         (sampled_kl and a.max_staleness,
          f"--loss sampled_kl needs samples from the current student: with --max_staleness {a.max_staleness} they "
-         f"come from weights {a.max_staleness} step(s) older (a biased estimate); use --loss jsd"),
+         f"come from weights {a.max_staleness} step(s) older (a biased estimate); use --loss jsd, or the same "
+         f"signal corrected: trainer/train_rl.py --reward none --opd_coef 1 --num_generations 1 --rollout_correction "
+         f"tis"),
         (sampled_kl and a.rollout_url and a.sync_interval > 1,
          f"--loss sampled_kl needs samples from the current student: with --sync_interval {a.sync_interval} the "
-         f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd"),
+         f"server samples from older weights (a biased estimate); use --sync_interval 1 or --loss jsd, or the same "
+         f"signal corrected: trainer/train_rl.py --reward none --opd_coef 1 --num_generations 1 --rollout_correction "
+         f"tis"),
     ])

@@ -11,6 +11,7 @@ from trainer.config.flags import (SHARED_RESUMABLE, TEACHER_RESUMABLE, add_commo
                                   default_student, validate_common_args)
 from trainer.config.opd_signal import add_opd_signal_args, opd_signal_rules
 from trainer.losses.policy_gradient import ADVANTAGES, POLICY_LOSSES
+from trainer.losses.rollout_correction import CORRECTIONS
 from trainer.rl.rewards import REWARDS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
@@ -63,6 +64,15 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num_minibatches", type=int, default=1,
                    help="M: the rollout batch (a step's prompts) split into M minibatches of whole groups, one "
                         "update each: E x M updates per step")
+    g.add_argument("--rollout_correction", default="none", choices=CORRECTIONS,
+                   help="rollouts a server sampled from older weights (--max_staleness > 0, --sync_interval > 1), "
+                        "weighted by rho = pi_old / mu against the server's log-probabilities: tis, token-level "
+                        "truncated IS min(rho, --is_cap); mis, sequence-level masked IS (an answer's prod rho, 0 above "
+                        "--is_cap); icepop, rho where --icepop_low <= rho <= --icepop_high, else 0; none: trained as "
+                        "if on-policy (biased)")
+    g.add_argument("--is_cap", type=float, default=2.0, help="C of --rollout_correction tis and mis (their sources': 2)")
+    g.add_argument("--icepop_low", type=float, default=0.5, help="the lower end of IcePop's band (its source's: 0.5)")
+    g.add_argument("--icepop_high", type=float, default=5.0, help="the upper end of IcePop's band (its source's: 5)")
     g.add_argument("--target_kl", type=float, default=0.0,
                    help="> 0: a step's remaining updates are skipped once a minibatch's approximate KL(pi_old || pi) "
                         "(mean of rho - 1 - log rho over its tokens, all ranks) passes it; 0: off")
@@ -109,12 +119,12 @@ def validate_rl_args(args: argparse.Namespace) -> None:
         (served and a.gen_temperature != 1.0,
          f"a served teacher: a server's log-probabilities are at temperature 1, the student's at --gen_temperature "
          f"{a.gen_temperature}: sample at 1 or use a local --teacher_path"),
-        # the ratio rho needs the probability the sampling engine gave each token; the loop has it only when the
-        # weights that sampled are the ones being trained (rho = 1)
-        (a.max_staleness or a.sync_interval > 1,
-         f"--max_staleness {a.max_staleness} / --sync_interval {a.sync_interval}: rollouts from older weights need "
-         f"the sampling engine's log-probabilities for the importance ratio, which this loop does not take; use "
-         f"--max_staleness 0 --sync_interval 1 (strictly on-policy)"),
+        (a.rollout_correction != "none" and not a.rollout_url,
+         f"--rollout_correction {a.rollout_correction} weighs rollouts a server sampled from older weights: add "
+         f"--rollout_url with --max_staleness or --sync_interval (the built-in engine samples from the current ones)"),
+        (a.is_cap <= 1 or not 0 < a.icepop_low < 1 < a.icepop_high,
+         f"--is_cap must be > 1 and 0 < --icepop_low < 1 < --icepop_high, got {a.is_cap}, {a.icepop_low} and "
+         f"{a.icepop_high}"),
     ])
     for flag in ("teacher_path", "reference_path"):
         path = getattr(args, flag)

@@ -89,11 +89,13 @@ class PolicySums:
 def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                 clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0, opd_coef: float = 0.0,
                 opd_reward: str = "log_ratio", power_alpha: float = 5.0,
-                opd_weights: torch.Tensor | None = None, kind: str = "clip") -> tuple[torch.Tensor, ...]:
+                opd_weights: torch.Tensor | None = None, kind: str = "clip",
+                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The per-token loss (module docstring; `kind` clip or cispo) summed over labels != -100, from the student's
     logits (n, V) at the completion positions and `values` (n, 4): each token's group advantage, log pi_old (NaN:
     on-policy, pi itself detached), log p_ref and log p_T (read only with kl_coef / opd_coef); the OPD term's reward
-    (`opd_reward`, `power_alpha`) and position weights (n,) (None: 1) -> PolicySums' fields as a tuple: the
+    (`opd_reward`, `power_alpha`) and position weights (n,) (None: 1); the rollout correction's importance weights
+    (n,) on the policy term (None: 1; trainer/losses/rollout_correction.py) -> PolicySums' fields as a tuple: the
     reference `fused_policy_loss` is tested against."""
     mask = labels != IGNORE_INDEX
     low = student_logits.dtype in (torch.float16, torch.bfloat16)  # upcast: the loss runs in fp32 (fp64 stays)
@@ -116,6 +118,8 @@ def policy_loss(student_logits: torch.Tensor, values: torch.Tensor, labels: torc
         unclipped, clipped = ratio * advantage, weight * advantage
         per_token = -torch.minimum(unclipped, clipped)
         took_clip = (clipped < unclipped).detach()
+    if is_weights is not None:
+        per_token = is_weights.to(logp.dtype) * per_token
     kl = k3(values[:, REF_LOGP], logp) if kl_coef else torch.zeros_like(logp)
     if kl_coef:
         per_token = per_token + kl_coef * kl
@@ -136,8 +140,9 @@ def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], l
     (the driver's grad_scale is 1 / T), with c = dl/dlog pi(y). clip: c follows autograd's rules for the
     reference's `-minimum(unclipped, clipped)`: the smaller term takes the gradient, a tie gives each half; the
     clipped term's ratio passes it only inside [1 - eps_low, 1 + eps_high] (clamp's, bounds included). cispo: c is
-    minus the detached clipped weight times A. `values`: (the (n, 4) columns, the OPD term's position weights)."""
-    values, opd_weights = values
+    minus the detached clipped weight times A; both times the rollout correction's weight. `values`: (the (n, 4)
+    columns, the OPD term's position weights, the correction's weights)."""
+    values, opd_weights, is_weights = values
     keep = labels != IGNORE_INDEX
     log_p = torch.log_softmax(student.div_(temperature) if temperature != 1.0 else student, dim=-1, out=student)
     logp = log_p.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
@@ -158,6 +163,8 @@ def _policy_chunk(student: torch.Tensor, _teacher, spares: list[torch.Tensor], l
         inside = (ratio >= 1 - clip_low) & (ratio <= 1 + clip_high)
         share = torch.where(unclipped == clipped, 0.5, (unclipped < clipped).float())  # the unclipped term's
         c = -advantage * ratio * (share + (1.0 - share) * inside)
+    is_weights = is_weights.to(logp.dtype)
+    per_token, c = is_weights * per_token, is_weights * c
     kl = torch.zeros_like(logp)
     if kl_coef:
         kl = k3(values[:, REF_LOGP], logp)
@@ -174,12 +181,13 @@ def fused_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor
                       values: torch.Tensor, chunk_size: int, vocab_size: int, temperature: float = 1.0,
                       clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0, opd_coef: float = 0.0,
                       opd_reward: str = "log_ratio", power_alpha: float = 5.0, rows: torch.Tensor | None = None,
-                      iw_gamma: float = 0.5, kind: str = "clip") -> PolicySums:
+                      iw_gamma: float = 0.5, kind: str = "clip", is_weights: torch.Tensor | None = None
+                      ) -> PolicySums:
     """`policy_loss` from the final hidden states at the completion positions, a chunk of positions at a time
     through the lm_head with its gradient in closed form (trainer/losses/fused_linear.py): the (n, V) logits never
-    exist in full and no chunk is computed twice. `values` (n, 4), the OPD term's reward and `kind` as
-    `policy_loss` reads them; `rows` (n,), each position's row: the OPD term weighted by IW-OPD's position weights
-    with `iw_gamma` (`opd_position_weights`; None: weight 1)."""
+    exist in full and no chunk is computed twice. `values` (n, 4), the OPD term's reward, `kind` and `is_weights`
+    as `policy_loss` reads them; `rows` (n,), each position's row: the OPD term weighted by IW-OPD's position
+    weights with `iw_gamma` (`opd_position_weights`; None: weight 1)."""
     if kind not in POLICY_LOSSES:
         raise ValueError(f"policy loss {kind!r}: use one of {POLICY_LOSSES}")
     chunk = ChunkLoss(functools.partial(_policy_chunk, temperature=temperature, clip_low=clip_low,
@@ -191,8 +199,9 @@ def fused_policy_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor
     if rows is not None and opd_coef:  # IW-OPD: each token's weight from its whole row's rewards
         weights = opd_position_weights(student_hidden, student_weight, labels, values[:, TEACHER_LOGP], rows,
                                        chunk_size, vocab_size, temperature, opd_reward, power_alpha, iw_gamma)
+    is_weights = values.new_ones(values.shape[0]) if is_weights is None else is_weights
     loss, tokens, extras = fused_linear_loss(chunk, student_hidden, student_weight, labels, vocab_size, chunk_size,
-                                             values=(values, weights))
+                                             values=(values, weights, is_weights))
     return PolicySums(loss, tokens, *extras)
 
 

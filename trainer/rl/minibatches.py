@@ -21,19 +21,31 @@ from dataset.collators import IGNORE_INDEX
 
 @dataclass
 class Rollout:
-    """One micro-batch's sampled sequences (right padded) and its per-token values (n, 4), in completion_hidden's
-    order (trainer/losses/chunked.py: row by row)."""
+    """One micro-batch's sampled sequences (right padded), its per-token values (n, 4) and the rollout
+    correction's importance weights (n,) (None: 1), in completion_hidden's order (trainer/losses/chunked.py: row by
+    row)."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
     values: torch.Tensor
+    is_weights: torch.Tensor | None = None
 
     def rows(self, start: int, stop: int) -> Rollout:
-        """Rows [start, stop) with their tokens' values."""
+        """Rows [start, stop) with their tokens' values and weights."""
         tokens = (self.labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()  # each row's positions, in order
         first = sum(tokens[:start])
+        taken = slice(first, first + sum(tokens[start:stop]))
         return Rollout(self.input_ids[start:stop], self.attention_mask[start:stop], self.labels[start:stop],
-                       self.values[first:first + sum(tokens[start:stop])])
+                       self.values[taken], None if self.is_weights is None else self.is_weights[taken])
+
+    def corrected(self, weights: torch.Tensor, keep: torch.Tensor) -> Rollout:
+        """With the rollout correction's weights (n,) on its tokens, and the tokens `keep` (n,) marks False out of
+        the loss and its token count (their labels ignored, their values and weights gone)."""
+        positions = (self.labels[:, 1:] != IGNORE_INDEX).nonzero()  # (n, 2): completion_hidden's order
+        dropped = positions[~keep]
+        labels = self.labels.clone()
+        labels[dropped[:, 0], dropped[:, 1] + 1] = IGNORE_INDEX
+        return Rollout(self.input_ids, self.attention_mask, labels, self.values[keep], weights[keep])
 
 
 def minibatches(batch: list[Rollout], epochs: int, count: int, group_size: int) -> Iterator[list[Rollout]]:

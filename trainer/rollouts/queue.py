@@ -17,10 +17,11 @@ reference the tests compare against).
         for batch in window:
             completions = rollouts.take(run.step, batch)   # waits for them when they are not there yet
 
-What is sampled is kept, as token ids, in the queue (step -> {"version", "rows": {sample_key: ids}}); every checkpoint
+What is sampled is kept in the queue, each row's token ids with the log-probabilities the server drew them with
+(step -> {"version", "rows": {sample_key: (ids, logprobs)}}; RL's rollout correction divides by them); every checkpoint
 saves a copy (`kept_now`, into `RunState.rollouts`, gathered from all ranks): a resumed run trains on exactly the
 rollouts the killed one had sampled from weights older than its checkpoint, which it no longer has. Only the server's
-requests run in the background thread (plain lists of ids, no tensor work): the trainer's own threads compute
+requests run in the background thread (plain lists, no tensor work): the trainer's own threads compute
 undisturbed.
 """
 from __future__ import annotations
@@ -37,9 +38,10 @@ Job = tuple[int, int, Window]         # (step, epoch, window)
 
 
 class RolloutQueue:
-    """`sample(batch, epoch)` -> each row's completion token ids, from the weights the server holds now."""
+    """`sample(batch, epoch)` -> each row's sample (its completion token ids and their log-probabilities), from
+    the weights the server holds now."""
 
-    def __init__(self, sample: Callable[[dict, int], list[list[int]]], resumed: dict[int, dict], staleness: int,
+    def __init__(self, sample: Callable[[dict, int], list], resumed: dict[int, dict], staleness: int,
                  overlap: bool = True):
         """`resumed`: the rollouts a resumed run's checkpoint kept (step -> {"version", "rows"}; {} at a start)."""
         self.sample, self.staleness, self.overlap = sample, staleness, overlap
@@ -73,8 +75,9 @@ class RolloutQueue:
         return jobs
 
     def start(self, jobs: list[Job], step: int) -> None:
-        """Sample the jobs' rows from the weights the server now holds (those of `step`): in a background thread,
-        or here and now without overlap. A failure is raised by the next `wait` or `take`."""
+        """Sample the jobs' rows from the weights the server now holds (those after optimizer step `step`, their
+        version): in a background thread, or here and now without overlap. A failure is raised by the next `wait`
+        or `take`."""
         assert self.thread is None, "wait() before a new start(): the server holds one set of weights"
         self.sampled.update(s for s, _, _ in jobs)
         self.running = True
@@ -115,8 +118,8 @@ class RolloutQueue:
             error, self.error = self.error, None
             raise error
 
-    def take(self, step: int, batch: dict) -> tuple[list[list[int]], int]:
-        """The completion token ids of `batch`'s rows for step `step` and the step whose weights sampled them;
+    def take(self, step: int, batch: dict) -> tuple[list, int]:
+        """The samples of `batch`'s rows for step `step` and the step whose weights sampled them;
         waits for them when they are not there yet (not for the rest of the job in flight)."""
         start = time.perf_counter()
         with self.kept:

@@ -26,7 +26,7 @@ import torch
 
 from common.errors import refuse_first
 from common.seeds import derived_seed
-from dataset.collators import build_sequences
+from dataset.collators import IGNORE_INDEX, build_sequences
 from model import Decoder, generate
 from model.generate import Speculative
 from serving.engine import CompletionServer, completions_output, probe_token_ids
@@ -84,7 +84,7 @@ class Rollouts:
                 self.stats.total("sync_logprob_diff", agreement["max"])  # bf16: the mean decides (docs/serving.md)
                 self.stats.total("sync_logprob_mean", agreement["mean"])
                 self.stats.rank_mean("weight_pushes", 1)  # per window: the console line shows the pushes
-        self.queue.start(jobs, step)  # a failure is raised where they are waited for
+        self.queue.start(jobs, self.weight_sync.synced_step)  # the weights it holds; failures: where waited for
 
     def sequences(self, batch: dict, step: int, epoch: int, on_policy: bool, clock) -> Sequences:
         """Steps 1-2 of a micro-batch of optimizer step `step`: its rows' samples (the queue's, waited for when they
@@ -95,12 +95,24 @@ class Rollouts:
                 completions, version = self.queue.take(step, batch)
                 # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
                 self.stats.ratio("staleness", step - version, 1)
-                return served_sequences(batch, completions, self.tokenizer, self.device)
+                return served_sequences(batch, [ids for ids, _ in completions], self.tokenizer, self.device)
             if on_policy:
                 return sample_completions(self.student, self.args, self.tokenizer, batch, epoch, self.device,
                                           self.autocast, self.decoder, self.speculative, self.stats)
             data = {k: v.to(self.device) for k, v in self.data_collator(batch["rows"]).items()}
             return data["input_ids"], data["attention_mask"], data["labels"]
+
+    def sampler(self, batch: dict, step: int, labels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """Served rollouts of `batch` at optimizer step `step` (after `sequences`): the log-probability the server
+        drew each completion token with, in completion_hidden's order (row by row, through each row's first EOS:
+        `labels`' positions), and the step whose weights the server held. None for the built-in engine, whose
+        sampler is the trained student itself."""
+        if self.queue is None:
+            return None
+        completions, version = self.queue.take(step, batch)
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
+        logprobs = [x for (_, row), n in zip(completions, counts) for x in row[:n]]
+        return torch.tensor(logprobs, dtype=torch.float32, device=labels.device), version
 
     def add_to(self, metrics: WindowMetrics) -> None:
         """This step's numbers into the loop's window `metrics`: the weight sync's agreement and pushes, the
@@ -115,8 +127,8 @@ class Rollouts:
         return {} if self.queue is None else self.queue.kept_now()
 
     def before_save(self) -> None:
-        """The checkpoint keeps the rollouts sampled ahead (token ids; a resume needs them): the job in flight
-        finishes first."""
+        """The checkpoint keeps the rollouts sampled ahead (token ids and log-probs; a resume needs them): the job
+        in flight finishes first."""
         if self.queue is not None:
             with self.fail_together():
                 self.queue.wait()
@@ -191,9 +203,10 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
 
 
 def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer, model_vocab_size: int):
-    """Step 1 on the rollout server, for the rollout queue: (batch, epoch) -> each row's completion token ids,
-    from the weights the server holds (requests only: it runs in the queue's background thread)."""
-    def sample(batch: dict, epoch: int) -> list[list[int]]:
+    """Step 1 on the rollout server, for the rollout queue: (batch, epoch) -> each row's completion token ids and
+    their sampled log-probabilities, from the weights the server holds (requests only: it runs in the queue's
+    background thread)."""
+    def sample(batch: dict, epoch: int) -> list[tuple[list[int], list[float]]]:
         return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
                                     seeds=row_seeds(args.seed, batch, epoch), model_vocab_size=model_vocab_size,
                                     **sampling_settings(args, tokenizer))

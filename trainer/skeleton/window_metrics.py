@@ -24,6 +24,8 @@ class WindowMetrics:
                                   (a teacher with no rows has no loss, not a loss of 0)
         total(name, value)        a plain sum (tokens, generated_tokens)
         rank_mean(name, value)    the mean over ranks of a per-rank number (seconds spent in a phase)
+        maximum(name, value)      the largest over micro-batches and ranks (a second all-reduce, MAX, only in a
+                                  window that has one)
 
     Every rank must add the same names (they travel in one tensor, in sorted order)."""
 
@@ -37,7 +39,9 @@ class WindowMetrics:
         if self.kinds.setdefault(name, kind) != kind:
             raise ValueError(f"metric {name!r} is a {self.kinds[name]}, not a {kind}")
         tensors = [torch.as_tensor(v).detach().to(self.device, torch.float64) for v in values]
-        self.sums[name] = [old + new for old, new in zip(self.sums[name], tensors)] if name in self.sums else tensors
+        combine = torch.maximum if kind == "maximum" else torch.add
+        self.sums[name] = [combine(old, new) for old, new in zip(self.sums[name], tensors)] if name in self.sums \
+            else tensors
 
     def token_mean(self, name: str, value) -> None:
         self._add("token_mean", name, value)
@@ -53,6 +57,9 @@ class WindowMetrics:
     def rank_mean(self, name: str, value) -> None:
         self._add("rank_mean", name, value)
 
+    def maximum(self, name: str, value) -> None:
+        self._add("maximum", name, value)
+
     def merge(self, other: WindowMetrics) -> None:
         """Add what a component collected on its own (`other`, each name with its kind) to this window, and empty
         `other` for the next one."""
@@ -64,10 +71,14 @@ class WindowMetrics:
     def reduce(self, info: DistInfo, extra: float = 0.0) -> tuple[dict[str, float], float]:
         """-> (name -> value, the all-ranks sum of `extra`), and start the next window empty. `extra` rides along
         in the same all-reduce (the stop flag: one collective per step, not two)."""
-        names = sorted(self.sums)
+        maxima = sorted(name for name in self.sums if self.kinds[name] == "maximum")
+        names = sorted(name for name in self.sums if self.kinds[name] != "maximum")
         flat = [t for name in names for t in self.sums[name]]
         reduced = all_reduce_sum(torch.stack([*flat, torch.tensor(extra, dtype=torch.float64, device=self.device)]),
                                  info).tolist()
+        largest = torch.stack([self.sums[name][0] for name in maxima]) if maxima else None
+        if largest is not None and info.enabled:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         sums, position = {}, 0
         for name in names:
             width = len(self.sums[name])
@@ -77,5 +88,6 @@ class WindowMetrics:
                    "rank_mean": lambda _: info.world_size}
         values = {name: sums[name][0] / divisor[self.kinds[name]](sums[name]) for name in names
                   if not (name in self.undefined_when_empty and sums[name][1] == 0)}
+        values.update(zip(maxima, [] if largest is None else largest.tolist()))
         self.kinds, self.sums, self.undefined_when_empty = {}, {}, set()
         return values, reduced[-1]
