@@ -193,7 +193,7 @@ def test_sigkill_then_resume_is_bit_identical(loop, reference, tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora"), indirect=True)  # the data; RL: groups across ranks
+@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs"), indirect=True)  # RL: groups, minibatches
 def test_resume_across_world_size_change(loop, reference, tmp_path):
     """Two ranks x batch 2 x accumulation 2 killed after their first checkpoint, resumed by one process with the
     reference's batch 2 x accumulation 4 (the same global batch): the reference's weights."""

@@ -70,7 +70,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
                         "truncated IS min(rho, --is_cap); mis, sequence-level masked IS (an answer's prod rho, 0 above "
                         "--is_cap); icepop, rho where --icepop_low <= rho <= --icepop_high, else 0; none: trained as "
                         "if on-policy (biased)")
-    g.add_argument("--is_cap", type=float, default=2.0, help="C of --rollout_correction tis and mis (their sources': 2)")
+    g.add_argument("--is_cap", type=float, default=2.0,
+                   help="C of --rollout_correction tis and mis (their sources': 2)")
     g.add_argument("--icepop_low", type=float, default=0.5, help="the lower end of IcePop's band (its source's: 0.5)")
     g.add_argument("--icepop_high", type=float, default=5.0, help="the upper end of IcePop's band (its source's: 5)")
     g.add_argument("--target_kl", type=float, default=0.0,
