@@ -164,3 +164,10 @@ def first_step_samples(student, tokenizer, rows: list[dict], seed: int, max_new_
                    vocab_size=len(tokenizer))
     return build_sequences(prompts["prompt_ids"], prompts["prompt_attention_mask"], out.completion_ids,
                            out.completion_mask)
+
+
+def assert_bit_identical_runs(reference, other) -> None:
+    """The same weights bit for bit and every step logged once with the same numbers (timings aside)."""
+    a, b = weights(reference), weights(other)
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights are not bit-identical"
+    assert without_timing(metrics(reference)) == without_timing(metrics(other)), "every step once, same numbers"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import trainer.train_rl as train_rl
-from loop_helpers import env_one_thread, loop_args, metrics, weights, without_timing
+from loop_helpers import assert_bit_identical_runs, env_one_thread, loop_args, metrics
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -55,15 +55,9 @@ def reference(vllm_servers, files, tmp_path_factory):
     return folder
 
 
-def assert_same_run(reference, other) -> None:
-    a, b = weights(reference), weights(other)
-    assert all(torch.equal(a[k], b[k]) for k in a), "weights are not bit-identical"
-    assert without_timing(metrics(reference)) == without_timing(metrics(other)), "every step once, same numbers"
-
-
 def test_overlapped_stale_rollouts_equal_the_serial_reference(reference, vllm_servers, files, tmp_path):
     train(rl_args(files, vllm_servers, tmp_path, overlap=0))
-    assert_same_run(reference, tmp_path)
+    assert_bit_identical_runs(reference, tmp_path)
     rows = metrics(reference)
     assert [m["staleness"] for m in rows] == [0, 1, 1, 1]
     # step 1 samples the weights being trained: the two engines agree to rounding; later steps drifted a step
@@ -84,7 +78,7 @@ def test_a_sigkill_while_the_next_rollouts_are_requested_resumes_bit_for_bit(ref
     ids, logprobs = next(iter(saved["rollouts"][2]["rows"].values()))
     assert len(ids) == len(logprobs) and all(x <= 0 for x in logprobs)
     train(rl_args(files, vllm_servers, tmp_path, from_resume=1))
-    assert_same_run(reference, tmp_path)
+    assert_bit_identical_runs(reference, tmp_path)
 
 
 def test_on_policy_a_correction_changes_nothing_and_stale_rollouts_are_weighted(vllm_servers, files, tmp_path,
@@ -95,7 +89,7 @@ def test_on_policy_a_correction_changes_nothing_and_stale_rollouts_are_weighted(
     for correction in ("none", "mis"):
         train(rl_args(files, vllm_servers, tmp_path / correction, max_staleness=0, max_steps=2,
                       rollout_correction=correction))
-    assert_same_run(tmp_path / "none", tmp_path / "mis")
+    assert_bit_identical_runs(tmp_path / "none", tmp_path / "mis")
     assert [m["staleness"] for m in metrics(tmp_path / "none")] == [0, 0]
     seen = []
     weights_of = train_rl.correction_weights

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from loop_helpers import (assert_one_line_error, env_one_thread, loop_args, max_weight_diff, metrics, run_command,
-                          script_exit, torchrun_command, weights, without_timing)
+from loop_helpers import (assert_bit_identical_runs, assert_one_line_error, env_one_thread, loop_args, max_weight_diff,
+                          metrics, run_command, script_exit, torchrun_command, weights)
 from support import ROOT, SERVED_CONFIG, write_chat_jsonl
 from trainer.train_opd import main as train_opd
 from vllm_servers import TcpProxy, dies_before_call
@@ -49,15 +49,9 @@ def reference(vllm_servers, files, tmp_path_factory):
     return folder
 
 
-def assert_same_run(reference, other) -> None:
-    a, b = weights(reference), weights(other)
-    assert all(torch.equal(a[k], b[k]) for k in a), "weights are not bit-identical"
-    assert without_timing(metrics(reference)) == without_timing(metrics(other)), "every step once, same numbers"
-
-
 def test_overlapped_rollouts_equal_the_serial_delayed_reference(reference, vllm_servers, files, tmp_path):
     train_opd(staleness_args(files, vllm_servers, tmp_path, overlap=0))
-    assert_same_run(reference, tmp_path)
+    assert_bit_identical_runs(reference, tmp_path)
     rows = metrics(reference)
     # steps 1 and 2 sample from the initial weights, every later step from the weights one step older
     assert [m["staleness"] for m in rows] == [0, 1, 1, 1, 1, 1]
@@ -94,7 +88,7 @@ def test_a_sigkill_at_any_instant_resumes_to_the_uninterrupted_run(reference, vl
     assert list(saved["rollouts"]) == [2] and saved["rollouts"][2]["version"] == 1
     assert len(saved["rollouts"][2]["rows"]) == 4
     train_opd(staleness_args(files, vllm_servers, tmp_path, from_resume=1))
-    assert_same_run(reference, tmp_path)
+    assert_bit_identical_runs(reference, tmp_path)
 
 
 def test_a_server_that_dies_mid_rollout_stops_the_run_with_its_last_step_saved(vllm_servers, files, tmp_path,
