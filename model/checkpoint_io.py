@@ -251,7 +251,8 @@ def hf_weights(model: Qwen3ForCausalLM) -> dict[str, RowBlock]:
     state = {name: tensor.detach() for name, tensor in model.state_dict().items() if not is_adapter(name)}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return {name: RowBlock(state[block.parameter], block.rows, _adapter(model, name, block.parameter))
+    return {(model.HF_HEAD if name == "lm_head.weight" else name):
+            RowBlock(state[block.parameter], block.rows, _adapter(model, name, block.parameter))
             for name, block in hf_layout(state, model.config).items()}
 
 
@@ -377,7 +378,7 @@ def save_pretrained(model: Qwen3ForCausalLM, out_dir: str, tokenizer_dir: str | 
         for names in files:
             write_safetensors(None, {name: state[name] for name in names}, dtype)
         return
-    hf_config = config.to_hf_dict()
+    hf_config = model.hf_config()
     hf_config["torch_dtype"] = str(dtype or next(iter(state.values())).dtype).removeprefix("torch.")
     tokenizer = load_tokenizer(tokenizer_dir)
 

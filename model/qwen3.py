@@ -351,6 +351,12 @@ class Qwen3ForCausalLM(nn.Module):
         self.pack_rows = False  # completion_hidden runs the packed forward (Packing): the loops' --packing
         self.tie_weights()
 
+    HF_HEAD = "lm_head.weight"  # the head's name in an export (model/value.py's critic names its own)
+
+    def hf_config(self) -> dict:
+        """config.json of an export (model/checkpoint_io.py's save_pretrained)."""
+        return self.config.to_hf_dict()
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -28,7 +28,7 @@ def loop_args(config, data, save_dir, name="run", batch=2, accumulation=1, **ext
 
 
 # wall-clock numbers, which differ from run to run: throughput, and the seconds and shares of the OPD step's phases
-PHASES = ("gen", "teacher", "train", "sync", "verify", "drain", "entropy", "reference", "reward", "old_logp")
+PHASES = ("gen", "teacher", "train", "sync", "verify", "drain", "entropy", "reference", "reward", "old_logp", "critic")
 TIMING = {"tokens_per_s", "step_ms", "wait_s", "server_idle_s", *(f"{phase}_s" for phase in PHASES),
           *(f"{phase}_share" for phase in PHASES)}
 

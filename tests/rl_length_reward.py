@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import trainer.rl.rewards as rewards  # noqa: E402
 import trainer.train_rl as train_rl  # noqa: E402
 from common.errors import run_script  # noqa: E402
 
@@ -23,12 +24,12 @@ def length_reward(texts, truths, kind, format_weight=0.0) -> tuple[torch.Tensor,
 
 
 def main(argv: list[str] | None = None) -> None:
-    original = train_rl.reward_of
-    train_rl.reward_of = length_reward
+    original = rewards.reward_of
+    rewards.reward_of = length_reward
     try:
         train_rl.main(argv)
     finally:
-        train_rl.reward_of = original
+        rewards.reward_of = original
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ from eval.eval_math import main as eval_math
 from trainer.train_distillation import main as train_distillation
 from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
+from trainer.train_ppo import main as train_ppo
 from trainer.train_rl import main as train_rl
 from trainer.train_sft import main as train_sft
 
 # each script's main and the flags it requires (argparse names missing ones before unknown ones)
 SCRIPTS = {"train_sft": (train_sft, []), "train_distillation": (train_distillation, []), "train_opd": (train_opd, []),
-           "train_logit_free": (train_logit_free, []), "train_rl": (train_rl, []),
+           "train_logit_free": (train_logit_free, []), "train_rl": (train_rl, []), "train_ppo": (train_ppo, []),
            "eval_math": (eval_math, ["--model_path", "m"]), "chat": (chat, ["--model_path", "m"]),
            "teacher_generate": (teacher_generate, ["--data_path", "d", "--out", "o", "--base_url", "u", "--model", "m"]),
            "demo": (demo, [])}
@@ -55,7 +56,7 @@ def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
 
 
 SHORTENED = {"train_sft": "--learning_rate", "train_distillation": "--learning_rate", "train_opd": "--max_new_tokens",
-             "train_logit_free": "--continuations", "train_rl": "--num_generations",
+             "train_logit_free": "--continuations", "train_rl": "--num_generations", "train_ppo": "--critic_learning_rate",
              "eval_math": "--max_rows", "chat": "--temperature", "teacher_generate": "--concurrency",
              "demo": "--fresh"}
 
@@ -87,7 +88,8 @@ def test_the_vllm_launcher_passes_a_shortened_flag_on_instead_of_taking_it_for_i
     assert command[command.index("--port") + 1] == "8000" and command[-2:] == ["--por", "1"], command
 
 
-@pytest.mark.parametrize("script", ["train_sft", "train_distillation", "train_opd", "train_logit_free", "train_rl"])
+@pytest.mark.parametrize("script", ["train_sft", "train_distillation", "train_opd", "train_logit_free", "train_rl",
+                                    "train_ppo"])
 def test_help_gives_every_flag_a_text_and_its_default_once(script, capsys):
     with pytest.raises(SystemExit):
         SCRIPTS[script][0](["--help"])

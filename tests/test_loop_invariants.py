@@ -26,6 +26,7 @@ from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
 from trainer.train_sft import main as train_sft
 from rl_length_reward import main as train_rl_varied
+from ppo_length_reward import main as train_ppo_varied
 
 # 2-process torchrun runs and full loops: the whole suite, not the fast tier. One thread in-process, as the
 # subprocesses have (OMP_NUM_THREADS=1): the in-process and subprocess runs then sum in the same order.
@@ -46,6 +47,8 @@ LOOPS = {
     # RL's rollout batch trained in 2 epochs of 2 minibatches (log pi_old recorded, the ratio live), CISPO's loss:
     # minibatches of whole groups that micro-batches and ranks cut differently
     "rl_epochs": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
+    # PPO: the critic trained beside the policy, its state in the policy's resume file
+    "ppo": (train_ppo_varied, os.path.join(ROOT, "tests", "ppo_length_reward.py")),
     # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
     # a rank has no row for one of them
     "kd_teachers": (train_distillation, os.path.join(ROOT, "trainer", "train_distillation.py")),
@@ -77,6 +80,7 @@ LOOP_FLAGS["opd_self"] = {"max_new_tokens": 8, "self_teacher": "ema", "ema_decay
 # RL's OPD term with the sampled-token signal's variants
 LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
 LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA, **SIGNAL}
+LOOP_FLAGS["ppo"] = {"max_new_tokens": 8, "kl_coef": 0.1, "update_epochs": 2, "num_minibatches": 2}
 LOOP_FLAGS["rl_epochs"] = {**LOOP_FLAGS["rl"], "update_epochs": 2, "num_minibatches": 2, "policy_loss": "cispo"}
 
 
@@ -116,7 +120,7 @@ def loop(request, files):
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
     teacher = {"teachers": files["teachers"]} if several else {"teacher_path": files["teacher"]}
-    own_teacher = request.param.startswith("sft") or request.param == "opd_self"  # none, or the student itself
+    own_teacher = request.param.startswith("sft") or request.param in ("opd_self", "ppo")  # none, or itself
     extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}
     data = routed(files["data"]) if several else files["data"]
 
@@ -193,7 +197,7 @@ def test_sigkill_then_resume_is_bit_identical(loop, reference, tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs"), indirect=True)  # RL: groups, minibatches
+@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs", "ppo"), indirect=True)  # groups, minibatches
 def test_resume_across_world_size_change(loop, reference, tmp_path):
     """Two ranks x batch 2 x accumulation 2 killed after their first checkpoint, resumed by one process with the
     reference's batch 2 x accumulation 4 (the same global batch): the reference's weights."""

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import trainer.rl.rewards as rewards_module
 import trainer.train_rl as train_rl
 from common.seeds import derived_seed
 from dataset.collators import IGNORE_INDEX, PromptCollator
@@ -76,7 +77,7 @@ def test_the_first_loss_is_the_closed_form_of_its_groups(tiny_config_path, chat_
         rewards_seen.append(rewards)
         return rewards, correct
     monkeypatch.setattr(train_rl, "token_values", spy)
-    monkeypatch.setattr(train_rl, "reward_of", reward_spy)
+    monkeypatch.setattr(rewards_module, "reward_of", reward_spy)
     train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1))
     total, tokens = 0.0, 0
     for (labels, advantage), rewards in zip(seen, rewards_seen):
@@ -133,15 +134,16 @@ def test_later_updates_of_a_rollout_batch_are_the_clipped_surrogate_of_a_float64
         updates.append(({k: p.detach().clone() for k, p in named.items()},
                         {k: p.grad.detach() * loss_divisor(run.args) / tokens for k, p in named.items()}))
         return apply_update(run, tokens, loss)
-    real_minibatches = train_rl.minibatches
+    import trainer.rl.updates as updates_module
+    real_minibatches = updates_module.minibatches
 
     def recorded(*args):
         for minibatch in real_minibatches(*args):
             parts.append(minibatch)
             yield minibatch
     monkeypatch.setattr(Run, "apply_update", spy)
-    monkeypatch.setattr(train_rl, "minibatches", recorded)
-    monkeypatch.setattr(train_rl, "reward_of", length_reward)
+    monkeypatch.setattr(updates_module, "minibatches", recorded)
+    monkeypatch.setattr(rewards_module, "reward_of", length_reward)
     train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path, batch=4, max_steps=1, update_epochs=2,
                           learning_rate=0.05, clip_eps_high=0.28))
     assert len(updates) == len(parts) == 2
@@ -204,7 +206,7 @@ def test_target_kl_stops_every_rank_at_the_same_update(tiny_config_path, chat_js
                                                        one_thread):
     """--target_kl: the updates after the first minibatch whose approximate KL to pi_old passes it are skipped (the
     first minibatch's is ~0, so at least two updates run); without it, all E x M."""
-    monkeypatch.setattr(train_rl, "reward_of", length_reward)
+    monkeypatch.setattr(rewards_module, "reward_of", length_reward)
     common = dict(batch=4, max_steps=2, update_epochs=3, num_minibatches=2, learning_rate=0.05, policy_loss="cispo")
     train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path / "all", **common))
     train_rl.main(rl_args(tiny_config_path, chat_jsonl, tmp_path / "kl", target_kl=1e-6, **common))

@@ -49,35 +49,25 @@ from common.errors import run_script
 from dataset.collators import IGNORE_INDEX
 from trainer.config import rl as config
 from trainer.evaluation.heldout import HeldoutEvaluator
-from trainer.losses.chunked import completion_hidden, completion_rows
+from trainer.losses.chunked import completion_rows
 from trainer.losses.divergences import Divergence, evaluation_divergence
-from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, fused_policy_loss,
-                                            group_advantages, token_logprobs)
+from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACHER_LOGP, group_advantages,
+                                            token_logprobs)
 from trainer.losses.rollout_correction import correction_weights
-from trainer.rl.minibatches import Rollout, minibatches
-from trainer.rl.rewards import GroupCollator, check_ground_truths, reward_of
+from trainer.rl.minibatches import Rollout
+from trainer.rl.rewards import GroupCollator, graded_samples, load_graded_prompts
+from trainer.rl.updates import behaviour_logprobs, train_rollout_batch
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
-from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, load_prompt_data, print0,
+from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, print0,
                               train_noting_stop_signals)
 from trainer.skeleton.sharding import reshard_root
-from trainer.skeleton.window_metrics import all_reduce_sum
 from trainer.teachers.frozen import frozen_hidden, load_reference
 from trainer.teachers.parts import Part
 from trainer.teachers.specs import teacher_specs
 from trainer.teachers.teacher_set import Teachers, open_teachers
 
 SAMPLED_KL = Divergence("sampled_kl")  # what a teacher gives the OPD term: its log-probability of each sampled token
-
-
-def sampled_rewards(tokenizer, batch: dict, input_ids: torch.Tensor, labels: torch.Tensor, reward: str,
-                    format_reward: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 2's rewards of the micro-batch's completions (decoded without special tokens, as eval_math.py grades
-    them) -> (rewards, correct), one per row."""
-    completion = labels != IGNORE_INDEX
-    texts = [tokenizer.decode(input_ids[i][completion[i]].tolist(), skip_special_tokens=True)
-             for i in range(input_ids.shape[0])]
-    return reward_of(texts, [row.get("ground_truth") for row in batch["rows"]], reward, format_reward)
 
 
 def token_values(advantages: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor,
@@ -101,47 +91,12 @@ def token_values(advantages: torch.Tensor, labels: torch.Tensor, input_ids: torc
     return values
 
 
-def behaviour_logprobs(run: Run, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                       temperature: float, chunk: int, vocab: int) -> torch.Tensor:
-    """Step 3b: log pi_old of each sampled token (completion_hidden's order) at `temperature`, from the weights
-    that sampled them, before the step's first update: the ratio's denominator for every later minibatch."""
-    with torch.no_grad(), run.autocast():
-        hidden, targets = completion_hidden(run.model, input_ids, attention_mask, labels)
-        logp = token_logprobs(hidden, run.head, targets, chunk, vocab, temperature)
-    reshard_root(run.raw_model)  # no backward follows this forward: a sharded student's root is freed here
-    return logp
-
-
 def add_sampler_gap(metrics, old_logp: torch.Tensor, sampler_logp: torch.Tensor) -> None:
     """|log pi_old - log mu| over the sampled tokens, mean and max: how far the trainer's log-probabilities are
     from the server's (rounding for on-policy rollouts; the weights' drift for older ones)."""
     gap = (old_logp.double() - sampler_logp.double()).abs()
     metrics.ratio("sampler_logp_gap", gap.sum(), len(gap))
     metrics.maximum("sampler_logp_gap_max", gap.max() if len(gap) else 0.0)
-
-
-def add_policy_stats(metrics, sums, args: argparse.Namespace, first: bool) -> None:
-    """A trained part's clip fraction, entropy, KL and OPD estimates; with several updates per step the ratio and
-    the approximate KL to pi_old (`first`: the step's first minibatch, whose ratio is 1 up to rounding: the check
-    that sampling and training compute the same log-probabilities)."""
-    metrics.ratio("clip_fraction", sums.clipped, sums.tokens)
-    metrics.ratio("entropy", sums.entropy, sums.tokens)
-    if args.kl_coef:
-        metrics.ratio("kl", sums.kl, sums.tokens)
-    if args.opd_coef:
-        metrics.ratio("reverse_kl_estimate", sums.opd, sums.tokens)
-    if args.update_epochs * args.num_minibatches > 1:
-        metrics.ratio("approx_kl", sums.approx_kl, sums.tokens)
-        if first:
-            metrics.ratio("first_ratio", sums.ratio, sums.tokens)
-
-
-def kl_passed(kl: torch.Tensor, target_kl: float, run: Run) -> bool:
-    """Whether a minibatch's approximate KL (`kl`: its sum and tokens on this rank) over all ranks passed
-    --target_kl: decided from the all-reduced value, so every rank stops at the same update (a rank stopping alone
-    would wait forever in DDP's next all-reduce)."""
-    total, count = all_reduce_sum(kl.double(), run.dist).tolist()
-    return total / max(count, 1.0) > target_kl
 
 
 def add_group_stats(metrics, rewards: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor, input_ids, eos: int,
@@ -172,9 +127,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace) -> None:
     info = init_distributed_mode(args.device, args.dist_timeout)  # first: each rank builds its models on its own device
-    tokenizer_dir, tokenizer, dataset, collator = load_prompt_data(args, "opd_prompts", need_completion=False)
-    if args.reward == "math":
-        check_ground_truths(dataset, os.path.relpath(dataset.path))
+    tokenizer_dir, tokenizer, dataset, collator = load_graded_prompts(args)
     server = connect_server(args, "rollout")  # servers that are down are refused before any model loads
     # the OPD term's teachers (none without --opd_coef): rows routed, servers connected, templates checked, loaded
     teachers = open_teachers(args, teacher_specs(args) if args.opd_coef else [], tokenizer, dataset, info.device,
@@ -205,11 +158,10 @@ def train(args: argparse.Namespace) -> None:
         rollouts.before_step(run.step, epoch, window, coming, clock)  # served: push + verify the weights, then sample
         rollout_batch = []
         for batch in window:
-            # 1. G samples per prompt, labels on each completion
-            input_ids, attention_mask, labels = rollouts.sequences(batch, run.step, epoch, True, clock)
-            with clock("reward"):  # 2. graded against the ground truth, compared within the group
-                rewards, correct = sampled_rewards(tokenizer, batch, input_ids, labels, args.reward, args.format_reward)
-                advantages = group_advantages(rewards, g, args.advantage)
+            # 1-2. G samples per prompt, labels on each completion, graded against the ground truth
+            input_ids, attention_mask, labels, rewards, correct = graded_samples(rollouts, tokenizer, batch, run.step,
+                                                                                 epoch, args, clock)
+            advantages = group_advantages(rewards, g, args.advantage)  # compared within the group
             with clock("teacher"), run.fail_together(teachers.served):  # 3. the frozen models
                 scores = teachers.score(batch, input_ids, attention_mask, labels, run.teacher_autocast)
                 values = token_values(advantages, labels, input_ids, attention_mask, reference, teachers, scores,
@@ -235,25 +187,7 @@ def train(args: argparse.Namespace) -> None:
             add_group_stats(run.metrics, rewards, correct, labels, input_ids, tokenizer.eos_token_id, g)
             rollout_batch.append(rollout)
         # 4. the loss: E passes over M minibatches of the rollout batch, an update each (the step's last below)
-        for update, minibatch in enumerate(minibatches(rollout_batch, args.update_epochs, args.num_minibatches, g)):
-            kl = torch.zeros(2, device=run.device)  # the minibatch's approximate KL summed, and its tokens
-            for j, part in enumerate(minibatch):
-                with clock("train"), run.micro_step(j, len(minibatch)):  # DDP syncs on the minibatch's last
-                    with run.autocast():
-                        hidden, targets = completion_hidden(run.model, part.input_ids, part.attention_mask,
-                                                            part.labels)
-                        rows = completion_rows(part.labels) if args.position_weight == "iw" else None  # IW-OPD
-                        sums = fused_policy_loss(hidden, run.head, targets, part.values, args.loss_chunk_size,
-                                                 vocab, rows=rows, is_weights=part.is_weights, **settings)
-                    divisor = len(part.labels) * args.max_new_tokens if args.advantage == "drgrpo" else sums.tokens
-                    run.backward(sums.loss, divisor)
-                add_policy_stats(run.metrics, sums, args, first=update == 0)
-                kl += torch.stack([sums.approx_kl, sums.tokens.to(kl.dtype)]).detach()
-            stop = args.target_kl and kl_passed(kl, args.target_kl, run)
-            if update == updates - 1 or stop:
-                break
-            with clock("train"):
-                run.update()  # exact normalisation over the minibatch and all ranks, clip, AdamW
+        train_rollout_batch(run, rollout_batch, args, vocab, clock, settings)
         clock.add_to(run.metrics)  # gen / reward / teacher / train seconds and their shares
         rollouts.add_to(run.metrics)
         metrics = run.optimizer_step()  # the step's last update: exact normalisation over all ranks, clip, AdamW

@@ -10,12 +10,15 @@ every completion (the OPD term alone teaches).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
 from common.errors import refuse
+from dataset.collators import IGNORE_INDEX
 from eval.grader import grade_batch, last_boxed, final_text
+from trainer.skeleton import load_prompt_data
 
 REWARDS = ("math", "none")
 
@@ -64,3 +67,31 @@ def reward_of(texts: Sequence[str], truths: Sequence[str | None], kind: str,
 def _has_final_box(text: str) -> bool:
     answer = final_text(text)
     return answer is not None and last_boxed(answer) is not None
+
+
+def load_graded_prompts(args) -> tuple:
+    """The RL loops' prompts (load_prompt_data's four), every row's ground truth checked at start-up with --reward
+    math."""
+    loaded = load_prompt_data(args, "opd_prompts", need_completion=False)
+    if args.reward == "math":
+        check_ground_truths(loaded[2], os.path.relpath(loaded[2].path))
+    return loaded
+
+
+def graded_samples(rollouts, tokenizer, batch: dict, step: int, epoch: int, args, clock) -> tuple:
+    """Steps 1-2 of an RL micro-batch: the rows' samples (trainer/rollouts/source.py) and their rewards ->
+    input_ids, attention_mask, labels, rewards and whether each answer is right."""
+    input_ids, attention_mask, labels = rollouts.sequences(batch, step, epoch, True, clock)
+    with clock("reward"):
+        rewards, correct = sampled_rewards(tokenizer, batch, input_ids, labels, args.reward, args.format_reward)
+    return input_ids, attention_mask, labels, rewards, correct
+
+
+def sampled_rewards(tokenizer, batch: dict, input_ids: torch.Tensor, labels: torch.Tensor, reward: str,
+                    format_reward: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rewards of a micro-batch's completions (decoded without special tokens, as eval_math.py grades them) ->
+    (rewards, correct), one per row."""
+    completion = labels != IGNORE_INDEX
+    texts = [tokenizer.decode(input_ids[i][completion[i]].tolist(), skip_special_tokens=True)
+             for i in range(input_ids.shape[0])]
+    return reward_of(texts, [row.get("ground_truth") for row in batch["rows"]], reward, format_reward)

@@ -1,0 +1,45 @@
+# python -m pytest tests/test_train_ppo.py
+"""train_ppo.py (WIP): the critic's state is in the policy's resume file, so a kill between the critic's export and
+the resume file (the commit point) resumes both at the same step, bit for bit; the export is transformers'
+token-classification critic. The loop's invariants (accumulation, 2 ranks, SIGKILL, world size) are
+tests/test_loop_invariants.py's `ppo`; the math tests/test_ppo_math.py."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loop_helpers import assert_bit_identical_runs, env_one_thread, loop_args
+from ppo_length_reward import main as train_ppo
+from support import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+DRIVER = os.path.join(ROOT, "tests", "kill_driver.py")
+SCRIPT = os.path.join(ROOT, "tests", "ppo_length_reward.py")
+
+
+def ppo_args(config, data, save_dir, **flags):
+    return loop_args(config, data, save_dir, batch=2, accumulation=4, save_interval=1, max_new_tokens=8,
+                     kl_coef=0.1, update_epochs=2, num_minibatches=2, **flags)
+
+
+def test_a_kill_between_the_critics_export_and_the_commit_resumes_both_at_one_step(tiny_config_path, chat_jsonl,
+                                                                                   tmp_path):
+    """Each save writes the critic's export, then the policy's, then the resume file. Killed with the third export
+    half-written -- step 2's critic, after step 1's two exports and resume file -- the run resumes from step 1,
+    policy and critic together, and ends as the uninterrupted run did."""
+    train_ppo(ppo_args(tiny_config_path, chat_jsonl, tmp_path / "reference"))
+    args = ppo_args(tiny_config_path, chat_jsonl, tmp_path / "killed")
+    killed = subprocess.run([sys.executable, DRIVER, SCRIPT, "export", "3", *args], env=env_one_thread(),
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = torch.load(tmp_path / "killed" / "run_resume.pt", weights_only=False)
+    assert saved["step"] == 1 and set(saved["kept"]) == {"critic"}
+    train_ppo(ppo_args(tiny_config_path, chat_jsonl, tmp_path / "killed", from_resume=1))
+    assert_bit_identical_runs(tmp_path / "reference", tmp_path / "killed")
+    from safetensors.torch import load_file
+    a, b = (load_file(os.path.join(str(tmp_path / name), "run_critic", "model.safetensors"))
+            for name in ("reference", "killed"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a) and "score.weight" in a
