@@ -9,18 +9,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import trainer.train_ppo as train_ppo  # noqa: E402
-import trainer.rl.rewards as rewards  # noqa: E402
 from common.errors import run_script  # noqa: E402
-from rl_length_reward import length_reward  # noqa: E402
+from rl_length_reward import with_length_reward  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    original = rewards.reward_of
-    rewards.reward_of = length_reward
-    try:
-        train_ppo.main(argv)
-    finally:
-        rewards.reward_of = original
+    with_length_reward(train_ppo.main, argv)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,18 @@ def length_reward(texts, truths, kind, format_weight=0.0) -> tuple[torch.Tensor,
     return rewards, rewards == 1.0
 
 
-def main(argv: list[str] | None = None) -> None:
+def with_length_reward(loop_main, argv: list[str] | None) -> None:
+    """Run a loop's main (train_rl's, train_ppo's) with the stand-in reward."""
     original = rewards.reward_of
     rewards.reward_of = length_reward
     try:
-        train_rl.main(argv)
+        loop_main(argv)
     finally:
         rewards.reward_of = original
+
+
+def main(argv: list[str] | None = None) -> None:
+    with_length_reward(train_rl.main, argv)
 
 
 if __name__ == "__main__":
