@@ -43,3 +43,21 @@ def test_a_kill_between_the_critics_export_and_the_commit_resumes_both_at_one_st
     a, b = (load_file(os.path.join(str(tmp_path / name), "run_critic", "model.safetensors"))
             for name in ("reference", "killed"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a) and "score.weight" in a
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_policy_and_critic_train_under_cpu_autocast_and_fp16s_scaler(tiny_config_path, chat_jsonl, tmp_path, dtype):
+    """The CPU twins of a GPU's bf16 and fp16 runs: fp32 masters under CPU autocast, fp16 with the GradScaler (the
+    critic has its own, saved with it): finite losses and norms for both models, the critic's scaler in the resume
+    file, and the run resumes from it."""
+    import math
+    from loop_helpers import metrics
+    train_ppo(ppo_args(tiny_config_path, chat_jsonl, tmp_path, dtype=dtype, max_steps=2))
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and all(math.isfinite(m[k]) for m in rows for k in ("loss", "value_loss", "grad_norm",
+                                                                              "critic_grad_norm"))
+    saved = torch.load(tmp_path / "run_resume.pt", weights_only=False)["kept"]["critic"]
+    assert bool(saved["scaler"]) == (dtype == "float16")  # fp16: the critic's loss scale kept
+    train_ppo(ppo_args(tiny_config_path, chat_jsonl, tmp_path, dtype=dtype, max_steps=3, from_resume=1,
+                       resume_changes="max_steps"))
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]

@@ -29,7 +29,8 @@ class Critic:
         self.optimizer = torch.optim.AdamW(self.raw_model.parameters(), lr=args.critic_learning_rate,
                                            weight_decay=args.weight_decay, betas=(0.9, 0.95), fused=True)
         self.scaler = run.precision.scaler()
-        self.pending = torch.zeros(1, dtype=torch.float64, device=run.device)  # tokens backwarded since the update
+        # the value loss and tokens backwarded since the last update
+        self.pending = torch.zeros(2, dtype=torch.float64, device=run.device)
         run.keep_state("critic", self.state)
         if "critic" in run.state.kept:
             self.load(run.state.kept["critic"])
@@ -56,19 +57,21 @@ class Critic:
         loss, clipped = value_loss(values, part.values[:, OLD_VALUE], part.values[:, RETURN], keep,
                                    self.args.value_clip)
         self.scaler.scale(loss / loss_divisor(self.args)).backward()
-        self.pending += len(values)
+        self.pending += torch.stack([loss.detach().double(), torch.tensor(float(len(values)), dtype=torch.float64,
+                                                                          device=loss.device)])
         metrics.ratio("value_loss", loss.detach(), len(values))
         metrics.ratio("value_clip_fraction", clipped, len(values))
 
     def update(self) -> float:
         """The gradients since the last update over all ranks, divided by their tokens, clipped, AdamW at the
         step's critic rate -> the gradient norm."""
-        tokens = float(all_reduce_sum(self.pending.clone(), self.run.dist))
+        loss_sum, tokens = all_reduce_sum(self.pending.clone(), self.run.dist).tolist()
         run = self.run
         lr = get_lr(run.state.step, run.total_steps, self.args.critic_learning_rate, run.warmup_steps)
         scale = loss_divisor(self.args) * run.dist.world_size / max(tokens, 1.0)
-        norm, _ = window_step(self.raw_model, self.optimizer, self.scaler, lr, scale, self.args.grad_clip, 0.0,
-                              run.state.step + 1)
+        # the mean value loss: a non-finite one stops the run before it reaches the critic (window_step)
+        norm, _ = window_step(self.raw_model, self.optimizer, self.scaler, lr, scale, self.args.grad_clip,
+                              loss_sum / max(tokens, 1.0), run.state.step + 1)
         self.pending.zero_()
         return norm
 
