@@ -37,7 +37,8 @@ root, exactly as printed (its leading `python` is this interpreter), writing int
 The OPD variants (VARIANTS: self-distillation, speculative KD, skew reverse KL, PowerOPD, IW-OPD and their
 sampled-token base, each one flag on OPD's command at OPD's learning rate) are rows of their own by name, outside the
 default table: `--methods opd,opd_self,opd_skd,...`; each is also tested against OPD's row of the same seed. So are
-RL's (rl_epochs: 2 update epochs x 2 minibatches; rl_cispo: the same with CISPO), tested against RL's row.
+RL's (rl_epochs: 2 update epochs x 2 minibatches; rl_cispo: the same with CISPO; ppo: PPO with a critic, one
+answer per prompt), tested against RL's row.
 Each run is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
 which benchmarks/demo_curves.py draws against steps, FLOPs and teacher tokens, with the paired tests at equal steps
 and equal FLOPs. Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the
@@ -235,6 +236,11 @@ VARIANTS = (
     Method("rl_cispo", "RL, 2 update epochs x 2 minibatches (CISPO)", "trainer/train_rl.py",
            "--num_generations 4 --batch_size 4 --update_epochs 2 --num_minibatches 2 --policy_loss cispo "
            "--clip_eps 1 --clip_eps_high 3", 3e-5, rows_per_step=4, variant_of="rl"),
+    # PPO with a critic: one answer per prompt (16 a step, as RL's 4 x 4), GAE's advantages from the critic's values,
+    # the same 2 x 2 updates; the critic's zero head must learn within the budget: its rate is 1e-4
+    Method("ppo", "PPO with a critic (GAE, 2 update epochs x 2 minibatches)", "trainer/train_ppo.py",
+           "--batch_size 16 --update_epochs 2 --num_minibatches 2 --critic_learning_rate 1e-4", 3e-5,
+           variant_of="rl"),
 )
 
 
@@ -962,6 +968,10 @@ def notes(result: Result) -> str:
         parts.append(f"groups with signal {signal:.0%} (step 1 {1 - steps[0]['zero_variance_share']:.0%}, last "
                      f"{1 - steps[-1]['zero_variance_share']:.0%}), reward {steps[0]['reward']:.2f} -> "
                      f"{steps[-1]['reward']:.2f}")
+    if "reward" in steps[0] and "zero_variance_share" not in steps[0]:  # no groups: PPO's one answer a prompt
+        parts.append(f"reward {steps[0]['reward']:.2f} -> {steps[-1]['reward']:.2f}")
+    if "value_loss" in steps[0]:
+        parts.append(f"the critic's value loss {steps[0]['value_loss']:.3g} -> {steps[-1]['value_loss']:.3g}")
     if "pi_hat" in steps[0]:
         parts.append(f"pi_hat {steps[0]['pi_hat']:.2f} -> {steps[-1]['pi_hat']:.2f}")
         right, wrong = mean_of(steps, "pi_hat_right"), mean_of(steps, "pi_hat_wrong")

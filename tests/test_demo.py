@@ -23,7 +23,7 @@ from eval.grader import wilson_interval
 from support import ROOT
 
 SCRIPTS = {"trainer/train_sft.py", "trainer/train_distillation.py", "trainer/train_opd.py", "trainer/train_rl.py",
-           "trainer/train_logit_free.py"}
+           "trainer/train_logit_free.py", "trainer/train_ppo.py"}
 
 
 def flags(command):
@@ -83,6 +83,9 @@ def fake_metrics(script, steps):
     if script == "trainer/train_rl.py":
         first.update(reward=0.25, zero_variance_share=0.75)
         last.update(reward=0.5, zero_variance_share=0.25)
+    if script == "trainer/train_ppo.py":
+        first.update(reward=0.25, value_loss=0.5)
+        last.update(reward=0.5, value_loss=0.125)
     if script == "trainer/train_logit_free.py":
         first.update(pi_hat=0.4, teacher_requests=64, teacher_tokens=2000)
         last.update(pi_hat=0.6, teacher_requests=60, teacher_tokens=1900)
@@ -602,6 +605,23 @@ def test_the_rl_variants_run_update_epochs_and_are_tested_against_rl_of_their_se
     for name in ("rl_epochs_s1", "rl_cispo_s2"):
         mine, base = correct_of(name), correct_of(f"rl_s{name[-1]}")
         assert rows[name]["versus_base"][:2] == [max(mine - base, 0), max(base - mine, 0)]
+
+
+def test_ppo_row_runs_the_critic_loop_at_rls_budget_and_is_tested_against_rl(root, capsys):
+    """`--methods rl,ppo`: train_ppo.py with one answer for each of 16 prompts (RL's 4 x 4 sequences a step), RL's
+    rate and update epochs, the critic's own rate; its notes say the reward and the critic's loss, not groups."""
+    run_demo(root, ["--methods", "rl,ppo"])
+    rows = {r["name"]: r for r in json.loads((root / demo.ADDITION.save_dir / "demo.json").read_text())["rows"]}
+    ppo, rl = flags(rows["ppo_s2"]["commands"][0]), flags(rows["rl_s2"]["commands"][0])
+    assert "trainer/train_ppo.py" in rows["ppo_s2"]["commands"][0] and "--num_generations" not in ppo
+    assert int(ppo["--batch_size"]) == int(rl["--batch_size"]) * int(rl["--num_generations"]) == 16
+    assert (ppo["--learning_rate"], ppo["--max_steps"]) == (rl["--learning_rate"], rl["--max_steps"])
+    assert (ppo["--update_epochs"], ppo["--num_minibatches"], ppo["--critic_learning_rate"]) == ("2", "2", "1e-4")
+    mine, base = correct_of("ppo_s2"), correct_of("rl_s2")
+    assert rows["ppo_s2"]["versus_base"][:2] == [max(mine - base, 0), max(base - mine, 0)]
+    assert rows["ppo_s2"]["groups_with_signal"] is None
+    out = capsys.readouterr().out
+    assert "reward 0.25 -> 0.50" in out and "the critic's value loss 0.5 -> 0.125" in out
 
 
 def test_a_grading_runs_no_code_of_the_folders_whose_changes_it_ignores():

@@ -31,7 +31,7 @@ from trainer.losses.policy_gradient import ADVANTAGE, OLD_LOGP, token_logprobs
 from trainer.losses.ppo import OLD_VALUE, RETURN, gae, rows_of, token_rewards
 from trainer.rl.critic import Critic
 from trainer.rl.minibatches import Rollout
-from trainer.rl.rewards import GroupCollator, graded_samples, load_graded_prompts
+from trainer.rl.rewards import GroupCollator, add_group_stats, graded_samples, load_graded_prompts, reward_std
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
 from trainer.skeleton import PhaseClock, Run, build_student, init_distributed_mode, print0, train_noting_stop_signals
@@ -39,7 +39,6 @@ from trainer.skeleton.sharding import reshard_root
 from trainer.skeleton.window_metrics import all_reduce_sum
 from trainer.teachers.frozen import frozen_hidden, load_reference
 from trainer.rl.updates import behaviour_logprobs, train_rollout_batch
-from trainer.train_rl import add_group_stats, reward_std
 
 
 def whiten(parts: list[Rollout], run: Run) -> None:

@@ -55,7 +55,7 @@ from trainer.losses.policy_gradient import (ADVANTAGE, OLD_LOGP, REF_LOGP, TEACH
                                             token_logprobs)
 from trainer.losses.rollout_correction import correction_weights
 from trainer.rl.minibatches import Rollout
-from trainer.rl.rewards import GroupCollator, graded_samples, load_graded_prompts
+from trainer.rl.rewards import GroupCollator, add_group_stats, graded_samples, load_graded_prompts, reward_std
 from trainer.rl.updates import behaviour_logprobs, train_rollout_batch
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
@@ -97,28 +97,6 @@ def add_sampler_gap(metrics, old_logp: torch.Tensor, sampler_logp: torch.Tensor)
     gap = (old_logp.double() - sampler_logp.double()).abs()
     metrics.ratio("sampler_logp_gap", gap.sum(), len(gap))
     metrics.maximum("sampler_logp_gap_max", gap.max() if len(gap) else 0.0)
-
-
-def add_group_stats(metrics, rewards: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor, input_ids, eos: int,
-                    group_size: int) -> None:
-    """Reward mean and std (over the window's completions), pass@1 and pass@G, groups with no reward variance
-    (no signal), completion length and EOS share."""
-    groups = rewards.view(-1, group_size)
-    rows = rewards.numel()
-    metrics.ratio("reward", rewards.sum(), rows)
-    metrics.ratio("reward_sq", (rewards ** 2).sum(), rows)  # -> reward_std at the step (the window's)
-    metrics.ratio("pass@1", correct.sum(), rows)
-    metrics.ratio(f"pass@{group_size}", correct.view(-1, group_size).any(dim=1).sum(), groups.shape[0])
-    metrics.ratio("zero_variance_share", (groups == groups[:, :1]).all(dim=1).sum(), groups.shape[0])
-    completion = labels != IGNORE_INDEX
-    metrics.ratio("completion_len", completion.sum(), rows)
-    metrics.ratio("eos_share", ((input_ids == eos) & completion).any(dim=1).sum(), rows)
-
-
-def reward_std(metrics: dict) -> None:
-    """The window's reward standard deviation from its mean and mean square (replaces reward_sq)."""
-    mean_sq = metrics.pop("reward_sq")
-    metrics["reward_std"] = max(mean_sq - metrics["reward"] ** 2, 0.0) ** 0.5
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -95,3 +95,26 @@ def sampled_rewards(tokenizer, batch: dict, input_ids: torch.Tensor, labels: tor
     texts = [tokenizer.decode(input_ids[i][completion[i]].tolist(), skip_special_tokens=True)
              for i in range(input_ids.shape[0])]
     return reward_of(texts, [row.get("ground_truth") for row in batch["rows"]], reward, format_reward)
+
+
+def add_group_stats(metrics, rewards: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor, input_ids, eos: int,
+                    group_size: int) -> None:
+    """Reward mean and std (over the window's completions), pass@1, completion length and EOS share; with groups
+    (G > 1) pass@G and the share of groups with no reward variance (no signal)."""
+    groups = rewards.view(-1, group_size)
+    rows = rewards.numel()
+    metrics.ratio("reward", rewards.sum(), rows)
+    metrics.ratio("reward_sq", (rewards ** 2).sum(), rows)  # -> reward_std at the step (the window's)
+    metrics.ratio("pass@1", correct.sum(), rows)
+    if group_size > 1:
+        metrics.ratio(f"pass@{group_size}", correct.view(-1, group_size).any(dim=1).sum(), groups.shape[0])
+        metrics.ratio("zero_variance_share", (groups == groups[:, :1]).all(dim=1).sum(), groups.shape[0])
+    completion = labels != IGNORE_INDEX
+    metrics.ratio("completion_len", completion.sum(), rows)
+    metrics.ratio("eos_share", ((input_ids == eos) & completion).any(dim=1).sum(), rows)
+
+
+def reward_std(metrics: dict) -> None:
+    """The window's reward standard deviation from its mean and mean square (replaces reward_sq)."""
+    mean_sq = metrics.pop("reward_sq")
+    metrics["reward_std"] = max(mean_sq - metrics["reward"] ** 2, 0.0) ** 0.5
