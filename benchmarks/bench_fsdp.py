@@ -631,6 +631,21 @@ def sizing_table() -> None:
         print(f"| {student} / {teacher} | " + " | ".join(cells) + " |")
 
 
+def critic_table() -> None:
+    """PPO's critic: what it adds to each rank's training state (fsdp_estimate.critic_state_bytes, from the real
+    shapes), fully trained and with LoRA rank 16 on all seven projections (the student's settings)."""
+    print("\nGB per GPU that PPO's critic adds to the student's training state (train_ppo.py; full / LoRA rank 16)\n")
+    layouts = [("1 GPU", 1, False), ("4 GPUs DDP", 4, False), ("4 GPUs FSDP", 4, True), ("8 GPUs DDP", 8, False),
+               ("8 GPUs FSDP", 8, True)]
+    print("| student | " + " | ".join(name for name, _, _ in layouts) + " |")
+    print("|---|" + "---|" * len(layouts))
+    for student in dict.fromkeys(student for student, _ in PAIRS):
+        config = fe.qwen3_config(student)
+        cells = [" / ".join(f"{fe.critic_state_bytes(config, gpus, sharded, rank) / 1e9:.1f}" for rank in (0, 16))
+                 for _, gpus, sharded in layouts]
+        print(f"| {student} | " + " | ".join(cells) + " |")
+
+
 ESTIMATE_LAYOUTS = [("1 GPU", 1), ("4 GPUs FSDP", 4), ("8 GPUs FSDP", 8)]
 ESTIMATE_BUDGET_GB = fe.GPU_GB - fe.RESERVE_GB
 DDP_BUCKET_BYTES = 4  # per parameter: DDP's reducer keeps its own fp32 copy of the gradients in its buckets
@@ -855,6 +870,7 @@ def main(argv=None) -> None:
             (print_precision_table if args.precision else print_per_rank_table)(args.config, out_dir, args.nproc)
     if not args.precision:
         sizing_table()
+        critic_table()
 
 
 if __name__ == "__main__":

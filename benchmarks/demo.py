@@ -436,7 +436,7 @@ def run_files(save_dir: str, name: str) -> list[str]:
     exports of --export_steps."""
     patterns = [name, f"{name}_resume.pt", f"{name}_metrics.jsonl", f"{name}.lock", f"{name}.replaced-*",
                 f"{name}_eval_*", f".{name}.tmp-*", f".{name}_resume.pt.tmp-*", f".{name}_eval_*.tmp-*",
-                f"{name}_teacher_cache.rank*.jsonl", f"{name}_step[0-9]*"]
+                f"{name}_teacher_cache.rank*.jsonl", f"{name}_step[0-9]*", f"{name}_critic", f".{name}_critic.tmp-*"]
     found = set()
     for pattern in patterns:
         found.update(glob.glob(os.path.join(glob.escape(save_dir), pattern)))

@@ -45,6 +45,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from model import Qwen3Config, Qwen3ForCausalLM
 from model.checkpoint_io import hf_layout
 from model.lora import TARGETS, adapter_count, add_lora
+from model.value import Qwen3ValueModel
 from trainer.skeleton.sharding import reshard_root, shard
 from trainer.losses.fused_divergences import fused_kd_loss
 from trainer.losses.fused_linear import fused_cross_entropy, release_workspace
@@ -338,6 +339,26 @@ def digest_bytes(config: Qwen3Config, world: int, lora_rank: int) -> int:
         return 0
     with torch.device("meta"):
         return 2 * max(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+
+
+def critic_state_bytes(config: Qwen3Config, world: int, sharded: bool, lora_rank: int = 0) -> int:
+    """What PPO's critic (model/value.py: the student's body and a one-row head, trainer/rl/critic.py) adds to a
+    rank's training state: fully trained, its fp32 weights, gradients and AdamW's two moments, 16 bytes per
+    parameter (over the W ranks when sharded; under DDP 4 more, its reducer's fp32 gradient buckets); a LoRA
+    critic, 16 bytes per adapter parameter and per element of its head (trained whole in fp32), and its frozen
+    body in bf16 only when sharded (unsharded it is the student's own tensors: nothing more). Its forward and
+    backward come after the student's backward and hold less than the student's (the same body, a head of one row):
+    the step's peak grows by this state, not by a second transient (docs/fsdp.md). tests/test_fsdp_estimate.py
+    holds it against a critic train_ppo.py's code builds and steps, rank by rank."""
+    with torch.device("meta"):
+        critic = Qwen3ValueModel(config)
+    head = config.hidden_size
+    body = sum(p.numel() for p in critic.parameters()) - head
+    share = world if sharded else 1
+    if lora_rank:
+        add_lora(critic, rank=lora_rank, seed=None)
+        return (16 * (adapter_count(critic) + head) + (2 * body if sharded else 0)) // share
+    return (16 + (4 if world > 1 and not sharded else 0)) * (body + head) // share
 
 
 def extra_teacher_bytes(student_config: Qwen3Config, teacher_config: Qwen3Config, world: int,

@@ -205,7 +205,9 @@ def _rank_rows(rows: int, world: int) -> list[range]:
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    shard: Callable[[Qwen3ForCausalLM], None] | None = None) -> Qwen3ForCausalLM:
+                    shard: Callable[[Qwen3ForCausalLM], None] | None = None,
+                    model_class: type[Qwen3ForCausalLM] = Qwen3ForCausalLM, body_only: bool = False
+                    ) -> Qwen3ForCausalLM:
     """Load an HF Qwen3 folder (config.json + safetensors) into our Qwen3ForCausalLM in `dtype` on `device`.
 
     The model is built on the meta device and filled tensor by tensor, each cast as it is read: the peak is the
@@ -213,15 +215,22 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
     rows (`hf_layout`). `shard` (trainer/skeleton/sharding.py's fully_shard, applied in place on the meta model)
     makes each process read only the rows of each tensor its shards hold: no process ever holds the whole model.
     A missing folder or file, a damaged file, or weights that do not match the config raise a ModelFileError
-    (a UserError and a ValueError) naming the file and what to do -- before any weight is read."""
+    (a UserError and a ValueError) naming the file and what to do -- before any weight is read.
+
+    `model_class`: Qwen3's causal LM, or model/value.py's critic, whose head the file names `score.weight`;
+    `body_only`: the file's head is not read (a critic's body from a causal LM): the model's head is left as
+    `to_empty` left it, for the caller to fill."""
     _check_folder(path)
     config = Qwen3Config.from_json(os.path.join(path, "config.json"))
     shapes = _read_shapes(_weight_files(path))
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings or body_only:
         shapes.pop("lm_head.weight", None)  # some exporters write the tied copy; the embedding is the authority
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config).to(dtype)
-    _check_keys(path, hf_weights(model), shapes)
+        model = model_class(config).to(dtype)
+    expected = hf_weights(model)
+    if body_only:
+        expected.pop(model.HF_HEAD, None)
+    _check_keys(path, expected, shapes)
     if shard is not None:
         shard(model)
     model.to_empty(device=device)  # recomputes RoPE's buffer on `device` (RotaryEmbedding._apply)
@@ -230,7 +239,10 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
     parameters = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
     by_file: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
     for name, block in hf_layout(parameters, config).items():
-        by_file.setdefault(shapes[name][0], {})[name] = local_rows(parameters[block.parameter], block.rows)
+        if name == "lm_head.weight" and body_only:
+            continue
+        hf_name = model.HF_HEAD if name == "lm_head.weight" else name
+        by_file.setdefault(shapes[hf_name][0], {})[hf_name] = local_rows(parameters[block.parameter], block.rows)
     with torch.no_grad():
         for file, targets in by_file.items():
             _read_rows(file, targets)

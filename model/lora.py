@@ -81,7 +81,8 @@ def _projections(model: Qwen3ForCausalLM) -> Iterator[tuple[nn.Module, str, list
 
 def add_lora(model: Qwen3ForCausalLM, rank: int = 16, alpha: float = 32.0, dropout: float = 0.0,
              targets: tuple[str, ...] = TARGETS, seed: int | None = 0) -> list[nn.Parameter]:
-    """Adapters on `targets` (HF projection names) of every layer, in place, in fp32; the base frozen. Returns the
+    """Adapters on `targets` (HF projection names) of every layer, in place, in fp32; the base frozen (but the
+    modules the model names in TRAINED_WHOLE: a critic's new head, model/value.py). Returns the
     adapters' parameters (what an optimizer takes). A fresh adapter's output is the base's exactly (B is zero).
     `seed`: the adapters' initialisation (`init_adapters`); None leaves them unfilled, for a model on the meta
     device that is sharded and filled afterwards."""
@@ -90,6 +91,8 @@ def add_lora(model: Qwen3ForCausalLM, rank: int = 16, alpha: float = 32.0, dropo
         raise ValueError(f"LoRA targets must be among {TARGETS} and the rank >= 1, got {sorted(unknown)}, {rank}")
     for p in model.parameters():
         p.requires_grad_(False)
+    for name in model.TRAINED_WHOLE:  # a module the model trains whole beside the adapters: fp32, as a master
+        getattr(model, name).float().requires_grad_(True)
     for parent, attribute, blocks in _projections(model):
         adapted = [name for name, _ in blocks if name in targets]
         if adapted:

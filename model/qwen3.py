@@ -352,6 +352,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.tie_weights()
 
     HF_HEAD = "lm_head.weight"  # the head's name in an export (model/value.py's critic names its own)
+    TRAINED_WHOLE: tuple[str, ...] = ()  # modules trained whole beside LoRA adapters (model/lora.py)
 
     def hf_config(self) -> dict:
         """config.json of an export (model/checkpoint_io.py's save_pretrained)."""
@@ -363,8 +364,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     def init_weights(self, seed: int | None = None) -> None:
         """Random initialisation as HF does it: normal(0, initializer_range) for linear and embedding weights."""
+        self.draw_weights(self.modules(), seed)
+        self.tie_weights()
+
+    def draw_weights(self, modules, seed: int | None) -> None:
+        """`modules`' weights drawn in their order, each whole on the CPU from one generator, then copied in."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        for module in self.modules():
+        for module in modules:
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 weight = torch.empty(module.weight.shape).normal_(0.0, self.config.initializer_range,
                                                                   generator=generator)
@@ -372,7 +378,6 @@ class Qwen3ForCausalLM(nn.Module):
                     module.weight.copy_(weight)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, return_hidden: bool = False, logits_to_keep: int = 0,

@@ -38,12 +38,15 @@ def without_timing(rows: list[dict]) -> list[dict]:
 
 
 def weights(save_dir, name="run") -> dict[str, torch.Tensor]:
-    """The export's weights; a LoRA student's adapters too (NAME_adapter/, PEFT's format), prefixed "adapter:"."""
-    merged = load_file(os.path.join(str(save_dir), name, "model.safetensors"))
-    adapter = os.path.join(str(save_dir), f"{name}_adapter", "adapter_model.safetensors")
-    if not os.path.exists(adapter):
-        return merged
-    return {**merged, **{f"adapter:{k}": v for k, v in load_file(adapter).items()}}
+    """The export's weights; a LoRA student's adapters too (NAME_adapter/, PEFT's format), prefixed "adapter:", and
+    PPO's critic (NAME_critic/), prefixed "critic:"."""
+    found = load_file(os.path.join(str(save_dir), name, "model.safetensors"))
+    for kind, folder, file in (("adapter", f"{name}_adapter", "adapter_model.safetensors"),
+                               ("critic", f"{name}_critic", "model.safetensors")):
+        path = os.path.join(str(save_dir), folder, file)
+        if os.path.exists(path):
+            found.update({f"{kind}:{k}": v for k, v in load_file(path).items()})
+    return found
 
 
 def max_weight_diff(a: dict, b: dict) -> float:

@@ -122,3 +122,13 @@ def test_a_run_refused_at_start_up_leaves_no_save_dir_behind(tmp_path, capsys):
     code, stderr = script_exit(train_sft, ["--data_path", str(bad_rows), "--save_dir", str(save_dir)], capsys)
     assert_one_line_error(code, stderr, 2, str(bad_rows), "row 0")
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # neither the folder nor its parent was created
+
+
+def test_a_missing_critic_is_refused_before_any_folder_is_made(tmp_path, capsys):
+    """train_ppo.py --critic_path that is no model folder: one line naming the flag, at start-up (no save_dir)."""
+    save_dir = tmp_path / "checkpoints"
+    code, stderr = script_exit(train_ppo, ["--critic_path", str(tmp_path / "nowhere"), "--save_dir", str(save_dir),
+                                           "--model_config", os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")],
+                               capsys)
+    assert_one_line_error(code, stderr, 2, "--critic_path", "nowhere", "does not exist")
+    assert not save_dir.exists()

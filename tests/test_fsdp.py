@@ -1,8 +1,8 @@
 # python -m pytest tests/test_fsdp.py
 """--fsdp 1 (FSDP2 + sharded DCP checkpoints) on CPU with gloo: 2 sharded ranks train as one process does, a killed
 sharded run resumes bit-identically, a sharded checkpoint resumes at another world size, the HF export is the
-whole model, two "nodes" (two torchrun launches on 127.0.0.1) train as one process, and OPD, RL and logit-free OPD
-with a sharded student sample on a real vLLM server."""
+whole model, two "nodes" (two torchrun launches on 127.0.0.1) train as one process, and OPD, RL, PPO (its critic
+sharded too) and logit-free OPD with a sharded student sample on a real vLLM server."""
 import json
 import os
 import shutil
@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from loop_helpers import (assert_one_line_error, checkpoint_step, env_one_thread, kill_after_first_checkpoint,
                           loop_args, max_weight_diff, metrics, run_command, script_exit, torchrun_command, weights)
+from ppo_length_reward import main as train_ppo_varied
 from model import Qwen3Config, create_model, load_pretrained, save_pretrained
 from model.checkpoint_io import hf_weights
 from support import ROOT, SERVED_CONFIG, TINY_CONFIG, write_chat_jsonl
@@ -35,6 +36,7 @@ KD = os.path.join(ROOT, "trainer", "train_distillation.py")
 OPD = os.path.join(ROOT, "trainer", "train_opd.py")
 RL = os.path.join(ROOT, "trainer", "train_rl.py")
 LOGIT_FREE = os.path.join(ROOT, "trainer", "train_logit_free.py")
+PPO = os.path.join(ROOT, "tests", "ppo_length_reward.py")  # train_ppo.py with a reward a random model can earn
 
 
 @pytest.fixture
@@ -247,6 +249,37 @@ def test_a_sharded_student_samples_on_the_rollout_server(loop, vllm_servers, bla
     assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
     synced = [m["sync_logprob_diff"] for m in metrics(tmp_path / "two") if "sync_logprob_diff" in m]
     assert synced and all(diff < 1e-4 for diff in synced)  # stale: the last step pushes nothing, none sample after it
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sharded_ppo_resumes_policy_and_critic_from_their_own_shard_folders(lora, vllm_servers, tmp_path):
+    """PPO on 2 sharded ranks, sampling on the rollout server: the critic is sharded as the student is (its forward
+    without gradients frees its gathered head), and each save writes its shards into a folder of their own beside
+    the student's, both named by the resume file. Killed after its first checkpoint and resumed on 2 ranks, the run
+    ends where one uninterrupted process does, policy and critic; only the committed folders are left. lora:
+    adapters on both, sharded with their bases (the critic's own, sharded: no sharing across FSDP units), the
+    critic's head trained whole."""
+    config = tmp_path / "served_config.json"
+    config.write_text(json.dumps(SERVED_CONFIG))
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+
+    def args(save_dir, **flags):
+        return loop_args(str(config), data, save_dir, max_length=80, max_new_tokens=16, max_steps=3, batch=2,
+                         rollout_url=vllm_servers.rollout.url, kl_coef=0.1, update_epochs=2, num_minibatches=2,
+                         save_interval=1, **(LORA if lora else {}), **flags)
+    train_ppo_varied(args(tmp_path / "one", accumulation=2))
+    two = tmp_path / "two"
+    kill_after_first_checkpoint(torchrun_command(PPO, args(two, fsdp=1)), str(two / "run_resume.pt"))
+    assert checkpoint_step(two / "run_resume.pt") < 3, "the run finished before it could be killed"
+    run_command(torchrun_command(PPO, args(two, fsdp=1, from_resume=1)))
+    one, resumed = weights(tmp_path / "one"), weights(two)
+    assert any(k.startswith("critic:") for k in one) and max_weight_diff(one, resumed) <= 1e-5
+    saved = torch.load(two / "run_resume.pt", weights_only=False)
+    critic_shards = saved["kept"]["critic"]["shards"]
+    assert critic_shards.startswith("run_resume.shards-critic-00000003-") and "model" not in saved["kept"]["critic"]
+    assert sorted(f for f in os.listdir(two) if ".shards-" in f) == sorted([saved["shards"], critic_shards])
 
 
 @pytest.mark.slow

@@ -1,10 +1,18 @@
-"""bench_fsdp.py --estimate's fake-tensor estimate of a rank's memory against what the same step allocates for real."""
+"""bench_fsdp.py --estimate's fake-tensor estimate of a rank's memory against what the same step allocates for real;
+PPO's critic's state against its formula."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from benchmarks import fsdp_estimate as fe
+from loop_helpers import env_one_thread
 from model import Qwen3Config
+from support import ROOT
 
 MARGIN = 0.10  # the estimate within 10% of the CPU allocator's count, phase by phase
 
@@ -94,3 +102,27 @@ def tensors(model: torch.nn.Module) -> tuple[dict, set]:
     """({state-dict name: (shape, dtype)}, the names of the parameters that train)."""
     held = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     return held, {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_critics_state_per_rank_is_what_the_sizing_formula_says(tiny_config_path, tmp_path, lora_rank):
+    """PPO's critic as train_ppo.py builds it, after a backward and an AdamW step: what each rank holds for it alone
+    (its own parameters' storages, gradients, AdamW's moments) is `critic_state_bytes` -- one process, where a LoRA
+    critic's frozen body is the student's tensors (nothing more), and 2 sharded gloo ranks, each its share (within
+    rounding of uneven shards). AdamW's step counters (a scalar per tensor) are not counted."""
+    worker = os.path.join(ROOT, "tests", "critic_state_worker.py")
+    config = Qwen3Config.from_json(tiny_config_path)
+    for world, command in ((1, [sys.executable, worker]),
+                           (2, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                                worker])):
+        out = tmp_path / f"world{world}"
+        out.mkdir()
+        result = subprocess.run([*command, tiny_config_path, str(int(world > 1)), str(lora_rank), str(out)],
+                                env=env_one_thread(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        expected = fe.critic_state_bytes(config, world, sharded=world > 1, lora_rank=lora_rank)
+        for rank in range(world):
+            probe = json.loads((out / f"{rank}.json").read_text())
+            assert probe["shared"] == (lora_rank > 0 and world == 1)
+            assert abs(probe["held"] / expected - 1) <= (0 if world == 1 else 0.01), (world, rank, probe, expected)

@@ -1,10 +1,10 @@
 # python -m pytest tests/test_loop_invariants.py
-"""The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL; KD and OPD also with two teachers,
-rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's weights;
-OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; RL with update epochs over
-minibatches and CISPO; SFT and RL with a LoRA student, RL's OPD term with those variants) on a tiny
-Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short tail window), DDP with 2 ranks equals one process, --packing 1 equals the
-padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
+"""The skeleton's invariants, held by every training loop (SFT, KD, OPD, RL, PPO; KD and OPD also with two
+teachers, rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's
+weights; OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; RL with update epochs
+over minibatches and CISPO; SFT, RL and PPO with a LoRA student -- PPO's critic with adapters too --, RL's OPD term
+with those variants) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short
+tail window), DDP with 2 ranks equals one process, --packing 1 equals the padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
 
 Each loop's invariants are compared with one run (`reference`, made once per loop and module): one process, batch 2
@@ -47,7 +47,7 @@ LOOPS = {
     # RL's rollout batch trained in 2 epochs of 2 minibatches (log pi_old recorded, the ratio live), CISPO's loss:
     # minibatches of whole groups that micro-batches and ranks cut differently
     "rl_epochs": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
-    # PPO: the critic trained beside the policy, its state in the policy's resume file
+    # PPO: the critic trained beside the policy, its state in the policy's resume file (its export compared too)
     "ppo": (train_ppo_varied, os.path.join(ROOT, "tests", "ppo_length_reward.py")),
     # two teachers (--teachers), rows routed by their `teacher` column: micro-batches that mix them, and ones where
     # a rank has no row for one of them
@@ -57,6 +57,9 @@ LOOPS = {
     # then the student's own base with its adapters switched off
     "sft_lora": (train_sft, os.path.join(ROOT, "trainer", "train_sft.py")),
     "rl_lora": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
+    # PPO with adapters on both models: the critic's frozen body the student's own tensors, its adapters and head
+    # trained and resumed beside the student's adapters
+    "ppo_lora": (train_ppo_varied, os.path.join(ROOT, "tests", "ppo_length_reward.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
@@ -81,6 +84,7 @@ LOOP_FLAGS["opd_self"] = {"max_new_tokens": 8, "self_teacher": "ema", "ema_decay
 LORA = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3}
 LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LORA, **SIGNAL}
 LOOP_FLAGS["ppo"] = {"max_new_tokens": 8, "kl_coef": 0.1, "update_epochs": 2, "num_minibatches": 2}
+LOOP_FLAGS["ppo_lora"] = {**LOOP_FLAGS["ppo"], **LORA}
 LOOP_FLAGS["rl_epochs"] = {**LOOP_FLAGS["rl"], "update_epochs": 2, "num_minibatches": 2, "policy_loss": "cispo"}
 
 
@@ -120,7 +124,7 @@ def loop(request, files):
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
     teacher = {"teachers": files["teachers"]} if several else {"teacher_path": files["teacher"]}
-    own_teacher = request.param.startswith("sft") or request.param in ("opd_self", "ppo")  # none, or itself
+    own_teacher = request.param.startswith("sft") or request.param in ("opd_self", "ppo", "ppo_lora")  # none, or itself
     extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}
     data = routed(files["data"]) if several else files["data"]
 

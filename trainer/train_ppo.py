@@ -65,8 +65,8 @@ def train(args: argparse.Namespace) -> None:
     student = build_student(args, info.device, tokenizer)
     reference = load_reference(args, tokenizer, info.device, student) if args.kl_coef else None
     run = Run(args, info, student, dataset, GroupCollator(collator, args.num_generations), tokenizer_dir,
-              config.RESUMABLE)
-    critic = Critic(run, args)  # its state in every save of the run: one commit with the policy
+              config.RESUMABLE, companions=("critic",))
+    critic = Critic(run, args, tokenizer)  # its state in every save of the run: one commit with the policy
     rollouts = Rollouts(run, tokenizer, server, lambda epoch, step: True)
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder)
     say_servers(args)

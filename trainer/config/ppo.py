@@ -1,10 +1,10 @@
 """train_ppo.py's options: RL's (the reward, the clip and CISPO, the update epochs, the reference's KL, sampling, the
-rollout server) and the critic's; what PPO does not have yet is refused in one line (--fsdp 1, --lora_rank, the OPD
-term)."""
+rollout server) and the critic's; the OPD term, which PPO here does not have, is refused in one line."""
 from __future__ import annotations
 
 import argparse
 
+from common.checks import check_model_dir
 from common.errors import ArgumentParser, refuse_first
 from trainer.config.flags import add_common_args, default_student, validate_common_args
 from trainer.config.opd_signal import add_opd_signal_args
@@ -25,6 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_sampling_args(parser)
     add_server_args(parser)
     g = parser.add_argument_group("PPO's critic (trainer/rl/critic.py, trainer/losses/ppo.py)")
+    g.add_argument("--critic_path", type=str, default=None,
+                   help="the critic's start: a critic's export (NAME_critic/, transformers' "
+                        "Qwen3ForTokenClassification) whole, or a causal LM's body with a zero head; default: the "
+                        "student's own --model_path (or --model_config and --seed)")
     g.add_argument("--critic_learning_rate", type=float, default=None, help="default: --learning_rate")
     g.add_argument("--gamma", type=float, default=1.0, help="GAE's discount (TRL's default 1)")
     g.add_argument("--lam", type=float, default=0.95, help="GAE's lambda (TRL's default 0.95)")
@@ -40,9 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = args
     a.clip_eps_high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
     a.critic_learning_rate = a.learning_rate if a.critic_learning_rate is None else a.critic_learning_rate
+    if a.critic_path:
+        check_model_dir(a.critic_path, "--critic_path")
     refuse_first([
-        (a.fsdp, "--fsdp 1: PPO's critic is not sharded yet"),
-        (a.lora_rank, "--lora_rank: PPO's critic has no adapters yet"),
         (a.opd_coef or a.teacher_path or a.teacher_url or a.teachers, "PPO here has no OPD term: drop it"),
         (not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1, "--gamma and --lam must be in [0, 1]"),
         ((a.batch_size * a.accumulation_steps) % a.num_minibatches, "--num_minibatches must divide the step's prompts"),

@@ -7,6 +7,8 @@ For --save_dir SAVE_DIR --save_weight NAME:
     SAVE_DIR/NAME_resume.pt                 the resume file: written last, so when it says step N the export of step N
                                             is complete (a kill during an export resumes from the step before)
     SAVE_DIR/NAME_resume.shards-STEP-ID/    --fsdp 1: model and optimizer shards (DCP), named by the resume file
+    SAVE_DIR/NAME_COMPANION/                the export of a model trained beside the run's (PPO's critic), and its
+    SAVE_DIR/NAME_resume.shards-COMPANION-STEP-ID/   shards, named by the resume file's kept state of the loop
 Every file is written beside its target and renamed into place (common/files.py). Resume files written before
 q/k/v and gate/up were fused (their weights and AdamW state under HF's names and numbering) still resume: they are
 converted as they load (`fused_resume_state`; a shard folder: sharding.load_shards).
@@ -61,10 +63,12 @@ class Checkpoints:
     """One run name's checkpoints (see the module docstring). Every rank holds one; rank 0 writes the files."""
 
     def __init__(self, args: argparse.Namespace, info: DistInfo, tokenizer_dir: str | None,
-                 resumable: set[str], accepted_changes: set[str], base_digest: str | None = None):
+                 resumable: set[str], accepted_changes: set[str], base_digest: str | None = None,
+                 companions: tuple[str, ...] = ()):
         """`resumable`: the flags a resume may change (the loop's config); `accepted_changes`: those --resume_changes
-        lets differ from the checkpoint's besides; `base_digest`: a LoRA student's frozen base (model/lora.py)."""
-        self.args, self.dist, self.tokenizer_dir = args, info, tokenizer_dir
+        lets differ from the checkpoint's besides; `base_digest`: a LoRA student's frozen base (model/lora.py);
+        `companions`: the models a loop trains beside the run's, exported as NAME_COMPANION/ (PPO's "critic")."""
+        self.args, self.dist, self.tokenizer_dir, self.companions = args, info, tokenizer_dir, companions
         self.resumable, self.accepted_changes, self.base_digest = resumable, accepted_changes, base_digest
         self.prefix = os.path.join(args.save_dir, args.save_weight)
         self.resume_path = f"{self.prefix}_resume.pt"
@@ -118,8 +122,8 @@ class Checkpoints:
 
     def run_files(self) -> list[str]:
         """Every file and folder of this run name."""
-        return [self.prefix, f"{self.prefix}_adapter", self.resume_path, self.metrics_path, *self.shard_folders(),
-                *self.snapshots()]
+        return [self.prefix, f"{self.prefix}_adapter", *(f"{self.prefix}_{name}" for name in self.companions),
+                self.resume_path, self.metrics_path, *self.shard_folders(), *self.snapshots()]
 
     def shard_folders(self) -> list[str]:
         """The folders of sharded checkpoints of this run name (NAME_resume.shards-STEP-TOKEN)."""
@@ -131,17 +135,23 @@ class Checkpoints:
         asked = [f"{self.prefix}_step{step}" for step in self.args.export_steps]
         return sorted(set(asked) | set(glob.glob(f"{glob.escape(self.prefix)}_step[0-9]*")))
 
-    def committed_shards(self) -> str | None:
-        """The shard folder the resume file names; None when there is none (no resume file, or an unsharded one).
+    def committed_shards(self) -> set[str]:
+        """The shard folders the resume file names (none: no resume file, or an unsharded one).
         UnreadableResumeFile when the resume file cannot be read."""
         if not os.path.exists(self.resume_path):
-            return None
+            return set()
         try:
             checkpoint = torch.load(self.resume_path, map_location="cpu", weights_only=False)
         except Exception as error:  # torch raises several types for a damaged file: reported, not swallowed
             raise UnreadableResumeFile(f"{self.resume_path} cannot be read ({type(error).__name__})") from None
-        shards = checkpoint.get("shards") if isinstance(checkpoint, dict) else None
-        return os.path.join(self.args.save_dir, shards) if shards else None
+        return self.named_shards(checkpoint) if isinstance(checkpoint, dict) else set()
+
+    def named_shards(self, checkpoint: dict) -> set[str]:
+        """The shard folders a resume record names: the run's model's, and any a loop's kept state names (PPO's
+        critic's)."""
+        kept = [state for state in (checkpoint.get("kept") or {}).values() if isinstance(state, dict)]
+        names = [checkpoint.get("shards"), *(state.get("shards") for state in kept)]
+        return {os.path.join(self.args.save_dir, name) for name in names if name}
 
     # -- writing --------------------------------------------------------------------------------------------------
 
@@ -223,8 +233,8 @@ class Checkpoints:
                     if recorder.error is None:
                         raise
                     raise recorder.error from None  # the write's own OSError, with its errno
-            if shards:
-                remove_other_shards(self.prefix + "_resume", keep=shards)
+            if self.shard_folders():  # this save's, and older or uncommitted ones
+                remove_other_shards(self.prefix + "_resume", keep=self.named_shards(checkpoint))
         except OSError as error:
             raise_disk_error(error, what)
 

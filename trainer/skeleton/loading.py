@@ -14,7 +14,7 @@ from common.errors import refuse
 from dataset.collators import PromptCollator, SFTCollator, validate_rows
 from dataset.make_demo_data import ensure_demo_data
 from dataset.sources import RowDataset
-from model import Qwen3Config, load_pretrained, load_tokenizer
+from model import Qwen3Config, Qwen3ForCausalLM, load_pretrained, load_tokenizer
 from model.lora import add_lora, init_adapters
 from model.precision import frozen_dtype, resolve_precision
 from model.tokenizer import QwenTokenizer
@@ -27,12 +27,15 @@ DEFAULT_MODEL_CONFIG = os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")
 
 def build_model(args: argparse.Namespace, device: str, path: str | None = None,
                 config_path: str | None = None, seed: int | None = None,
-                lora: dict | None = None) -> torch.nn.Module:
+                lora: dict | None = None, model_class: type[Qwen3ForCausalLM] = Qwen3ForCausalLM,
+                body_only: bool = False) -> torch.nn.Module:
     """fp32 weights (the master copy; autocast lowers the matmuls) from an HF folder or a config + seed. With
     --fsdp 1 on several ranks the model comes sharded, each rank having built and filled only its own shards.
     `lora` (add_lora's settings): LoRA adapters on the frozen base, which is then held in a frozen model's dtype
     (model/precision.py's `frozen_dtype`: the autocast dtype -- bf16 on CUDA: half the bytes, and the matmuls take
-    it as it is --, but under fp16 bf16 or fp32, as a teacher's); added before sharding, so FSDP shards them too."""
+    it as it is --, but under fp16 bf16 or fp32, as a teacher's); added before sharding, so FSDP shards them too.
+    `model_class`, `body_only`: PPO's critic (model/value.py), its body from a causal LM's folder
+    (checkpoint_io.load_pretrained)."""
     sharded = sharding_ranks(args)
     precision = resolve_precision(device, args.dtype)
     frozen = frozen_dtype(precision.device_type, precision.compute)
@@ -46,11 +49,12 @@ def build_model(args: argparse.Namespace, device: str, path: str | None = None,
 
     if path:
         print0(f"loading {path} on {device}" + (" (each rank its shards)" if sharded else ""))
-        model = load_pretrained(path, dtype=dtype, device=device, shard=adapt_and_shard)
+        model = load_pretrained(path, dtype=dtype, device=device, shard=adapt_and_shard, model_class=model_class,
+                                body_only=body_only)
     else:
         config_path = config_path or DEFAULT_MODEL_CONFIG
         print0(f"random weights from {os.path.relpath(config_path)} on {device}")
-        model = random_model(Qwen3Config.from_json(config_path), seed, device, adapt_and_shard, dtype)
+        model = random_model(Qwen3Config.from_json(config_path), seed, device, adapt_and_shard, dtype, model_class)
     if lora:
         init_adapters(model, seed)
     return model

@@ -47,8 +47,9 @@ from trainer.skeleton.window_metrics import WindowMetrics, all_reduce_sum
 
 class Run:
     def __init__(self, args: argparse.Namespace, info: DistInfo, model: torch.nn.Module, dataset, collate_fn,
-                 tokenizer_dir: str | None, resumable: set[str]):
-        """`resumable`: the flags a resume may change without --resume_changes (the loop's config.RESUMABLE)."""
+                 tokenizer_dir: str | None, resumable: set[str], companions: tuple[str, ...] = ()):
+        """`resumable`: the flags a resume may change without --resume_changes (the loop's config.RESUMABLE);
+        `companions`: the models trained beside this one, each exported as NAME_COMPANION/ (PPO's "critic")."""
         self.args, self.dist, self.device, self.dataset = args, info, info.device, dataset
         # ranks must not draw the same random numbers (dropout, sampling); the data order does not depend on these
         # generators at all, it is a function of (seed, epoch) in the data stream
@@ -60,7 +61,7 @@ class Run:
         self.raw_model, self.model = model, self.wrap(model)  # checkpointing, compile, DDP (FSDP: sharded already)
         self.optimizer, self.scaler = make_optimizer(model, args), self.precision.scaler()  # the trained parameters
         self.checkpoints = Checkpoints(args, info, tokenizer_dir, resumable, resume_change_names(args),
-                                       self.base_digest)
+                                       self.base_digest, companions)
         self.resume_path, self.out_prefix = self.checkpoints.resume_path, self.checkpoints.prefix
         self.stream = DataStream(dataset, collate_fn, args, info)
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()

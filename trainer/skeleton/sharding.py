@@ -91,14 +91,15 @@ def sharded_random_model(config: Qwen3Config, seed: int, device: str,
 
 
 def random_model(config: Qwen3Config, seed: int, device: str, prepare: Callable[[Qwen3ForCausalLM], None],
-                 dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+                 dtype: torch.dtype = torch.float32,
+                 model_class: type[Qwen3ForCausalLM] = Qwen3ForCausalLM) -> Qwen3ForCausalLM:
     """The seeded random model `create_model(config, seed)` gives, in `dtype`: built on the meta device, `prepare`d
     there (sharded -- each rank then holds only its shards --, LoRA adapters added: trainer/skeleton/loading.py),
     then initialised in create_model's order -- each tensor drawn whole in fp32 on the CPU (so the numbers are the
     same), one at a time, and only this rank's rows kept (DTensor's implicit replication: a plain tensor copied
     into a sharded one is sliced)."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config).to(dtype)
+        model = model_class(config).to(dtype)
     prepare(model)
     model.to_empty(device=device)  # recomputes RoPE's buffer on `device`
     model.tie_weights()  # to_empty gives an unsharded tied head its own storage: the embedding's again
@@ -130,14 +131,15 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 def save_shards(prefix: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                is_main: bool) -> str:
-    """All ranks: the model's and optimizer's shards into a new folder PREFIX.shards-STEP-TOKEN, complete or absent
+                is_main: bool, part: str = "") -> str:
+    """All ranks: the model's and optimizer's shards into a new folder PREFIX.shards-PARTSTEP-TOKEN (`part`: a model
+    trained beside the run's, "critic-"), complete or absent
     (written as a temporary beside it, renamed into place by rank 0 once every rank's files are written) -> its
     path. It is not the commit point: the resume file that names it is (Run.save writes that afterwards)."""
     state = sharded_state(model, optimizer)
     names = [None, None]
     if is_main:
-        final = f"{prefix}.shards-{step:08d}-{secrets.token_hex(4)}"
+        final = f"{prefix}.shards-{part}{step:08d}-{secrets.token_hex(4)}"
         names = [final, temporary_name(final)]
         os.mkdir(names[1])
     if dist.is_initialized():
@@ -167,12 +169,12 @@ def single_process_quietly():
         yield
 
 
-def remove_other_shards(prefix: str, keep: str | None) -> list[str]:
-    """Rank 0: shard folders of PREFIX other than `keep` (the one the resume file names): older checkpoints, and
-    one a killed run wrote but never committed. -> what was removed."""
-    removed = []
+def remove_other_shards(prefix: str, keep: set[str]) -> list[str]:
+    """Rank 0: shard folders of PREFIX other than those in `keep` (the ones the resume file names): older
+    checkpoints, and ones a killed run wrote but never committed. -> what was removed."""
+    removed, kept = [], {os.path.abspath(folder) for folder in keep}
     for folder in glob.glob(f"{glob.escape(prefix)}.shards-*"):
-        if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
+        if os.path.abspath(folder) not in kept:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
