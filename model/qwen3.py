@@ -15,6 +15,9 @@ kernels take (`attention_form`):
     takes. Training forwards use it: their rows are right padded (each row's tokens at positions 0..n-1, pads at
     the end), and under a causal mask a real token never attends a pad that comes after it.
   * attention_mask (left-padded prompts of generation, and the KV-cache decode steps): a dense boolean mask.
+A third, optional: `documents` (several documents packed into one row, continued pretraining's rows,
+dataset/packed_documents.py) -- a dense boolean mask, causal and block diagonal by document (`build_document_mask`),
+with positions restarting at 0 at each document's start (`positions_from_documents`).
 """
 from __future__ import annotations
 
@@ -313,6 +316,38 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True where a document starts. A document is a run of equal consecutive ids in a row."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return starts
+
+
+def positions_from_documents(documents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) position of each token among the real tokens of its document: 0 at every document start, and the pads
+    that `attention_mask` marks inside a document do not count (positions_from_mask's rule, one document a row)."""
+    real = torch.ones_like(documents) if attention_mask is None else attention_mask.long()
+    count = real.cumsum(-1)  # real tokens up to and including each column
+    column = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    start = torch.where(document_starts(documents), column, 0).cummax(-1).values  # where each token's document starts
+    before = (count - real).gather(-1, start)  # real tokens of the row before that start
+    return (count - before - 1).clamp(min=0)
+
+
+def build_document_mask(documents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean (B, 1, T, T) mask of rows of packed documents: causal, block diagonal by document (a query sees the
+    keys of its own document only) and not a padded key; every position sees itself (build_attention_mask's rule)."""
+    # documents as runs (document_starts), not by their ids: an id that comes back later in the row is another
+    # document, whose positions restarted at 0, and must not see the first one
+    segments = document_starts(documents).cumsum(-1)
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    mask = (segments[:, :, None] == segments[:, None, :]) & causal
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, :].bool()
+    return (mask | torch.eye(T, dtype=torch.bool, device=documents.device))[:, None]
+
+
 @dataclass
 class Packing:
     """Right-padded rows (B, T) reduced to their N real tokens: `index` (N,) their flat positions in B x T, row by
@@ -381,11 +416,20 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, return_hidden: bool = False, logits_to_keep: int = 0,
-                kv_cache: KVCache | None = None, packing: Packing | None = None) -> CausalLMOutput:
+                kv_cache: KVCache | None = None, packing: Packing | None = None,
+                documents: torch.Tensor | None = None) -> CausalLMOutput:
         """`return_hidden=True` skips the lm_head (losses project chunk by chunk); `logits_to_keep=K` projects only
         the last K positions. With a `kv_cache`, `attention_mask` covers past + new tokens; in the cache's column
         form (see KVCache) it is the key mask over the whole cache, and `position_ids` are required. With `packing`
-        (right-padded rows, no mask, no cache) the outputs are the N real tokens' rows, (N, ...)."""
+        (right-padded rows, no mask, no cache) the outputs are the N real tokens' rows, (N, ...).
+
+        `documents` (B, T), any integer ids: each row holds several documents, a document being a run of equal
+        consecutive ids; each token attends only to its own document (`build_document_mask`, with
+        `attention_mask`'s padding if given), and positions, unless given, restart at 0 at each document's start
+        (`positions_from_documents`). Mark padding as a document of its own or with `attention_mask`. Neither a
+        cache nor `packing` takes it."""
+        if documents is not None:
+            check_documents(documents, input_ids, kv_cache, packing)
         if packing is not None:
             return self.packed_forward(input_ids, packing, return_hidden)
         # the column form reads no Python int off the cache: one compiled graph for every step of every rollout
@@ -393,7 +437,9 @@ class Qwen3ForCausalLM(nn.Module):
         past_len = kv_cache.length if kv_cache is not None and not column else 0
         T = input_ids.shape[1]
         if position_ids is None:
-            if attention_mask is not None:
+            if documents is not None:
+                position_ids = positions_from_documents(documents, attention_mask)
+            elif attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past_len:past_len + T]
             else:
                 position_ids = torch.arange(past_len, past_len + T, device=input_ids.device)[None]
@@ -401,7 +447,9 @@ class Qwen3ForCausalLM(nn.Module):
         # positions stay below the cache's length, or the forward's own length (given positions are a row's own)
         self.model.rotary_emb.reserve(kv_cache.max_length if kv_cache is not None else past_len + T)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
-        if column:  # generate's decode step: attention_mask (B, L) marks the cache positions its query may see
+        if documents is not None:
+            attn_mask = build_document_mask(documents, attention_mask)
+        elif column:  # generate's decode step: attention_mask (B, L) marks the cache positions its query may see
             attn_mask = attention_mask[:, None, None, :].bool()
         else:
             attn_mask = build_attention_mask(attention_mask, T, past_len)
@@ -453,6 +501,17 @@ class Qwen3ForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+
+def check_documents(documents: torch.Tensor, input_ids: torch.Tensor, kv_cache: KVCache | None,
+                    packing: Packing | None) -> None:
+    """Refuse what a forward with `documents` does not take: a cache, `packing`, another shape than input_ids'."""
+    if kv_cache is not None or packing is not None:
+        raise ValueError("documents: a forward of packed documents takes neither a kv_cache nor packing "
+                         "(--packing); pass documents to a forward of whole rows without them")
+    if documents.shape != input_ids.shape:
+        raise ValueError(f"documents: shape {tuple(documents.shape)}, but input_ids' is {tuple(input_ids.shape)}: "
+                         "one document id per token")
 
 
 COMPILE_CHOICES = ["auto", "0", "1"]  # the scripts' --use_compile
