@@ -157,7 +157,7 @@ def _read_parquet(path: str) -> list[tuple[str, dict]]:
     return [(f"row {i}", dict(zip(names, values))) for i, values in enumerate(zip(*columns.values()))]
 
 
-def _decode_line(raw_line: bytes, path: str, line_no: int) -> str:
+def decode_line(raw_line: bytes, path: str, line_no: int) -> str:
     try:
         return raw_line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -171,7 +171,7 @@ def _read_jsonl(path: str) -> list[tuple[str, dict]]:
         with open(path, "rb") as f:
             # Lines are decoded one by one (not by a text-mode file) so that bad bytes are reported with their line.
             for line_no, raw_line in enumerate(f, start=1):
-                line = _decode_line(raw_line, path, line_no)
+                line = decode_line(raw_line, path, line_no)
                 if not line.strip():
                     continue
                 where = f"row {len(rows)} (line {line_no})"
