@@ -1,7 +1,7 @@
 # python -m pytest tests/test_train_ppo.py
-"""train_ppo.py (WIP): the critic's state is in the policy's resume file, so a kill between the critic's export and
-the resume file (the commit point) resumes both at the same step, bit for bit; the export is transformers'
-token-classification critic. The loop's invariants (accumulation, 2 ranks, SIGKILL, world size) are
+"""train_ppo.py: the critic's state is in the policy's resume file, so a kill between the critic's export and the
+resume file (the commit point) resumes both at the same step, bit for bit; the export is transformers'
+token-classification critic, and --critic_path starts a run from it; the CPU twins of bf16 and fp16. The loop's invariants (accumulation, 2 ranks, SIGKILL, world size) are
 tests/test_loop_invariants.py's `ppo`; the math tests/test_ppo_math.py."""
 import os
 import signal
@@ -61,3 +61,20 @@ def test_policy_and_critic_train_under_cpu_autocast_and_fp16s_scaler(tiny_config
     train_ppo(ppo_args(tiny_config_path, chat_jsonl, tmp_path, dtype=dtype, max_steps=3, from_resume=1,
                        resume_changes="max_steps"))
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_a_run_started_from_an_earlier_critic_holds_that_critic(tiny_config_path, chat_jsonl, tmp_path):
+    """--critic_path NAME_critic/ (an earlier run's export) in the loop: with the critic's rate at 0 the new run's
+    exported critic is the earlier one bit for bit (loaded whole, head included), and it values the rollouts (a
+    mean value other than 0) where a fresh critic's zero head gives exactly 0."""
+    from safetensors.torch import load_file
+    from loop_helpers import metrics
+    common = dict(batch=2, accumulation=1, max_new_tokens=8, kl_coef=0.1)
+    train_ppo(loop_args(tiny_config_path, chat_jsonl, tmp_path, name="earlier", max_steps=2, **common))
+    train_ppo(loop_args(tiny_config_path, chat_jsonl, tmp_path, name="fresh", max_steps=1, **common))
+    train_ppo(loop_args(tiny_config_path, chat_jsonl, tmp_path, name="later", max_steps=1, critic_learning_rate=0.0,
+                        critic_path=str(tmp_path / "earlier_critic"), **common))
+    assert metrics(tmp_path, "fresh")[0]["value"] == 0.0 and metrics(tmp_path, "later")[0]["value"] != 0.0
+    exported, kept = (load_file(str(tmp_path / f"{name}_critic" / "model.safetensors")) for name in ("earlier", "later"))
+    assert exported.keys() == kept.keys() and all(torch.equal(exported[k], kept[k]) for k in exported)
+    assert exported["score.weight"].abs().sum() > 0
