@@ -1,8 +1,9 @@
 # python -m pytest tests/test_train_ppo.py
 """train_ppo.py: the critic's state is in the policy's resume file, so a kill between the critic's export and the
 resume file (the commit point) resumes both at the same step, bit for bit; the export is transformers'
-token-classification critic, and --critic_path starts a run from it; the CPU twins of bf16 and fp16. The loop's invariants (accumulation, 2 ranks, SIGKILL, world size) are
-tests/test_loop_invariants.py's `ppo`; the math tests/test_ppo_math.py."""
+token-classification critic, and --critic_path starts a run from it; the CPU twins of bf16 and fp16. The loop's
+invariants (accumulation, 2 ranks, SIGKILL, world size) are tests/test_loop_invariants.py's `ppo` and `ppo_lora`;
+sharded, tests/test_fsdp.py; the math tests/test_ppo_math.py."""
 import os
 import signal
 import subprocess
@@ -75,6 +76,7 @@ def test_a_run_started_from_an_earlier_critic_holds_that_critic(tiny_config_path
     train_ppo(loop_args(tiny_config_path, chat_jsonl, tmp_path, name="later", max_steps=1, critic_learning_rate=0.0,
                         critic_path=str(tmp_path / "earlier_critic"), **common))
     assert metrics(tmp_path, "fresh")[0]["value"] == 0.0 and metrics(tmp_path, "later")[0]["value"] != 0.0
-    exported, kept = (load_file(str(tmp_path / f"{name}_critic" / "model.safetensors")) for name in ("earlier", "later"))
+    exported, kept = (load_file(str(tmp_path / f"{name}_critic" / "model.safetensors"))
+                      for name in ("earlier", "later"))
     assert exported.keys() == kept.keys() and all(torch.equal(exported[k], kept[k]) for k in exported)
     assert exported["score.weight"].abs().sum() > 0
