@@ -6,7 +6,10 @@ corpora and stale positions are refused, and a resume seeks past what it does no
 import gc
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
 import tracemalloc
 
 import pyarrow as pa
@@ -19,6 +22,7 @@ from dataset.packed_documents import PADDING, PackedRows, pack_documents
 from dataset.sources import DataError
 from dataset.text_stream import TextStream
 from model.tokenizer import load_tokenizer
+from support import ROOT
 
 ROW = 16
 WORDS = ["the", "river", "runs", "north", "past", "seven", "old", "mills", "and", "a", "bridge", "of", "grey", "stone"]
@@ -147,14 +151,26 @@ def write_shards(folder, shards: int, records: int, seed: int) -> str:
     return str(folder)
 
 
-def test_what_the_stream_holds_does_not_grow_with_the_corpus(tmp_path, tokenizer):
+def stream_peaks(small: str, large: str) -> tuple[int, int, int, int]:
+    """(rows, peak) of each corpus streamed, in this process: the large one first, so first-use allocations (the
+    tokenizer's, torch's) are out of the way."""
+    tokenizer = load_tokenizer(None)
+    sum(1 for _ in TextStream(large, tokenizer, 32, batch_size=8, epochs=1))
+    return (*traced_peak(TextStream(small, tokenizer, 32, batch_size=8, epochs=1)),
+            *traced_peak(TextStream(large, tokenizer, 32, batch_size=8, epochs=1)))
+
+
+def test_what_the_stream_holds_does_not_grow_with_the_corpus(tmp_path):
     """tracemalloc sees the Python objects the stream holds (texts, token lists, the row being filled), not Arrow's
-    or the tokenizer's own buffers, which hold one batch and one row group."""
+    or the tokenizer's own buffers, which hold one batch and one row group. Measured in a fresh interpreter: what
+    other tests left in a worker's process (caches, free lists) would move the peaks."""
     small = write_shards(tmp_path / "small", shards=2, records=40, seed=0)
     large = write_shards(tmp_path / "large", shards=8, records=100, seed=10)  # 10x the records, 4x the shards
-    sum(1 for _ in TextStream(large, tokenizer, 32, batch_size=8, epochs=1))  # first-use allocations out of the way
-    small_rows, small_peak = traced_peak(TextStream(small, tokenizer, 32, batch_size=8, epochs=1))
-    large_rows, large_peak = traced_peak(TextStream(large, tokenizer, 32, batch_size=8, epochs=1))
+    probe = (f"import json, sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; "
+             f"from test_text_stream import stream_peaks; print(json.dumps(stream_peaks({small!r}, {large!r})))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    small_rows, small_peak, large_rows, large_peak = json.loads(result.stdout.strip().splitlines()[-1])
     assert large_rows > 8 * small_rows
     # measured: 24 and 32 kB; had the stream kept the large corpus's token ids as Python lists, 36 bytes an id
     held_if_whole = 36 * large_rows * 32
