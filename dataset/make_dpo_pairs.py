@@ -47,8 +47,8 @@ from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import split_conversation  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from eval.eval_math import (add_model_args, check_ground_truth, check_sampling, evaluate_math,  # noqa: E402
-                            load_for_inference, validate_model_args)
+from eval.eval_math import (add_model_args, add_prompt_args, check_ground_truth, evaluate_math,  # noqa: E402
+                            load_for_inference, validate_model_args, validate_sampling_args)
 from model import Decoder  # noqa: E402
 from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
 
@@ -112,12 +112,7 @@ def write_pairs(pairs: list[dict], path: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__)
     add_model_args(parser)
-    # data
-    parser.add_argument("--data_path", default=None,
-                        help=".parquet/.jsonl with a ground truth per row (default: the demo's OPD prompts)")
-    parser.add_argument("--max_rows", type=int, default=0, help="use the first N rows only (0 = all)")
-    parser.add_argument("--max_prompt_length", type=int, default=512, help="prompt tokens kept (the end of it)")
-    parser.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 thinking mode")
+    add_prompt_args(parser, ".parquet/.jsonl with a ground truth per row (default: the demo's OPD prompts)")
     # sampling
     parser.add_argument("--n_samples", type=int, default=8, help="answers sampled per prompt (>= 2)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
@@ -139,17 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate_args(args: argparse.Namespace) -> None:
     if args.n_samples < 2:
         refuse(f"--n_samples must be >= 2 (a pair needs a right and a wrong answer), got {args.n_samples}")
-    try:
-        check_sampling(args.n_samples, args.temperature, args.top_p)
-    except ValueError as e:
-        refuse(str(e))
-    for name in ("batch_size", "max_new_tokens", "max_prompt_length"):
-        if getattr(args, name) < 1:
-            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_rows < 0:
-        refuse(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
-    if not args.grade_timeout > 0:
-        refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
+    validate_sampling_args(args)
     if not args.out.endswith((".parquet", ".jsonl")):
         refuse(f"--out {args.out}: the extension must be .parquet or .jsonl (it picks the format)")
     if os.path.isdir(args.out):

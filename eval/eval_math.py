@@ -274,14 +274,34 @@ def make_record(index: int, sample: int, n_samples: int, prompt: str, completion
 
 # ----------------------------------------------------------------------------------------------------------- CLI
 
+def add_prompt_args(parser: argparse.ArgumentParser, data_help: str) -> None:
+    """The prompt rows' flags (this script's and dataset/make_dpo_pairs.py's): the file, how many rows, how each
+    prompt is rendered."""
+    parser.add_argument("--data_path", default=None, help=data_help)
+    parser.add_argument("--max_rows", type=int, default=0, help="use the first N rows only (0 = all)")
+    parser.add_argument("--max_prompt_length", type=int, default=512, help="prompt tokens kept (the end of it)")
+    parser.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 thinking mode")
+
+
+def validate_sampling_args(args: argparse.Namespace) -> None:
+    """The rules of the sampling, length and grading flags this script and dataset/make_dpo_pairs.py share."""
+    try:
+        check_sampling(args.n_samples, args.temperature, args.top_p)
+    except ValueError as e:
+        refuse(str(e))
+    for name in ("batch_size", "max_new_tokens", "max_prompt_length"):
+        if getattr(args, name) < 1:
+            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_rows < 0:
+        refuse(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
+    if not args.grade_timeout > 0:
+        refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description="Math accuracy of a Qwen3 checkpoint (graded with math-verify)")
     add_model_args(parser)
-    # data
-    parser.add_argument("--data_path", default=None, help=".parquet/.jsonl in DAPO schema (default: demo eval set)")
-    parser.add_argument("--max_rows", type=int, default=0, help="evaluate the first N rows only (0 = all)")
-    parser.add_argument("--max_prompt_length", type=int, default=512, help="prompt tokens kept (the end of it)")
-    parser.add_argument("--enable_thinking", type=int, default=0, choices=[0, 1], help="Qwen3 thinking mode")
+    add_prompt_args(parser, ".parquet/.jsonl in DAPO schema (default: demo eval set)")
     # generation
     parser.add_argument("--batch_size", type=int, default=32, help="sequences per generate call")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="completion budget per sample")
@@ -306,17 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="per-sample JSONL (default: beside the model folder, MODEL_eval_<data stem>.jsonl)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    try:
-        check_sampling(args.n_samples, args.temperature, args.top_p)
-    except ValueError as e:
-        refuse(str(e))
-    for name in ("batch_size", "max_new_tokens", "max_prompt_length"):
-        if getattr(args, name) < 1:
-            refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_rows < 0:
-        refuse(f"--max_rows must be >= 0 (0 = all rows), got {args.max_rows}")
-    if not args.grade_timeout > 0:
-        refuse(f"--grade_timeout must be > 0, got {args.grade_timeout}")
+    validate_sampling_args(args)
     if args.decode == "compiled" and args.server_url:
         refuse("--decode compiled compiles the built-in engine's decode step; with --server_url the server "
                "generates: drop one of them")
