@@ -101,6 +101,8 @@ class Critic:
             folder = save_shards(self.run.out_prefix + "_resume", self.run.step, self.raw_model, self.optimizer,
                                  self.run.dist.is_main, part="critic-")
             return {**kept, "shards": os.path.basename(folder)}
+        if not self.run.dist.is_main:
+            return kept  # unsharded, only rank 0's is written: no other rank copies the weights
         trained = {name for name, p in self.raw_model.named_parameters() if p.requires_grad}
         weights = {k: v.detach().cpu().clone() for k, v in self.raw_model.state_dict().items() if k in trained}
         return {**kept, "model": weights, "optimizer": self.optimizer.state_dict()}
