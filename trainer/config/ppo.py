@@ -5,25 +5,17 @@ from __future__ import annotations
 import argparse
 
 from common.checks import check_model_dir
-from common.errors import ArgumentParser, refuse_first
-from trainer.config.flags import add_common_args, default_student, validate_common_args
-from trainer.config.opd_signal import add_opd_signal_args
-from trainer.config.rl import RESUMABLE, add_rl_args
-from trainer.rollouts.servers import add_server_args, validate_server_args
-from trainer.rollouts.source import add_sampling_args, validate_sampling_args
-from trainer.teachers.specs import add_teachers_args
+from common.errors import refuse_first
+from trainer.config.flags import default_student, validate_common_args
+from trainer.config.rl import RESUMABLE, rl_parser
+from trainer.rollouts.servers import validate_server_args
+from trainer.rollouts.source import validate_sampling_args
 
 __all__ = ["RESUMABLE", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description="PPO with a critic (GAE) for a Qwen3 student")
-    add_common_args(parser, save_weight="ppo")
-    add_rl_args(parser)
-    add_opd_signal_args(parser, "the OPD term, --opd_coef")
-    add_teachers_args(parser)
-    add_sampling_args(parser)
-    add_server_args(parser)
+    parser = rl_parser("PPO with a critic (GAE) for a Qwen3 student", "ppo")
     g = parser.add_argument_group("PPO's critic (trainer/rl/critic.py, trainer/losses/ppo.py)")
     g.add_argument("--critic_path", type=str, default=None,
                    help="the critic's start: a critic's export (NAME_critic/, transformers' "

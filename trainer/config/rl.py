@@ -20,14 +20,21 @@ from trainer.teachers.specs import add_teachers_args, read_teachers_file, teache
 RESUMABLE = SHARED_RESUMABLE | TEACHER_RESUMABLE | SERVER_RESUMABLE
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description="RL with verifiable rewards (GRPO family) for a Qwen3 student")
-    add_common_args(parser, save_weight="rl")
+def rl_parser(description: str, save_weight: str) -> ArgumentParser:
+    """The flags of the RL family's loops (train_rl.py, train_ppo.py): the shared groups, the RL method's, the OPD
+    term and its teachers, the student's sampling, the rollout server."""
+    parser = ArgumentParser(description=description)
+    add_common_args(parser, save_weight=save_weight)
     add_rl_args(parser)
     add_opd_signal_args(parser, "the OPD term, --opd_coef")
     add_teachers_args(parser)
     add_sampling_args(parser)
     add_server_args(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = rl_parser("RL with verifiable rewards (GRPO family) for a Qwen3 student", "rl")
     args = parser.parse_args(argv)
     default_student(args, "sft", "python trainer/train_sft.py")  # the demo's only model whose answers end
     validate_common_args(args)
