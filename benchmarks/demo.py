@@ -39,7 +39,7 @@ sampled-token base, each one flag on OPD's command at OPD's learning rate) are r
 default table: `--methods opd,opd_self,opd_skd,...`; each is also tested against OPD's row of the same seed. So are
 RL's (rl_epochs: 2 update epochs x 2 minibatches; rl_cispo: the same with CISPO; ppo: PPO with a critic, one
 answer per prompt), tested against RL's row.
-Each run is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
+Each run but the variants' is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
 which benchmarks/demo_curves.py draws against steps, FLOPs and teacher tokens, with the paired tests at equal steps
 and equal FLOPs. Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the
 table adds the 95% Wilson interval, McNemar's exact test against the model it started from on the same problems
@@ -344,9 +344,9 @@ def data_flags(method: Method, task: DemoTask) -> str:
 
 
 def method_row(method: Method, seed: int, scale: Scale, student: str, learning_rate: float | None = None,
-               name: str | None = None, data: str = "eval", curve: Sequence[int] = ()) -> Row:
+               name: str | None = None, data: str = "eval", curve: Sequence[int] = (), sampled: bool = True) -> Row:
     """One run of `method` from `student` and its grading on `data`; with a `curve`, the run's exports at those steps
-    (--export_steps) graded before it."""
+    (--export_steps) graded before it; with `sampled`, the scale's sampled grading too (on the eval problems)."""
     task = scale.task
     rate = method.learning_rate if learning_rate is None else learning_rate
     name = name or f"{method.name}_s{seed}"
@@ -361,8 +361,8 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
              f"--save_weight {name}{snapshots} --from_resume 1")
     graded = [evaluation(f"{name}_step{step}", scale, data) for step in curve]
-    sampled = sampled_evaluation(name, scale) if data == "eval" else []
-    return Row(name, method.label, (train, *graded, *sampled, evaluation(name, scale, data)), method, seed, rate)
+    samples = sampled_evaluation(name, scale) if data == "eval" and sampled else []
+    return Row(name, method.label, (train, *graded, *samples, evaluation(name, scale, data)), method, seed, rate)
 
 
 def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) -> list[Row]:
@@ -370,7 +370,11 @@ def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) 
     rows = []
     for method in methods:
         start = start_row(method, scale) if method.own_start else None
-        rows += [replace(method_row(method, seed, scale, student, curve=scale.curve), baseline=start and start.name)
+        # the OPD variants are compared by their greedy accuracy against OPD's: no curve, no sampled grading (on the
+        # long task those took as long as the variants' training)
+        variant = method in VARIANTS
+        rows += [replace(method_row(method, seed, scale, student, curve=() if variant else scale.curve,
+                                    sampled=not variant), baseline=start and start.name)
                  for seed in scale.seeds]
         rows += [start] if start else []
     return rows

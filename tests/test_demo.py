@@ -593,6 +593,19 @@ def test_the_opd_variants_are_rows_of_their_own_each_tested_against_opd_of_its_s
     assert set(demo.parse_args(["--methods", "opd_power,opd_iw,opd_skew,opd_sampled"]).methods) <= set(demo.VARIANTS)
 
 
+def test_the_opd_variants_are_graded_once_greedy_without_a_curve_or_samples():
+    """On the long task a variant's row is its training and its greedy grading only (OPD's row keeps its curve and
+    its sampled grading), the training exporting nothing but a start of its own."""
+    scale = demo.SCALES["running_sum"]["cpu"]
+    opd = next(m for m in demo.METHODS if m.name == "opd")
+    rows = {r.name: r for r in demo.table_rows(scale, "student_sft_step350", [opd, *demo.VARIANTS]) if r.method}
+    assert len(rows["opd_s1"].commands) == 1 + len(scale.curve) + 2
+    for variant in demo.VARIANTS:
+        train, final = rows[f"{variant.name}_s1"].commands
+        assert flags(train).get("--export_steps") == ("0" if variant.own_start else None), variant.name
+        assert "--n_samples" not in flags(final) and flags(final)["--model_path"].endswith(f"{variant.name}_s1")
+
+
 def test_the_rl_variants_run_update_epochs_and_are_tested_against_rl_of_their_seed(root):
     """`--methods rl,rl_epochs,rl_cispo`: RL's command with 2 update epochs x 2 minibatches (and CISPO's loss with
     its band), each row tested against RL's of the same seed."""
