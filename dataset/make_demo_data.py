@@ -37,6 +37,11 @@ Files per task (disjoint problems), the same on every machine:
                            the eval problems choose nothing
 A file written by an earlier version of this script (its schema metadata carries the task's version) is rewritten
 on first use.
+
+The same problems as raw text, continued pretraining's demo corpus (trainer/train_pretrain.py; `ensure_demo_corpus`),
+one document a problem -- its question, a newline, its worked solution -- in a `text` column:
+    corpus_train.parquet   sft_train's 3,000 problems
+    corpus_val.parquet     val's 200 problems: the held-out text of the perplexity evaluation
 """
 from __future__ import annotations
 
@@ -154,15 +159,20 @@ def make_row(index: int, split: str, numbers: tuple[int, ...], with_solution: bo
     }
 
 
-def build_splits(task: str = "addition", seed: int = SEED) -> dict[str, list[dict]]:
-    """The splits as lists of rows; disjoint because each takes its own slice of one list of distinct problems."""
+def split_problems(task: str = "addition", seed: int = SEED) -> dict[str, list[tuple[int, ...]]]:
+    """Each split's problems; disjoint because each takes its own slice of one list of distinct problems."""
     problems = TASKS[task].problems(random.Random(seed))
     splits, start = {}, 0
     for split, size in SPLIT_SIZES.items():
-        splits[split] = [make_row(i, split, numbers, split == "sft_train", task)
-                         for i, numbers in enumerate(problems[start:start + size])]
+        splits[split] = problems[start:start + size]
         start += size
     return splits
+
+
+def build_splits(task: str = "addition", seed: int = SEED) -> dict[str, list[dict]]:
+    """The splits as lists of rows."""
+    return {split: [make_row(i, split, numbers, split == "sft_train", task) for i, numbers in enumerate(problems)]
+            for split, problems in split_problems(task, seed).items()}
 
 
 def up_to_date(path: str, task: str = "addition") -> bool:
@@ -188,6 +198,26 @@ def ensure_demo_data(out_dir: str | None = None, force: bool = False, task: str 
             # Atomic: a crash never leaves a half-written file, and ranks racing here write identical bytes.
             with atomic_write(paths[split]) as f:
                 table = pa.Table.from_pylist(rows)
+                pq.write_table(table.replace_schema_metadata({"demo_version": TASKS[task].version}), f)
+    return paths
+
+
+CORPUS_SPLITS = {"corpus_train": "sft_train", "corpus_val": "val"}  # a corpus file -> the split whose problems it holds
+
+
+def ensure_demo_corpus(task: str = "addition") -> dict[str, str]:
+    """Write `task`'s two corpus files (module docstring) into its folder if missing or out of date; -> {name:
+    path}."""
+    out_dir = os.path.join(DEFAULT_OUT_DIR, TASKS[task].folder)
+    paths = {name: os.path.join(out_dir, f"{name}.parquet") for name in CORPUS_SPLITS}
+    if not all(up_to_date(p, task) for p in paths.values()):
+        print(f"writing the demo corpus to {out_dir}", flush=True)
+        check_writable(out_dir, "the demo data folder")
+        problems = split_problems(task)
+        for name, split in CORPUS_SPLITS.items():
+            texts = [f"{question(numbers)}\n{solve(*numbers)[1]}" for numbers in problems[split]]
+            with atomic_write(paths[name]) as f:
+                table = pa.Table.from_pylist([{"text": text} for text in texts])
                 pq.write_table(table.replace_schema_metadata({"demo_version": TASKS[task].version}), f)
     return paths
 

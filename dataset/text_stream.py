@@ -4,7 +4,8 @@ rows of one length (dataset/packed_documents.py's layout), from a position small
 Corpus: a `.parquet` or `.jsonl` file, or a folder of them -- its files of those two kinds in sorted name order (its
 subfolders and other files are not read). Each record's `text` column is one document, a string; an empty string is
 a document of its EOS alone. JSONL holds one object a line; a blank line is no record (as in dataset/sources.py).
-EOS and padding are the tokenizer's `eos_token_id` and `pad_token_id`.
+EOS and padding are the tokenizer's `eos_token_id` and `pad_token_id`, or both `separator` when given (continued
+pretraining's `<|endoftext|>`: trainer/train_pretrain.py).
 
 Checks. At construction, only what costs no pass over the corpus: the path exists, a folder holds at least one such
 file, and every parquet file's footer reads and has a `text` column of strings. A record whose `text` is missing, null
@@ -71,7 +72,7 @@ class TextStream:
     """The corpus at `path` as rows of `row_length` tokens, from `start` (a `position()`) or the beginning."""
 
     def __init__(self, path: str, tokenizer: QwenTokenizer, row_length: int, batch_size: int = 64,
-                 epochs: int | None = None, start: dict | None = None):
+                 epochs: int | None = None, start: dict | None = None, separator: int | None = None):
         if row_length < 1 or batch_size < 1:
             raise ValueError(f"row_length {row_length}, batch_size {batch_size}: both must be at least 1")
         self.path = path
@@ -84,6 +85,8 @@ class TextStream:
         self.row_length = row_length
         self.batch_size = batch_size
         self.epochs = epochs
+        self.eos_id = tokenizer.eos_token_id if separator is None else separator
+        self.pad_id = tokenizer.pad_token_id if separator is None else separator
         self._at = StreamPosition(corpus=self.corpus) if start is None else self._checked_start(start)
 
     def position(self) -> dict:
@@ -93,11 +96,13 @@ class TextStream:
     def __iter__(self) -> Iterator[PackedRows]:
         """The rows from the position on; the position moves with each row emitted."""
         while self.epochs is None or self._at.epoch < self.epochs:
-            yield from self._rest_of_epoch()
+            yield from self.rest_of_epoch()
 
-    def _rest_of_epoch(self) -> Iterator[PackedRows]:
+    def rest_of_epoch(self) -> Iterator[PackedRows]:
+        """The rows from the position to the end of its epoch; the position is then the next epoch's start (a
+        caller that cuts its own windows by epoch iterates this)."""
         # a packer of its own: one that an error stopped mid-row holds that row's first tokens
-        packer = RowPacker(self.row_length, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        packer = RowPacker(self.row_length, self.eos_id, self.pad_id)
         epoch, offset = self._at.epoch, self._at.token  # the first record starts at the offset, the others at 0
         for file, record, document, tokens in self._records():
             if offset > len(tokens):

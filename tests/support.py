@@ -37,6 +37,25 @@ def write_chat_jsonl(path, num_rows: int, seed: int = 0) -> str:
     return str(path)
 
 
+def write_text_corpus(path, rows: int, row_length: int, seed: int = 0) -> str:
+    """A jsonl corpus of documents of very different lengths (1 to 60 words) whose tokens, each document followed by
+    its separator, fill exactly `rows` packed rows of `row_length` (the last one part-filled): continued
+    pretraining's data, with documents split across rows."""
+    from model.tokenizer import load_tokenizer  # the real tokenizer, as train_pretrain.py counts
+    tokenizer, rng = load_tokenizer(), random.Random(seed)
+    texts, total = [], 0
+    while total <= (rows - 1) * row_length:
+        text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "seven", "plus"])
+                        for _ in range(rng.choice([1, 2, 40, 60])))
+        tokens = len(tokenizer.encode(text)) + 1
+        if total + tokens <= rows * row_length:
+            texts.append(text)
+            total += tokens
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+    return str(path)
+
+
 def give_another_tokenizer(model_dir) -> None:
     """Rename one added token in a model folder's tokenizer.json: same size, another vocabulary."""
     path = os.path.join(str(model_dir), "tokenizer.json")

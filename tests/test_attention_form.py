@@ -22,7 +22,7 @@ import trainer.rollouts.source as rollouts_module
 from dataset.collators import IGNORE_INDEX, SFTCollator
 from loop_helpers import loop_args
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
-from support import write_chat_jsonl
+from support import write_chat_jsonl, write_text_corpus
 from trainer.losses.chunked import chunked_sft_loss, completion_hidden
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
@@ -175,15 +175,16 @@ def refused(calls: list[dict]) -> list[dict]:
 
 
 DTYPES = [pytest.param("float32", marks=pytest.mark.slow), "bfloat16", pytest.param("float16", marks=pytest.mark.slow)]
-LOOPS = ["sft", "kd", "opd", "rl", "logit_free"]
+LOOPS = ["sft", "kd", "opd", "rl", "logit_free", "pretrain"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_loops_attention_calls_are_ones_a_fused_cuda_kernel_takes(loop, dtype, tiny_config_path, tmp_path,
                                                                         cuda_forms, black_box_stub, one_thread):
-    from trainer import train_logit_free, train_rl
-    data = write_chat_jsonl(tmp_path / "chat.jsonl", 8)
+    from trainer import train_logit_free, train_pretrain, train_rl
+    data = (write_text_corpus(tmp_path / "corpus.jsonl", rows=4, row_length=96) if loop == "pretrain"
+            else write_chat_jsonl(tmp_path / "chat.jsonl", 8))
     teacher = str(tmp_path / "teacher")
     save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=9), teacher)
     on_policy = dict(max_new_tokens=8, eval_interval=1, eval_rows=2, eval_max_new_tokens=6)
@@ -194,11 +195,13 @@ def test_every_loops_attention_calls_are_ones_a_fused_cuda_kernel_takes(loop, dt
         "rl": (train_rl.main, dict(num_generations=2, **on_policy)),
         "logit_free": (train_logit_free.main, dict(teacher_url=black_box_stub.url, chunk_len=3, audit_chunks=2,
                                                    continuations=2, **on_policy)),
+        # packed documents' dense block-diagonal mask, in training and in the held-out perplexity
+        "pretrain": (train_pretrain.main, dict(eval_interval=1, eval_rows=2)),
     }
     main, flags = runs[loop]
     main(loop_args(tiny_config_path, data, tmp_path, name=loop, max_steps=1, dtype=dtype, **flags))
     assert cuda_forms and not refused(cuda_forms), refused(cuda_forms)[:3]
-    if loop not in ("sft", "kd"):  # the rollouts' prefills (square) and decode steps (queries < keys) ran too
+    if loop not in ("sft", "kd", "pretrain"):  # the rollouts' prefills (square) and decode steps (queries < keys) ran too
         assert {call["query_len"] == call["key_len"] for call in cuda_forms if call["mask"]} == {True, False}
 
 

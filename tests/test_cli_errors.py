@@ -17,12 +17,14 @@ from trainer.train_distillation import main as train_distillation
 from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
 from trainer.train_ppo import main as train_ppo
+from trainer.train_pretrain import main as train_pretrain
 from trainer.train_rl import main as train_rl
 from trainer.train_sft import main as train_sft
 
 # each script's main and the flags it requires (argparse names missing ones before unknown ones)
 SCRIPTS = {"train_sft": (train_sft, []), "train_distillation": (train_distillation, []), "train_opd": (train_opd, []),
            "train_logit_free": (train_logit_free, []), "train_rl": (train_rl, []), "train_ppo": (train_ppo, []),
+           "train_pretrain": (train_pretrain, []),
            "eval_math": (eval_math, ["--model_path", "m"]), "chat": (chat, ["--model_path", "m"]),
            "teacher_generate": (teacher_generate, ["--data_path", "d", "--out", "o", "--base_url", "u", "--model", "m"]),
            "demo": (demo, [])}
@@ -57,6 +59,7 @@ def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
 
 SHORTENED = {"train_sft": "--learning_rate", "train_distillation": "--learning_rate", "train_opd": "--max_new_tokens",
              "train_logit_free": "--continuations", "train_rl": "--num_generations", "train_ppo": "--critic_learning_rate",
+             "train_pretrain": "--learning_rate",
              "eval_math": "--max_rows", "chat": "--temperature", "teacher_generate": "--concurrency",
              "demo": "--fresh"}
 

@@ -10,7 +10,7 @@ import pytest
 
 from support import ROOT
 
-LOOPS = ("train_sft", "train_distillation", "train_opd", "train_rl", "train_logit_free", "train_ppo")
+LOOPS = ("train_sft", "train_distillation", "train_opd", "train_rl", "train_logit_free", "train_ppo", "train_pretrain")
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -18,12 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support import ROOT, TINY_CONFIG, write_chat_jsonl
+from support import ROOT, TINY_CONFIG, write_chat_jsonl, write_text_corpus
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, torchrun_command, weights, without_timing)
 from model import Qwen3Config, create_model, save_pretrained
 from trainer.train_distillation import main as train_distillation
 from trainer.train_opd import main as train_opd
+from trainer.train_pretrain import main as train_pretrain
 from trainer.train_sft import main as train_sft
 from rl_length_reward import main as train_rl_varied
 from ppo_length_reward import main as train_ppo_varied
@@ -60,11 +61,14 @@ LOOPS = {
     # PPO with adapters on both models: the critic's frozen body the student's own tensors, its adapters and head
     # trained and resumed beside the student's adapters
     "ppo_lora": (train_ppo_varied, os.path.join(ROOT, "tests", "ppo_length_reward.py")),
+    # continued pretraining: a streamed corpus packed into the reference's 20 rows (documents split across rows), its
+    # position in the resume file
+    "pretrain": (train_pretrain, os.path.join(ROOT, "trainer", "train_pretrain.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
 # its steps are on-, off-, on-, on-, off-, off-policy: the per-step coin must not depend on those either
-LOOP_FLAGS = {"sft": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
+LOOP_FLAGS = {"sft": {}, "pretrain": {}, "kd": {"alpha": 0.3, "temperature": 2.0},
               "opd": {"max_new_tokens": 8, "beta": 0.5, "lmbda": 0.5},
               # groups of 3 with per-(row, generation) seeds; the KL to the start and the OPD term read both frozen
               # models; asymmetric clipping (on-policy: rho = 1, so it never clips)
@@ -90,8 +94,9 @@ LOOP_FLAGS["rl_epochs"] = {**LOOP_FLAGS["rl"], "update_epochs": 2, "num_minibatc
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
-    """The tiny config, the chat data (20 rows), the teacher (seed 123) and --teachers' file (the teacher as "a",
-    another seed as "b") every loop of this module reads."""
+    """The tiny config, the chat data (20 rows), the raw-text corpus (20 packed rows of loop_args' 96 tokens), the
+    teacher (seed 123) and --teachers' file (the teacher as "a", another seed as "b") every loop of this module
+    reads."""
     folder = tmp_path_factory.mktemp("loop_files")
     config = folder / "tiny_config.json"
     config.write_text(json.dumps(TINY_CONFIG))
@@ -100,6 +105,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     teachers = folder / "teachers.json"
     teachers.write_text(json.dumps({"a": {"path": str(folder / "teacher")}, "b": {"path": str(folder / "teacher_b")}}))
     return {"config": str(config), "data": write_chat_jsonl(folder / "chat.jsonl", 20),
+            "corpus": write_text_corpus(folder / "corpus.jsonl", rows=20, row_length=96),
             "teacher": str(folder / "teacher"), "teachers": str(teachers)}
 
 
@@ -124,9 +130,9 @@ def loop(request, files):
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
     teacher = {"teachers": files["teachers"]} if several else {"teacher_path": files["teacher"]}
-    own_teacher = request.param.startswith("sft") or request.param in ("opd_self", "ppo", "ppo_lora")  # none, or itself
-    extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}
-    data = routed(files["data"]) if several else files["data"]
+    own_teacher = request.param.startswith(("sft", "pretrain")) or request.param in ("opd_self", "ppo", "ppo_lora")
+    extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}  # no teacher, or itself
+    data = routed(files["data"]) if several else files["corpus"] if request.param == "pretrain" else files["data"]
 
     def args(save_dir, **flags):
         return loop_args(files["config"], data, save_dir, **{**extra, **flags})
@@ -174,10 +180,12 @@ def test_ddp_two_ranks_equal_one_process(loop, reference, tmp_path):
     assert [m["tokens"] for m in metrics(tmp_path / "ddp")] == [m["tokens"] for m in metrics(reference)]
 
 
-def test_packing_computes_what_the_padded_batch_computes(loop, reference, tmp_path):
+def test_packing_computes_what_the_padded_batch_computes(loop, reference, tmp_path, request):
     """--packing 1 (the student's training forward on the rows' real tokens only) against the right-padded batch
     (the reference's first step): the same loss, gradient norm and weights to rounding. One step: an on-policy
     loop's next rollouts would sample from weights that differ by rounding."""
+    if request.node.callspec.params["loop"] == "pretrain":
+        pytest.skip("a corpus's rows are packed already (documents end to end): train_pretrain.py refuses --packing")
     main, _, args = loop
     main(args(tmp_path / "packed", **REFERENCE, max_steps=1, packing=1))
     padded, packed = metrics(reference)[:1], metrics(tmp_path / "packed")
@@ -201,7 +209,7 @@ def test_sigkill_then_resume_is_bit_identical(loop, reference, tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs", "ppo"), indirect=True)  # groups, minibatches
+@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs", "ppo", "pretrain"), indirect=True)  # groups, minibatches
 def test_resume_across_world_size_change(loop, reference, tmp_path):
     """Two ranks x batch 2 x accumulation 2 killed after their first checkpoint, resumed by one process with the
     reference's batch 2 x accumulation 4 (the same global batch): the reference's weights."""

@@ -175,8 +175,10 @@ def add_checkpoint_and_logging_args(parser: argparse.ArgumentParser, save_weight
                    help="offline/local need no account; cloud needs `swanlab login`")
 
 
-def validate_common_args(args: argparse.Namespace) -> None:
-    """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop)."""
+def validate_common_args(args: argparse.Namespace, chat: bool = True) -> None:
+    """Refuse impossible combinations at start-up, saying what to change (never deep inside the loop). `chat`: the
+    loop's rows are chat rows, a prompt and a completion (not continued pretraining's raw text, whose rows have no
+    prompt: --max_prompt_length is not read)."""
     if args.model_path and args.model_config:
         refuse("give either --model_path (pretrained weights) or --model_config (random init), not both")
     if not args.model_path and not args.model_config:  # resolved here, so the logged config names what was used
@@ -185,7 +187,7 @@ def validate_common_args(args: argparse.Namespace) -> None:
                  "log_interval", "save_interval", "loss_chunk_size"):
         if getattr(args, name) < 1:
             refuse(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_prompt_length >= args.max_length:
+    if chat and args.max_prompt_length >= args.max_length:
         refuse(f"--max_prompt_length ({args.max_prompt_length}) must be smaller than --max_length "
                f"({args.max_length}) so that completion tokens fit")
     if not 0.0 <= args.warmup_ratio < 1.0:

@@ -189,6 +189,17 @@ def completion_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return hidden[keep], targets[keep]
 
 
+def document_hidden(model: torch.nn.Module, input_ids: torch.Tensor, documents: torch.Tensor,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_hidden` for rows of packed documents (dataset/packed_documents.py, continued pretraining): the
+    forward with `documents` (each token attends to its own document only, positions restart at each), then the
+    positions whose next token is a label -- every token of a document but its first, and its EOS."""
+    hidden = model(input_ids, return_hidden=True, documents=documents).hidden_states
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    return hidden[:, :-1][keep], targets[keep]
+
+
 def completion_rows(labels: torch.Tensor) -> torch.Tensor:
     """Each position `completion_hidden` returns, its row: (N,), row by row as it orders them (padded or packed)."""
     return (labels[:, 1:] != IGNORE_INDEX).nonzero()[:, 0]

@@ -240,9 +240,11 @@ class Checkpoints:
 
     # -- reading --------------------------------------------------------------------------------------------------
 
-    def resume(self, model: torch.nn.Module, optimizer, scaler, global_batch: int, dataset_size: int) -> RunState:
+    def resume(self, model: torch.nn.Module, optimizer, scaler, global_batch: int,
+               dataset_size: int | None) -> RunState:
         """Every rank: the state the resume file describes, loaded into model, optimizer and scaler, RNGs restored;
-        a fresh RunState (said in one line) when there is no resume file."""
+        a fresh RunState (said in one line) when there is no resume file. `dataset_size`: an epoch's rows (None: a
+        streamed corpus not counted, whose stream names each window's epoch)."""
         if not os.path.exists(self.resume_path):
             print0(f"--from_resume 1: no checkpoint at {self.resume_path}, starting from scratch")
             return RunState()
@@ -260,7 +262,8 @@ class Checkpoints:
                          checkpoint["swanlab_run_id"], checkpoint.get("skipped_steps", 0),
                          checkpoint.get("elapsed_s", 0.0), checkpoint.get("rollouts") or {},
                          checkpoint.get("kept") or {})
-        if state.samples_in_epoch >= (dataset_size // self.dist.world_size) * self.dist.world_size:
+        if dataset_size is not None and state.samples_in_epoch >= (dataset_size // self.dist.world_size) * \
+                self.dist.world_size:
             state.epoch, state.samples_in_epoch = state.epoch + 1, 0
         restore_rng_states(checkpoint["rng"], checkpoint["world_size"], self.dist, self.args.seed, state.step)
         ranks = checkpoint["world_size"]

@@ -90,24 +90,11 @@ class SkipBatchSampler(Sampler[list[int]]):
         return max(0, math.ceil(len(self.sampler) / self.batch_size) - self.skip_batches)
 
 
-class DataStream:
-    """The run's rows as optimizer steps: (epoch, window), a window being up to accumulation_steps collated
-    micro-batches of this rank (an epoch's last, shorter window is a step of its own), from where the run stands
-    (its step, epoch and samples consumed in that epoch: the run's state, which the run alone moves, as windows are
-    yielded) to the end of its last epoch."""
-
-    def __init__(self, dataset, collate_fn, args, info):
-        self.dataset, self.collate_fn, self.info = dataset, collate_fn, info
-        self.batch_size, self.accumulation_steps = args.batch_size, args.accumulation_steps
-        self.epochs, self.seed, self.num_workers = args.epochs, args.seed, args.num_workers
-        self.total_steps = 0  # set by the run once its length is known (--max_steps)
-
-    def micro_batches_per_epoch(self) -> int:
-        per_rank = len(self.dataset) // self.info.world_size
-        return math.ceil(per_rank / self.batch_size)
-
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.micro_batches_per_epoch() / self.accumulation_steps)
+class Windows:
+    """What the run asks of a data stream (DataStream here; a streamed corpus, trainer/skeleton/corpus_stream.py):
+    its `rows` per epoch (None: not counted), its `path`, the run's `planned_steps()`, and `_stream(step, epoch,
+    samples_in_epoch)`: (epoch, window) from a position, which `windows_ahead` hands out with the steps after each."""
+    total_steps = 0  # set by the run once its length is known (--max_steps)
 
     def windows_ahead(self, count: int, step: int, epoch: int, samples_in_epoch: int):
         """Yield (epoch, window, coming) from the position (`step` optimizer steps done, `samples_in_epoch` global
@@ -124,6 +111,30 @@ class DataStream:
             yield epoch, window, [(step + 1 + i, e, w) for i, (e, w) in enumerate(coming)
                                   if step + 1 + i < self.total_steps]
             step += 1
+
+
+class DataStream(Windows):
+    """The run's rows as optimizer steps: (epoch, window), a window being up to accumulation_steps collated
+    micro-batches of this rank (an epoch's last, shorter window is a step of its own), from where the run stands
+    (its step, epoch and samples consumed in that epoch: the run's state, which the run alone moves, as windows are
+    yielded) to the end of its last epoch."""
+
+    def __init__(self, dataset, collate_fn, args, info):
+        self.dataset, self.collate_fn, self.info = dataset, collate_fn, info
+        self.batch_size, self.accumulation_steps = args.batch_size, args.accumulation_steps
+        self.epochs, self.seed, self.num_workers = args.epochs, args.seed, args.num_workers
+        self.rows, self.path = len(dataset), dataset.path
+
+    def micro_batches_per_epoch(self) -> int:
+        per_rank = len(self.dataset) // self.info.world_size
+        return math.ceil(per_rank / self.batch_size)
+
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.micro_batches_per_epoch() / self.accumulation_steps)
+
+    def planned_steps(self) -> int:
+        """The run's steps before --max_steps caps them: its epochs."""
+        return self.epochs * self.steps_per_epoch()
 
     def _stream(self, step: int, current_epoch: int, samples_in_epoch: int):
         """(epoch, window) from the data position on."""

@@ -48,9 +48,11 @@ from trainer.skeleton.window_metrics import WindowMetrics, all_reduce_sum
 class Run:
     def __init__(self, args: argparse.Namespace, info: DistInfo, model: torch.nn.Module, dataset, collate_fn,
                  tokenizer_dir: str | None, resumable: set[str], companions: tuple[str, ...] = ()):
-        """`resumable`: the flags a resume may change without --resume_changes (the loop's config.RESUMABLE);
+        """`dataset`: the rows, cut into windows here with `collate_fn` (DataStream); or, with `collate_fn` None, a
+        stream that cuts its own (train_pretrain.py's streamed corpus, trainer/skeleton/corpus_stream.py).
+        `resumable`: the flags a resume may change without --resume_changes (the loop's config.RESUMABLE);
         `companions`: the models trained beside this one, each exported as NAME_COMPANION/ (PPO's "critic")."""
-        self.args, self.dist, self.device, self.dataset = args, info, info.device, dataset
+        self.args, self.dist, self.device = args, info, info.device
         # ranks must not draw the same random numbers (dropout, sampling); the data order does not depend on these
         # generators at all, it is a function of (seed, epoch) in the data stream
         seed_everything(derived_seed(args.seed, info.rank))
@@ -63,7 +65,7 @@ class Run:
         self.checkpoints = Checkpoints(args, info, tokenizer_dir, resumable, resume_change_names(args),
                                        self.base_digest, companions)
         self.resume_path, self.out_prefix = self.checkpoints.resume_path, self.checkpoints.prefix
-        self.stream = DataStream(dataset, collate_fn, args, info)
+        self.stream = dataset if collate_fn is None else DataStream(dataset, collate_fn, args, info)
         self.global_batch, self.total_steps, self.warmup_steps = self.schedule()
         self.lock = self.take_run_name()
         self.state = self.start_or_resume()  # the run's state: this run alone moves it
@@ -104,7 +106,7 @@ class Run:
         """(global batch, optimizer steps of the run, warm-up steps)."""
         args = self.args
         global_batch = args.batch_size * args.accumulation_steps * self.dist.world_size
-        total_steps = args.epochs * self.stream.steps_per_epoch()
+        total_steps = self.stream.planned_steps()
         if args.max_steps:
             total_steps = min(total_steps, args.max_steps)
         self.stream.total_steps = total_steps
@@ -127,7 +129,7 @@ class Run:
             return RunState()
         try:
             return self.checkpoints.resume(self.raw_model, self.optimizer, self.scaler, self.global_batch,
-                                           len(self.dataset))
+                                           self.stream.rows)
         except BaseException:
             if self.lock:
                 self.lock.release()
@@ -136,12 +138,12 @@ class Run:
     def effective_settings(self) -> dict:
         """The settings as this run resolved them, for the tracker's config."""
         return {"device": self.device, "world_size": self.dist.world_size, "dtype": self.precision.name,
-                "data_path": os.path.abspath(self.dataset.path)}
+                "data_path": os.path.abspath(self.stream.path)}
 
     def say_plan(self) -> None:
         args = self.args
         print0(f"{self.dist.world_size} rank(s) x batch {args.batch_size} x accumulation {args.accumulation_steps} = "
-               f"{self.global_batch} rows/step | {len(self.dataset)} rows | {self.total_steps} steps | "
+               f"{self.global_batch} rows/step | {rows_of(self.stream)} | {self.total_steps} steps | "
                f"{self.raw_model.num_parameters() / 1e6:.1f}M params | {self.device}")
         if self.base_digest:
             adapters, lora = adapter_count(self.raw_model), self.raw_model.lora
@@ -384,3 +386,8 @@ class Run:
         if self.saved_step is None:
             return "no checkpoint yet"
         return f"last checkpoint {self.resume_path} (step {self.saved_step})"
+
+
+def rows_of(stream) -> str:
+    """The plan line's rows: an epoch's, or a corpus's rows not counted (its run is --max_steps long)."""
+    return f"{stream.rows} rows" if stream.rows is not None else "rows streamed, not counted"
