@@ -221,8 +221,37 @@ class PromptCollator:
         }
 
 
-def validate_rows(dataset: Sequence[dict], collator: SFTCollator | PromptCollator, need_completion: bool,
-                  progress: bool = True) -> None:
+class PairCollator:
+    """Preference pairs (dataset.sources.PairDataset rows) -> the SFT collator's input_ids, attention_mask, labels for
+    2B sequences, the B chosen answers first, then the B rejected ones in the same order (TRL's layout), each rendered
+    and truncated exactly as SFT renders a conversation: prompt + that answer (`sft`, an SFTCollator). Plus
+    `row_index` (B,): each pair's row, the key of a precomputed reference (trainer/train_dpo.py)."""
+
+    def __init__(self, sft: SFTCollator):
+        self.sft = sft
+
+    @staticmethod
+    def conversations(rows: list[dict]) -> list[dict]:
+        """The 2B conversations of B pairs, chosen ones first: what the SFT collator renders."""
+        return ([{"messages": row["prompt"] + row["chosen"]} for row in rows]
+                + [{"messages": row["prompt"] + row["rejected"]} for row in rows])
+
+    def problems(self, rows: list[dict]) -> list[RowError | None]:
+        """Per pair: why `__call__` would refuse it (its chosen or its rejected conversation), or None."""
+        found = self.sft.problems(self.conversations(rows))
+        out: list[RowError | None] = []
+        for chosen, rejected in zip(found[:len(rows)], found[len(rows):]):
+            error = chosen or rejected
+            out.append(None if error is None else RowError(f"{'chosen' if chosen else 'rejected'}: {error}"))
+        return out
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        return {**self.sft(self.conversations(rows)),
+                "row_index": torch.tensor([row["row_index"] for row in rows], dtype=torch.long)}
+
+
+def validate_rows(dataset: Sequence[dict], collator: SFTCollator | PromptCollator | PairCollator,
+                  need_completion: bool, progress: bool = True) -> None:
     """Check that `collator` can use every row of `dataset`, exactly as it will during training.
 
     `need_completion`: every row must have an assistant turn (SFT, KD and OPD with --lmbda < 1 train on the last
@@ -245,7 +274,8 @@ def validate_rows(dataset: Sequence[dict], collator: SFTCollator | PromptCollato
                         + "; ".join(shown) + more)
 
 
-def _chunk_problems(dataset: Sequence[dict], indices: range, collator: SFTCollator | PromptCollator,
+def _chunk_problems(dataset: Sequence[dict], indices: range,
+                    collator: SFTCollator | PromptCollator | PairCollator,
                     need_completion: bool) -> list[tuple[int, str]]:
     """(row index, one-line reason) for every bad row among `indices`."""
     rows = [dataset[i] for i in indices]

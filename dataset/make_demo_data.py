@@ -175,12 +175,65 @@ def build_splits(task: str = "addition", seed: int = SEED) -> dict[str, list[dic
             for split, problems in split_problems(task, seed).items()}
 
 
-def up_to_date(path: str, task: str = "addition") -> bool:
-    """Whether the file exists and was written by this version of the script's `task`."""
+def up_to_date(path: str, task: str = "addition", version: str | None = None) -> bool:
+    """Whether the file exists and was written by this version of the script's `task` (`version`: a file of its
+    own kind, the demo pairs')."""
     if not os.path.isfile(path):
         return False
     metadata = pq.read_schema(path).metadata or {}
-    return metadata.get(b"demo_version") == TASKS[task].version.encode()
+    return metadata.get(b"demo_version") == (version or TASKS[task].version).encode()
+
+
+def slipped(*numbers: int) -> tuple[int, str]:
+    """`solve`'s worked solution with one slip, the steps after it consistent with it -> (its wrong sum, the text).
+    Two numbers: the carry forgotten, or without a carry the ones column one too high; more: the first total one too
+    high, carried on to the end."""
+    if len(numbers) == 2:
+        a, b = numbers
+        ones = a % 10 + b % 10
+        tens = a // 10 + b // 10  # the carry forgotten, or a carry-free ones column one too high
+        written, wrong = (ones, 10 * tens + ones % 10) if ones >= 10 else (ones + 1, a + b + 1)
+        return wrong, f"{a % 10}+{b % 10}={written}, {a // 10}+{b // 10}={tens}. \\boxed{{{wrong}}}"
+    total = numbers[0] + numbers[1] + 1
+    steps = [f"a+b={numbers[0]}+{numbers[1]}={total}"]
+    for name, number in zip(LABELS[2:], numbers[2:]):
+        steps.append(f"{total}+{name}={total}+{number}={total + number}")
+        total += number
+    return total, ", ".join(steps) + f". \\boxed{{{total}}}"
+
+
+# The built-in DPO data (trainer/train_dpo.py without --data_path): synthetic pairs, not a model's own samples (those
+# take a trained student: dataset/make_dpo_pairs.py). Per prompt of the split: chosen = the worked solution, rejected
+# = the same method with one slip (`slipped`), in TRL's conversational preference schema.
+PAIR_SPLITS = {"train": "opd_prompts", "eval": "eval"}
+PAIRS_VERSION = "pairs-1"
+
+
+def demo_pairs(split: str, task: str = "addition") -> list[dict]:
+    """The demo pairs of `split`'s problems (PAIR_SPLITS: the OPD prompts for training, the eval set held out)."""
+    pairs = []
+    for row in build_splits(task)[PAIR_SPLITS[split]]:
+        numbers = numbers_of(row["prompt"][0]["content"])
+        pairs.append({"prompt": row["prompt"], "chosen": [{"role": "assistant", "content": solve(*numbers)[1]}],
+                      "rejected": [{"role": "assistant", "content": slipped(*numbers)[1]}],
+                      "ground_truth": row["reward_model"]["ground_truth"], "data_source": row["data_source"]})
+    return pairs
+
+
+def ensure_demo_pairs(out_dir: str | None = None, task: str = "addition") -> dict[str, str]:
+    """Write the demo pairs (dpo_train.parquet, dpo_eval.parquet beside the demo data) if missing or out of date;
+    -> {"train": path, "eval": path}."""
+    out_dir = out_dir or os.path.join(DEFAULT_OUT_DIR, TASKS[task].folder)
+    paths = {split: os.path.join(out_dir, f"dpo_{split}.parquet") for split in PAIR_SPLITS}
+    version = f"{TASKS[task].version}-{PAIRS_VERSION}"
+    if not all(up_to_date(p, task, version) for p in paths.values()):
+        print(f"writing the demo preference pairs to {out_dir}", flush=True)
+        check_writable(out_dir, "the demo data folder")
+        for split, path in paths.items():
+            with atomic_write(path) as f:  # a crash never leaves half a file; racing ranks write the same bytes
+                table = pa.Table.from_pylist(demo_pairs(split, task))
+                pq.write_table(table.replace_schema_metadata({"demo_version": version}), f)
+    return paths
 
 
 def ensure_demo_data(out_dir: str | None = None, force: bool = False, task: str = "addition") -> dict[str, str]:

@@ -33,6 +33,18 @@ line and exit with code 2. Whether the collator can render every row is checked 
 Speed: parquet columns are read with pyarrow's `to_pylist` once and every row is normalised when the dataset is
 built; `__getitem__` is a list lookup plus a shallow copy (17,000 DAPO rows load in well under a second).
 The chat template is NOT applied here: that happens in the collator, so `enable_thinking` is decided in one place.
+
+`PairDataset(path)`: preference pairs (trainer/train_dpo.py), read by the same readers. Its schema is decided by the
+file's first row and every row must have it (`PAIR_SCHEMAS`, docs/training.md "DPO"):
+
+    conversational  TRL's: `prompt` a chat list, `chosen` and `rejected` each a list of one assistant turn
+    standard        TRL's standard form: `prompt`, `chosen` and `rejected` plain strings, rendered as one user turn
+                    and one assistant turn (TRL tokenises such text without a template; here every row goes through
+                    the chat template, as SFT's `question` rows do)
+    implicit        TRL's implicit prompt, minimind's DPO files: `chosen` and `rejected` each a whole conversation
+                    ending with an assistant turn; the prompt is the turns before it, which must be the same in both
+Each pair row is {"prompt": messages, "chosen": [assistant turn], "rejected": [assistant turn], "ground_truth" when
+the row has one (as above), the other columns}.
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ from torch.utils.data import Dataset
 from common.errors import UserError
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
+PAIR_SCHEMAS = ("conversational", "standard", "implicit")
 CHAT_COLUMNS = ("messages", "conversations", "prompt")
 ASSISTANT_COLUMNS = ("response", "solution", "answer")
 
@@ -225,3 +238,81 @@ class RowDataset(Dataset):
         # A shallow copy, so a consumer that adds keys cannot change the dataset; do not mutate `messages` in place.
         # `row_index` identifies the row for seeds that must not depend on batching (OPD's per-row sampling).
         return {**self._rows[index], "row_index": index}
+
+
+def pair_schema(row: dict) -> str:
+    """Which of PAIR_SCHEMAS a preference row is written in (PairDataset decides a file's from its first row)."""
+    missing = [column for column in ("chosen", "rejected") if row.get(column) is None]
+    if missing:
+        raise _RowError(None, f"no {' and no '.join(repr(c) for c in missing)} column: a preference pair needs "
+                              f"`prompt`, `chosen` and `rejected` (TRL's schema) or whole `chosen` and `rejected` "
+                              f"conversations (minimind's; the row has: {', '.join(sorted(row)) or 'no columns'})")
+    if row.get("prompt") is None:
+        return "implicit"
+    return "standard" if isinstance(row["prompt"], str) and isinstance(row["chosen"], str) else "conversational"
+
+
+def _one_answer(turns: Any, column: str) -> list[dict]:
+    """A conversational pair's `chosen` / `rejected`: exactly one assistant turn."""
+    if isinstance(turns, str):
+        turns = _parse_chat_string(turns, column)
+    if not isinstance(turns, list) or len(turns) != 1 or not isinstance(turns[0], dict) \
+            or turns[0].get("role") != "assistant":
+        raise _RowError(column, "not a list of exactly one assistant turn [{\"role\": \"assistant\", \"content\": "
+                                "...}] (TRL's conversational schema)")
+    content = turns[0].get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise _RowError(column, "the assistant turn's content is not a non-empty string")
+    return [{key: value for key, value in turns[0].items() if value is not None}]
+
+
+def normalize_pair(row: dict, schema: str) -> dict:
+    """One raw preference row in `schema` -> {"prompt", "chosen", "rejected", ground_truth, the other columns}."""
+    if pair_schema(row) != schema:
+        raise _RowError(None, f"written in the {pair_schema(row)} schema, but the file's first row is {schema}: one "
+                              f"schema per file")
+    if schema == "standard":
+        for column in ("prompt", "chosen", "rejected"):
+            if not isinstance(row[column], str) or not row[column].strip():
+                raise _RowError(column, "not a non-empty string (the standard schema: prompt, chosen and rejected "
+                                        "are plain text)")
+        prompt = [{"role": "user", "content": row["prompt"]}]
+        chosen, rejected = ([{"role": "assistant", "content": row[c]}] for c in ("chosen", "rejected"))
+    elif schema == "conversational":
+        prompt = _validate_turns(row["prompt"], "prompt")
+        chosen, rejected = _one_answer(row["chosen"], "chosen"), _one_answer(row["rejected"], "rejected")
+    else:
+        (prompt, chosen), (other, rejected) = (_split_last_answer(row[c], c) for c in ("chosen", "rejected"))
+        if other != prompt:
+            raise _RowError("rejected", "its turns before the last assistant turn differ from chosen's: the two "
+                                        "conversations must share their prompt")
+    out = {key: value for key, value in row.items() if key not in ("prompt", "chosen", "rejected")}
+    reward_model = row.get("reward_model")
+    if "ground_truth" not in out and isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        out["ground_truth"] = reward_model["ground_truth"]
+    return {**out, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _split_last_answer(turns: Any, column: str) -> tuple[list[dict], list[dict]]:
+    """An implicit-prompt conversation -> (the turns before its last, [its last, an assistant turn])."""
+    messages = _validate_turns(turns, column)
+    if messages[-1]["role"] != "assistant":
+        raise _RowError(column, "does not end with an assistant turn (the implicit schema: a whole conversation "
+                                "whose last assistant turn is the answer)")
+    return messages[:-1], messages[-1:]
+
+
+class PairDataset(RowDataset):
+    """Map-style dataset of preference pairs over a .parquet or .jsonl file; see the module docstring."""
+
+    def __init__(self, path: str):
+        self.schema = None  # the first row's (`_normalize` decides it)
+        super().__init__(path)
+
+    def _normalize(self, where: str, row: dict) -> dict:
+        try:
+            self.schema = self.schema or pair_schema(row)
+            return normalize_pair(row, self.schema)
+        except _RowError as e:
+            column = "" if e.column is None else f"column {e.column!r}: "
+            raise DataError(f"{self.path}: {where}: {column}{e.reason}") from None

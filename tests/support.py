@@ -56,6 +56,22 @@ def write_text_corpus(path, rows: int, row_length: int, seed: int = 0) -> str:
     return str(path)
 
 
+def write_pairs_jsonl(path, num_rows: int, seed: int = 0) -> str:
+    """Preference pairs in TRL's conversational schema whose answers have very different lengths (2 to ~60 words,
+    chosen and rejected drawn apart), so that a mean per micro-batch and the exact mean over a window's pairs differ."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(num_rows):
+            chosen, rejected = (" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "seven", "plus"])
+                                         for _ in range(rng.choice([1, 2, 40, 60]))) for _ in range(2))
+            row = {"prompt": [{"role": "user", "content": f"Question {i}: say something."}],
+                   "chosen": [{"role": "assistant", "content": f"{chosen} \\boxed{{{i}}}"}],
+                   "rejected": [{"role": "assistant", "content": f"{rejected} \\boxed{{{i + 1}}}"}],
+                   "ground_truth": str(i)}
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
 def give_another_tokenizer(model_dir) -> None:
     """Rename one added token in a model folder's tokenizer.json: same size, another vocabulary."""
     path = os.path.join(str(model_dir), "tokenizer.json")

@@ -2,6 +2,7 @@
 """A flag argparse itself rejects (unknown, missing, mistyped) is one `error: argument ...` line with exit
 code 2 in every script, as any other refused flag is -- not the whole usage text; and under torchrun a refused flag
 is said once, not once per rank."""
+import json
 import os
 import subprocess
 
@@ -14,6 +15,7 @@ from dataset.teacher_generate import main as teacher_generate
 from eval.chat import main as chat
 from eval.eval_math import main as eval_math
 from trainer.train_distillation import main as train_distillation
+from trainer.train_dpo import main as train_dpo
 from trainer.train_logit_free import main as train_logit_free
 from trainer.train_opd import main as train_opd
 from trainer.train_ppo import main as train_ppo
@@ -25,6 +27,7 @@ from trainer.train_sft import main as train_sft
 SCRIPTS = {"train_sft": (train_sft, []), "train_distillation": (train_distillation, []), "train_opd": (train_opd, []),
            "train_logit_free": (train_logit_free, []), "train_rl": (train_rl, []), "train_ppo": (train_ppo, []),
            "train_pretrain": (train_pretrain, []),
+           "train_dpo": (train_dpo, []),
            "eval_math": (eval_math, ["--model_path", "m"]), "chat": (chat, ["--model_path", "m"]),
            "teacher_generate": (teacher_generate, ["--data_path", "d", "--out", "o", "--base_url", "u", "--model", "m"]),
            "demo": (demo, [])}
@@ -60,6 +63,7 @@ def test_under_torchrun_a_refused_flag_is_said_once(tmp_path):
 SHORTENED = {"train_sft": "--learning_rate", "train_distillation": "--learning_rate", "train_opd": "--max_new_tokens",
              "train_logit_free": "--continuations", "train_rl": "--num_generations", "train_ppo": "--critic_learning_rate",
              "train_pretrain": "--learning_rate",
+             "train_dpo": "--precompute_ref",
              "eval_math": "--max_rows", "chat": "--temperature", "teacher_generate": "--concurrency",
              "demo": "--fresh"}
 
@@ -92,7 +96,7 @@ def test_the_vllm_launcher_passes_a_shortened_flag_on_instead_of_taking_it_for_i
 
 
 @pytest.mark.parametrize("script", ["train_sft", "train_distillation", "train_opd", "train_logit_free", "train_rl",
-                                    "train_ppo"])
+                                    "train_ppo", "train_pretrain", "train_dpo"])
 def test_help_gives_every_flag_a_text_and_its_default_once(script, capsys):
     with pytest.raises(SystemExit):
         SCRIPTS[script][0](["--help"])
@@ -134,4 +138,54 @@ def test_a_missing_critic_is_refused_before_any_folder_is_made(tmp_path, capsys)
                                            "--model_config", os.path.join(ROOT, "model", "configs", "qwen3-tiny.json")],
                                capsys)
     assert_one_line_error(code, stderr, 2, "--critic_path", "nowhere", "does not exist")
+    assert not save_dir.exists()
+
+
+def pairs_file(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+PAIR = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "chosen": [{"role": "assistant", "content": "5"}],
+        "rejected": [{"role": "assistant", "content": "6"}]}
+
+
+@pytest.mark.parametrize("row, names", [
+    ({"prompt": PAIR["prompt"], "chosen": PAIR["chosen"]}, ["row 1", "no 'rejected' column", "prompt"]),
+    ({"messages": PAIR["prompt"] + PAIR["chosen"]}, ["row 1", "no 'chosen' and no 'rejected' column"]),
+    ({**PAIR, "chosen": PAIR["prompt"] + PAIR["chosen"]}, ["row 1", "column 'chosen'", "exactly one assistant turn"]),
+    ({"prompt": "What is 2 + 3?", "chosen": "5", "rejected": "6"}, ["row 1", "standard schema", "conversational"]),
+    ({"chosen": PAIR["prompt"] + PAIR["chosen"], "rejected": [{"role": "user", "content": "Other?"}] + PAIR["rejected"]},
+     ["row 1", "implicit schema"]),
+], ids=["no-rejected", "no-pair", "chosen-not-one-answer", "mixed-schemas", "implicit-mixed"])
+def test_a_dpo_row_without_a_pair_is_refused_before_any_folder_is_made(row, names, tmp_path, capsys):
+    """train_dpo.py: a row without chosen / rejected, or not in the file's schema (its first row's), is one line
+    naming the file, the row and what to change, before the save folder exists."""
+    data = pairs_file(tmp_path / "pairs.jsonl", [PAIR, row])
+    save_dir = tmp_path / "checkpoints"
+    code, stderr = script_exit(train_dpo, ["--data_path", data, "--save_dir", str(save_dir)], capsys)
+    assert_one_line_error(code, stderr, 2, data, *names)
+    assert not save_dir.exists()
+
+
+def test_a_dpo_file_that_is_no_pair_file_is_refused_in_one_line(tmp_path, capsys):
+    """A damaged file, an implicit pair whose conversations differ before their answers, a held-out file of plain
+    chat rows: one line each, naming the file (and the row)."""
+    save_dir = tmp_path / "checkpoints"
+    damaged = tmp_path / "pairs.parquet"
+    damaged.write_bytes(b"PAR1 not really")
+    code, stderr = script_exit(train_dpo, ["--data_path", str(damaged), "--save_dir", str(save_dir)], capsys)
+    assert_one_line_error(code, stderr, 2, str(damaged), "not a readable parquet file")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    implicit = pairs_file(tmp_path / "implicit.jsonl", [
+        {"chosen": turns, "rejected": [{"role": "user", "content": "Hey"}, turns[1]]}])
+    code, stderr = script_exit(train_dpo, ["--data_path", implicit, "--save_dir", str(save_dir)], capsys)
+    assert_one_line_error(code, stderr, 2, implicit, "row 0", "must share their prompt")
+    chat = pairs_file(tmp_path / "chat.jsonl", [{"messages": turns}])
+    code, stderr = script_exit(train_dpo, ["--data_path", pairs_file(tmp_path / "ok.jsonl", [PAIR]),
+                                           "--eval_data_path", chat, "--eval_interval", "1", "--save_dir",
+                                           str(save_dir)], capsys)
+    assert_one_line_error(code, stderr, 2, chat, "row 0", "no 'chosen' and no 'rejected' column")
+    code, stderr = script_exit(train_dpo, ["--beta", "0", "--save_dir", str(save_dir)], capsys)
+    assert_one_line_error(code, stderr, 2, "--beta must be > 0")
     assert not save_dir.exists()

@@ -10,7 +10,8 @@ import pytest
 
 from support import ROOT
 
-LOOPS = ("train_sft", "train_distillation", "train_opd", "train_rl", "train_logit_free", "train_ppo", "train_pretrain")
+LOOPS = ("train_sft", "train_distillation", "train_opd", "train_rl", "train_logit_free", "train_ppo",
+         "train_pretrain", "train_dpo")
 
 
 @pytest.mark.parametrize("loop", LOOPS)

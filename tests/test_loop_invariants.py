@@ -3,7 +3,7 @@
 teachers, rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's
 weights; OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; RL with update epochs
 over minibatches and CISPO; SFT, RL and PPO with a LoRA student -- PPO's critic with adapters too --, RL's OPD term
-with those variants) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short
+with those variants; DPO on preference pairs, its reference live or precomputed) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short
 tail window), DDP with 2 ranks equals one process, --packing 1 equals the padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
 
@@ -18,11 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support import ROOT, TINY_CONFIG, write_chat_jsonl, write_text_corpus
+from support import ROOT, TINY_CONFIG, write_chat_jsonl, write_pairs_jsonl, write_text_corpus
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, torchrun_command, weights, without_timing)
 from model import Qwen3Config, create_model, save_pretrained
 from trainer.train_distillation import main as train_distillation
+from trainer.train_dpo import main as train_dpo
 from trainer.train_opd import main as train_opd
 from trainer.train_pretrain import main as train_pretrain
 from trainer.train_sft import main as train_sft
@@ -64,6 +65,11 @@ LOOPS = {
     # continued pretraining: a streamed corpus packed into the reference's 20 rows (documents split across rows), its
     # position in the resume file
     "pretrain": (train_pretrain, os.path.join(ROOT, "trainer", "train_pretrain.py")),
+    # DPO on preference pairs (a pair's two answers in one micro-batch, the loss a mean over the window's pairs):
+    # with the full student's reference live and the RPO term; and with a LoRA student, IPO and the reference's
+    # numbers precomputed (the base with its adapters off), kept in the resume file and read back on a resume
+    "dpo": (train_dpo, os.path.join(ROOT, "trainer", "train_dpo.py")),
+    "dpo_lora": (train_dpo, os.path.join(ROOT, "trainer", "train_dpo.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
@@ -90,6 +96,8 @@ LOOP_FLAGS["sft_lora"], LOOP_FLAGS["rl_lora"] = LORA, {**LOOP_FLAGS["rl"], **LOR
 LOOP_FLAGS["ppo"] = {"max_new_tokens": 8, "kl_coef": 0.1, "update_epochs": 2, "num_minibatches": 2}
 LOOP_FLAGS["ppo_lora"] = {**LOOP_FLAGS["ppo"], **LORA}
 LOOP_FLAGS["rl_epochs"] = {**LOOP_FLAGS["rl"], "update_epochs": 2, "num_minibatches": 2, "policy_loss": "cispo"}
+LOOP_FLAGS["dpo"] = {"rpo_alpha": 0.5}
+LOOP_FLAGS["dpo_lora"] = {**LORA, "loss_type": "ipo", "precompute_ref": 1}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +114,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     teachers.write_text(json.dumps({"a": {"path": str(folder / "teacher")}, "b": {"path": str(folder / "teacher_b")}}))
     return {"config": str(config), "data": write_chat_jsonl(folder / "chat.jsonl", 20),
             "corpus": write_text_corpus(folder / "corpus.jsonl", rows=20, row_length=96),
-            "teacher": str(folder / "teacher"), "teachers": str(teachers)}
+            "pairs": write_pairs_jsonl(folder / "pairs.jsonl", 20), "teacher": str(folder / "teacher"),
+            "teachers": str(teachers)}
 
 
 def routed(data: str) -> str:
@@ -130,9 +139,12 @@ def loop(request, files):
     main, script = LOOPS[request.param]
     several = request.param.endswith("_teachers")
     teacher = {"teachers": files["teachers"]} if several else {"teacher_path": files["teacher"]}
-    own_teacher = request.param.startswith(("sft", "pretrain")) or request.param in ("opd_self", "ppo", "ppo_lora")
-    extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}  # no teacher, or itself
-    data = routed(files["data"]) if several else files["corpus"] if request.param == "pretrain" else files["data"]
+    # none, or itself (DPO's reference: the student's start)
+    own_teacher = (request.param.startswith(("sft", "dpo", "pretrain"))
+                   or request.param in ("opd_self", "ppo", "ppo_lora"))
+    extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}
+    data = (routed(files["data"]) if several else files["pairs"] if request.param.startswith("dpo")
+            else files["corpus"] if request.param == "pretrain" else files["data"])
 
     def args(save_dir, **flags):
         return loop_args(files["config"], data, save_dir, **{**extra, **flags})
@@ -209,7 +221,8 @@ def test_sigkill_then_resume_is_bit_identical(loop, reference, tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs", "ppo", "pretrain"), indirect=True)  # groups, minibatches
+@pytest.mark.parametrize("loop", loops("sft", "rl", "sft_lora", "rl_epochs", "ppo", "dpo_lora", "pretrain"),
+                         indirect=True)  # groups, minibatches, DPO's precomputed reference, a corpus
 def test_resume_across_world_size_change(loop, reference, tmp_path):
     """Two ranks x batch 2 x accumulation 2 killed after their first checkpoint, resumed by one process with the
     reference's batch 2 x accumulation 4 (the same global batch): the reference's weights."""

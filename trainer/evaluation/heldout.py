@@ -170,23 +170,31 @@ class HeldoutEvaluator:
     def load_batches(self) -> list[dict]:
         """This rank's share of the held-out batches (all of them in lockstep or in one process)."""
         args = self.args
-        dataset = RowDataset(args.eval_data_path or ensure_demo_data()["eval"])
-        rows = [dataset[i] for i in range(min(args.eval_rows, len(dataset)))]
+        rows = self.held_out_rows()
+        collator = PromptCollator(self.tokenizer, args.max_prompt_length, bool(args.enable_thinking))
+        batches = []
+        for start in self.batch_starts(len(rows)):
+            batch = collator(rows[start:start + args.batch_size])
+            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.info.device),
+                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.info.device)})
+        return batches
+
+    def held_out_rows(self) -> list[dict]:
+        """The first --eval_rows rows of --eval_data_path (default: the demo eval set), each row's teacher checked."""
+        dataset = RowDataset(self.args.eval_data_path or ensure_demo_data()["eval"])
+        rows = [dataset[i] for i in range(min(self.args.eval_rows, len(dataset)))]
         names = {teacher.name for teacher in self.teachers}
         for i, row in enumerate(rows if self.teacher_of else []):
             if self.teacher_of(row) not in names | {None}:
                 raise UserError(f"{dataset.path}: held-out row {i} names teacher {self.teacher_of(row)!r}, which "
                                 f"the run does not have ({', '.join(sorted(names))})")
-        collator = PromptCollator(self.tokenizer, args.max_prompt_length, bool(args.enable_thinking))
-        starts = list(range(0, len(rows), args.batch_size))
-        if not self.lockstep:
-            starts = starts[self.info.rank::self.info.world_size]
-        batches = []
-        for start in starts:
-            batch = collator(rows[start:start + args.batch_size])
-            batches.append({**batch, "prompt_ids": batch["prompt_ids"].to(self.info.device),
-                            "prompt_attention_mask": batch["prompt_attention_mask"].to(self.info.device)})
-        return batches
+        return rows
+
+    def batch_starts(self, num_rows: int) -> list[int]:
+        """The first row of each of this rank's batches of --batch_size held-out rows: batches r, r + W, ... (all
+        of them in lockstep or in one process)."""
+        starts = list(range(0, num_rows, self.args.batch_size))
+        return starts if self.lockstep else starts[self.info.rank::self.info.world_size]
 
     def due(self, step: int, last: bool) -> bool:
         """On every rank (even one whose share is empty: it joins the reduction): before training (step 0), every

@@ -3,8 +3,8 @@
 from trainer.skeleton.console import PhaseClock
 from trainer.skeleton.distributed import init_distributed_mode, print0
 from trainer.skeleton.guard import train_noting_stop_signals
-from trainer.skeleton.loading import build_student, load_prompt_data, load_sft_data
+from trainer.skeleton.loading import build_student, load_pair_data, load_prompt_data, load_sft_data
 from trainer.skeleton.run import Run
 
-__all__ = ["PhaseClock", "Run", "build_student", "init_distributed_mode", "load_prompt_data", "load_sft_data",
-           "print0", "train_noting_stop_signals"]
+__all__ = ["PhaseClock", "Run", "build_student", "init_distributed_mode", "load_pair_data", "load_prompt_data",
+           "load_sft_data", "print0", "train_noting_stop_signals"]

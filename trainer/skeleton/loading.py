@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from common.errors import refuse
-from dataset.collators import PromptCollator, SFTCollator, validate_rows
-from dataset.make_demo_data import ensure_demo_data
-from dataset.sources import RowDataset
+from dataset.collators import PairCollator, PromptCollator, SFTCollator, validate_rows
+from dataset.make_demo_data import ensure_demo_data, ensure_demo_pairs
+from dataset.sources import PairDataset, RowDataset
 from model import Qwen3Config, Qwen3ForCausalLM, load_pretrained, load_tokenizer
 from model.lora import add_lora, init_adapters
 from model.precision import frozen_dtype, resolve_precision
@@ -113,6 +113,26 @@ def load_prompt_data(args: argparse.Namespace, default_rows: str,
     collator = PromptCollator(tokenizer, args.max_prompt_length, bool(args.enable_thinking))
     check_rows(dataset, sft_collator(args, tokenizer) if need_completion else collator, need_completion)
     return tokenizer_dir, tokenizer, dataset, collator
+
+
+def load_pair_data(args: argparse.Namespace) -> tuple[str | None, QwenTokenizer, PairDataset, PairCollator,
+                                                     list[dict]]:
+    """-> (tokenizer folder, tokenizer, preference pairs, pair collator, held-out pairs): what DPO trains on. The
+    pairs come from --data_path, else the demo's synthetic pairs (dataset/make_demo_data.py, written on first use);
+    the held-out ones, with --eval_interval, are the first --eval_rows of --eval_data_path, else of the demo's
+    held-out pairs. Every pair of both files is rendered and checked now, before any model is built."""
+    tokenizer_dir = args.tokenizer_path or args.model_path
+    tokenizer = load_tokenizer(tokenizer_dir)
+    dataset = PairDataset(args.data_path or ensure_demo_pairs()["train"])
+    collator = PairCollator(sft_collator(args, tokenizer))
+    check_rows(dataset, collator, need_completion=False)
+    print0(f"preference pairs in the {dataset.schema} schema")
+    held_out = []
+    if args.eval_interval:
+        eval_pairs = PairDataset(args.eval_data_path or ensure_demo_pairs()["eval"])
+        check_rows(eval_pairs, collator, need_completion=False)
+        held_out = [eval_pairs[i] for i in range(min(args.eval_rows, len(eval_pairs)))]
+    return tokenizer_dir, tokenizer, dataset, collator, held_out
 
 
 def sft_collator(args: argparse.Namespace, tokenizer: QwenTokenizer) -> SFTCollator:
