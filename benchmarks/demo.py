@@ -38,7 +38,8 @@ The OPD variants (VARIANTS: self-distillation, speculative KD, skew reverse KL, 
 sampled-token base, each one flag on OPD's command at OPD's learning rate) are rows of their own by name, outside the
 default table: `--methods opd,opd_self,opd_skd,...`; each is also tested against OPD's row of the same seed. So are
 RL's (rl_epochs: 2 update epochs x 2 minibatches; rl_cispo: the same with CISPO; ppo: PPO with a critic, one
-answer per prompt), tested against RL's row.
+answer per prompt), tested against RL's row. And DPO (`--methods dpo`): offline, on pairs of the student's own
+answers to the OPD prompts, graded (dataset/make_dpo_pairs.py, made once per student before its rows).
 Each run but the variants' is also exported at SCALE.curve's steps (8 and 16 on the CPU) and graded there: its curve, in demo.json,
 which benchmarks/demo_curves.py draws against steps, FLOPs and teacher tokens, with the paired tests at equal steps
 and equal FLOPs. Each model is graded by eval/eval_math.py on the 200 held-out problems (greedy, 64 new tokens); the
@@ -208,6 +209,12 @@ METHODS = (
     Method("rl", "RL (GRPO, groups of 4, math-verify reward)", "trainer/train_rl.py",
            "--num_generations 4 --batch_size 4", 3e-5, rows_per_step=4),
 )
+# DPO, offline: pairs of the student's own answers to the OPD prompts (8 sampled at temperature 1 per prompt, graded:
+# a right one chosen, a wrong one rejected; dataset/make_dpo_pairs.py, made once per student), 16 pairs a step,
+# sigmoid DPO at beta 0.1 (TRL's default); --epochs 4 so that 32 steps never run out of pairs (a prompt whose 8
+# answers agree gives none); not in the default table (`--methods dpo`)
+DPO = Method("dpo", "DPO on the student's own graded answers (sigmoid, beta 0.1)", "trainer/train_dpo.py",
+             "--data_path {student_pairs} --epochs 4", 3e-4, data=None)
 
 
 # The OPD signals the field compares (docs/training.md), each one flag on white-box OPD, at OPD's learning rate (the
@@ -351,6 +358,7 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
     rate = method.learning_rate if learning_rate is None else learning_rate
     name = name or f"{method.name}_s{seed}"
     flags = method.flags.format(teacher=f"{task.save_dir}/teacher", teacher_data=teacher_data(task),
+                                student_pairs=student_pairs(task, student),
                                 url=RULE_URL if method.needs == "rule" else TEACHER_URL)
     exports = ([0] if method.own_start else []) + list(curve)
     snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
@@ -418,6 +426,20 @@ def teacher_generate(task: DemoTask) -> str:
             f"--out {teacher_data(task)} --base_url {TEACHER_URL} --model teacher --temperature 1.0 "
             f"--max_tokens {task.eval_new_tokens} --seed 0 "
             "--extra '{\"chat_template_kwargs\": {\"enable_thinking\": false}}'")
+
+
+def student_pairs(task: DemoTask, student: str) -> str:
+    """DPO's rows' training data: pairs of the student's own graded answers (named by the student)."""
+    return f"{task.save_dir}/{student}_dpo_pairs.parquet"
+
+
+def make_pairs(scale: Scale, row: Row) -> str:
+    """The pairs a DPO row trains on, from the model it starts from (its --model_path; the file its --data_path)."""
+    named = named_flags(row.commands[0])
+    prompts = f" --data_path {scale.task.data_dir}/opd_prompts.parquet" if scale.task.explicit_data else ""
+    return (f"python dataset/make_dpo_pairs.py --model_path {named['--model_path']}{prompts} --n_samples 8 "
+            f"--temperature 1.0 --seed 0 --max_new_tokens {scale.task.eval_new_tokens} --device {scale.device} "
+            f"--no_progress --out {named['--data_path']}")
 
 
 def serve_teacher(task: DemoTask) -> str:
@@ -750,11 +772,12 @@ def run_needing(teacher, rows: Sequence[Row], root: str, runner: Callable[[str, 
 
 
 def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callable[[str, str], float],
-            teachers: dict[str, object], task: DemoTask) -> tuple[dict[str, RowRun], dict[str, float]]:
+            teachers: dict[str, object], scale: Scale) -> tuple[dict[str, RowRun], dict[str, float]]:
     """The student's evaluation (`student`: None for a sweep), then the rows needing the vLLM teacher (after its
-    answers for sft_data), those needing the rule-based teacher, the rest, and the rows that only grade (a
-    method's own start, after its runs). -> ({name: run}, {what: seconds} of the servers' start-ups and the
-    teacher's answers)."""
+    answers for sft_data), those needing the rule-based teacher, the rest (DPO's after its pairs, made once per
+    student), and the rows that only grade (a method's own start, after its runs). -> ({name: run}, {what:
+    seconds} of the servers' start-ups, the teacher's answers and the DPO pairs)."""
+    task = scale.task
     runs, extra = {}, {}
     if student is not None:
         runs[student.name] = run_row(student, root, runner)
@@ -767,6 +790,10 @@ def run_all(rows: Sequence[Row], student: Row | None, root: str, runner: Callabl
         if serve_seconds is not None and kind == "vllm":
             extra["vLLM teacher start-up"] = serve_seconds
         runs.update(done)
+    for command in dict.fromkeys(make_pairs(scale, r) for r in rows if r.method and r.method.name == DPO.name):
+        if not os.path.exists(os.path.join(root, named_flags(command)["--out"])):  # written whole or not at all
+            say(command)
+            extra["DPO pairs"] = extra.get("DPO pairs", 0.0) + runner(command, root)
     for row in rows:
         if row.method is not None and row.method.needs is None:
             runs[row.name] = run_row(row, root, runner)
@@ -989,6 +1016,12 @@ def notes(result: Result) -> str:
     return "; ".join(parts)
 
 
+def tokens_key(steps: Sequence[dict]) -> str:
+    """The metric that counts a run's trained tokens: `tokens`, but DPO's `answer_tokens` (its `tokens` count the
+    pairs the skeleton divides by)."""
+    return "answer_tokens" if steps and "answer_tokens" in steps[0] else "tokens"
+
+
 def record(result: Result) -> dict:
     """One row of demo.json."""
     row, summary = result.row, result.summary or {}
@@ -999,7 +1032,7 @@ def record(result: Result) -> dict:
             "correct": summary.get("correct"), "problems": summary.get("samples"),
             "eos_share": summary.get("eos_share"), "reverse_kl_to_teacher": result.reverse_kl,
             "versus_start": list(result.versus_start) if result.versus_start else None,
-            "steps": len(result.steps), "student_tokens": total(result.steps, "tokens"),
+            "steps": len(result.steps), "student_tokens": total(result.steps, tokens_key(result.steps)),
             "teacher_requests": total(result.steps, "teacher_requests"),
             "teacher_tokens": total(result.steps, "teacher_tokens"),
             "groups_with_signal": (1 - sum(m["zero_variance_share"] for m in result.steps) / len(result.steps)
@@ -1026,7 +1059,7 @@ def table(results: Sequence[Result]) -> str:
                      format_accuracy(summary), versus(result.versus_start),
                      "-" if result.reverse_kl is None else f"{result.reverse_kl:.3f}",
                      f"{summary['eos_share']:.0%}", teacher_cell(result.steps),
-                     f"{total(result.steps, 'tokens'):,.0f}" if result.steps else "-",
+                     f"{total(result.steps, tokens_key(result.steps)):,.0f}" if result.steps else "-",
                      " + ".join(format_seconds(s) for s in result.run.seconds) or "-", notes(result))
             if sampled:
                 cells = cells[:4] + (format_sampled(result.sampled),) + cells[4:]
@@ -1095,11 +1128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and white-box OPD, each seed (docs/logit_free.md)")
     parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
                         help="comma-separated methods of the table or the sweep (default: METHODS; the OPD "
-                             "variants, VARIANTS, by name: " + ",".join(m.name for m in VARIANTS) + ")")
+                             "variants, VARIANTS, by name: " + ",".join(m.name for m in VARIANTS) + "; and dpo)")
     args = parser.parse_args(argv)
     if args.resume and (args.fresh or args.retrain):
         parser.error("--resume goes on with the runs that --fresh and --retrain move aside: pass one of them")
-    names = {m.name: m for m in METHODS + VARIANTS}
+    names = {m.name: m for m in (*METHODS, *VARIANTS, DPO)}
     unknown = [name for name in args.methods.split(",") if name not in names]
     if unknown:
         parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(names)}")
@@ -1156,7 +1189,7 @@ def main(argv: list[str] | None = None, root: str = ROOT, runner: Callable[[str,
     student, choice = choose_student(scale, root, runner)
     rows = planned_rows(args, scale, student.name)
     done, served = run_all(rows, None if args.sweep else student, root, runner,
-                           teachers or {"vllm": ServedTeacher(scale.task), "rule": RuleTeacher()}, scale.task)
+                           teachers or {"vllm": ServedTeacher(scale.task), "rule": RuleTeacher()}, scale)
     runs.update(done)
     extra.update(served)
     if args.sweep:

@@ -23,7 +23,7 @@ from eval.grader import wilson_interval
 from support import ROOT
 
 SCRIPTS = {"trainer/train_sft.py", "trainer/train_distillation.py", "trainer/train_opd.py", "trainer/train_rl.py",
-           "trainer/train_logit_free.py", "trainer/train_ppo.py"}
+           "trainer/train_logit_free.py", "trainer/train_ppo.py", "trainer/train_dpo.py"}
 
 
 def flags(command):
@@ -56,6 +56,9 @@ class FakeRunner:
             out = named["--out"][:-len(".jsonl")] if "--out" in named else f"{named['--model_path']}_eval_{stem}"
             write_gradings(os.path.join(cwd, out), self.correct(name),
                            {flag[2:]: value for flag, value in named.items()}, samples=int(named.get("--n_samples", 1)))
+        elif argv[1] == "dataset/make_dpo_pairs.py":
+            assert os.path.isdir(os.path.join(cwd, named["--model_path"])), command  # the student exists by now
+            open(os.path.join(cwd, named["--out"]), "wb").close()
         elif argv[1] == "dataset/teacher_generate.py":
             assert self.teachers["vllm"].serving_now
             open(os.path.join(cwd, named["--out"]), "wb").close()
@@ -604,6 +607,27 @@ def test_the_opd_variants_are_graded_once_greedy_without_a_curve_or_samples():
         train, final = rows[f"{variant.name}_s1"].commands
         assert flags(train).get("--export_steps") == ("0" if variant.own_start else None), variant.name
         assert "--n_samples" not in flags(final) and flags(final)["--model_path"].endswith(f"{variant.name}_s1")
+
+
+def test_dpo_trains_on_pairs_of_the_students_own_answers_made_once_before_its_rows(root):
+    """`--methods dpo`: the pairs are made from the chosen student (its 8 sampled answers per OPD prompt, graded)
+    before the first DPO row, once for both seeds and not again on --resume; each row trains on them from the
+    student, 32 steps of 16 pairs, and is tested against the student."""
+    runner, _ = run_demo(root, ["--methods", "dpo"])
+    pairs = [c for c in runner.calls if "make_dpo_pairs.py" in c]
+    student = f"{demo.ADDITION.save_dir}/teacher_step300"  # the fake student: the first export in the band
+    assert len(pairs) == 1 and flags(pairs[0])["--model_path"] == student
+    assert (flags(pairs[0])["--n_samples"], flags(pairs[0])["--temperature"]) == ("8", "1.0")
+    trains = [c for c in runner.calls if "train_dpo.py" in c]
+    assert runner.calls.index(pairs[0]) < runner.calls.index(trains[0]) and len(trains) == 2
+    for train in trains:
+        named = flags(train)
+        assert named["--data_path"] == flags(pairs[0])["--out"] and named["--model_path"] == student
+        assert named["--max_steps"] == "32" and "--batch_size" not in named  # the default: 16 pairs a step
+    rows = {r["name"]: r for r in json.loads((root / demo.ADDITION.save_dir / "demo.json").read_text())["rows"]}
+    assert rows["dpo_s1"]["versus_start"] is not None
+    runner, _ = run_demo(root, ["--methods", "dpo", "--resume"])
+    assert not [c for c in runner.calls if "make_dpo_pairs.py" in c]
 
 
 def test_the_rl_variants_run_update_epochs_and_are_tested_against_rl_of_their_seed(root):

@@ -64,8 +64,8 @@ def pair_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Ten
 @dataclass
 class PairSums:
     """A micro-batch's pairs, summed: the loss (its gradient the policy's), the pairs, and what is logged per pair --
-    the implicit rewards beta h_w and beta h_l, pairs whose chosen reward is the higher, and the answers' summed
-    log-probabilities (no gradient)."""
+    the implicit rewards beta h_w and beta h_l, pairs whose chosen reward is the higher, the answers' summed
+    log-probabilities (no gradient) and their tokens."""
     loss: torch.Tensor
     pairs: int
     reward_chosen: torch.Tensor
@@ -73,10 +73,13 @@ class PairSums:
     correct: torch.Tensor
     logp_chosen: torch.Tensor
     logp_rejected: torch.Tensor
+    answer_tokens: torch.Tensor
 
     def add_to(self, metrics, prefix: str = "") -> None:
         """Each as a mean per pair of the window (all ranks): reward_chosen, reward_rejected, reward_margin,
-        pair_accuracy, logp_chosen, logp_rejected."""
+        pair_accuracy, logp_chosen, logp_rejected; and answer_tokens, the answers' tokens of the window (the
+        skeleton's `tokens` count pairs, its divisor)."""
+        metrics.total(prefix + "answer_tokens", self.answer_tokens)
         for name, value in (("reward_chosen", self.reward_chosen), ("reward_rejected", self.reward_rejected),
                             ("reward_margin", self.reward_chosen - self.reward_rejected),
                             ("pair_accuracy", self.correct), ("logp_chosen", self.logp_chosen),
@@ -135,4 +138,4 @@ def fused_pair_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     rewards = beta * (policy.detach() - reference)
     return PairSums(loss, num_pairs, rewards[:, CHOSEN].sum(), rewards[:, REJECTED].sum(),
                     (rewards[:, CHOSEN] > rewards[:, REJECTED]).sum(), policy.detach()[:, CHOSEN].sum(),
-                    policy.detach()[:, REJECTED].sum())
+                    policy.detach()[:, REJECTED].sum(), counts.sum())
