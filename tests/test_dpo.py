@@ -284,3 +284,42 @@ def test_a_lora_students_reference_is_its_own_base_and_a_precomputed_one_is_free
         copies[name] = probe["weights_bytes"] / probe["base_bytes"]
     assert copies["lora"] < 1.1 and copies["lora_precomputed"] < 1.1, copies
     assert copies["full"] > 1.9 and copies["full_precomputed"] < 1.1, copies
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+@pytest.mark.parametrize("precompute", [0, 1])
+def test_two_sharded_ranks_train_and_evaluate_as_one_process(precompute, tiny_config_path, tmp_path):
+    """--fsdp 1 on 2 gloo ranks against one process (the same global batch of pairs), the reference live (a sharded
+    frozen model) or precomputed (every rank in lockstep): the same weights, step losses and held-out pair
+    losses."""
+    from loop_helpers import max_weight_diff, metrics, run_command, torchrun_command, weights
+    from support import write_pairs_jsonl
+    from trainer.train_dpo import main as train_dpo
+    pairs = write_pairs_jsonl(tmp_path / "pairs.jsonl", 8)
+    held_out = write_pairs_jsonl(tmp_path / "held_out.jsonl", 4, seed=1)
+    extra = dict(max_steps=2, eval_interval=2, eval_rows=4, eval_data_path=held_out, eval_max_new_tokens=4,
+                 precompute_ref=precompute, rpo_alpha=0.5)
+    train_dpo(loop_args(tiny_config_path, pairs, tmp_path / "one", batch=2, accumulation=2, **extra))
+    script = os.path.join(ROOT, "trainer", "train_dpo.py")
+    run_command(torchrun_command(script, loop_args(tiny_config_path, pairs, tmp_path / "two", batch=2, fsdp=1,
+                                                   **extra)))
+    assert max_weight_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) <= 1e-5
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for key in ("loss", "pair_accuracy", "eval/pair_loss"):
+        assert [m[key] for m in one if key in m] == pytest.approx([m[key] for m in two if key in m], abs=1e-5), key
+    assert [m["step"] for m in two if "eval/pair_loss" in m] == [0, 2]
+
+
+@pytest.mark.slow
+def test_bf16_autocast_trains_as_fp32_to_bf16s_rounding(tiny_config_path, tmp_path):
+    """--dtype bfloat16 on the CPU (fp32 masters under autocast, the CUDA recipe): two steps whose losses are fp32's
+    within bf16's rounding, the reference's numbers in the same autocast."""
+    from loop_helpers import metrics
+    from support import write_pairs_jsonl
+    from trainer.train_dpo import main as train_dpo
+    pairs = write_pairs_jsonl(tmp_path / "pairs.jsonl", 8)
+    for dtype in ("float32", "bfloat16"):
+        train_dpo(loop_args(tiny_config_path, pairs, tmp_path / dtype, batch=4, max_steps=2, dtype=dtype))
+    fp32, bf16 = ([m["loss"] for m in metrics(tmp_path / d)] for d in ("float32", "bfloat16"))
+    assert len(bf16) == 2 and bf16 == pytest.approx(fp32, rel=2e-2)
