@@ -235,9 +235,10 @@ class PairCollator:
 
     @staticmethod
     def conversations(rows: list[dict]) -> list[dict]:
-        """The 2B conversations of B pairs, chosen ones first: what the SFT collator renders."""
-        return ([{"messages": row["prompt"] + row["chosen"]} for row in rows]
-                + [{"messages": row["prompt"] + row["rejected"]} for row in rows])
+        """The 2B conversations of B pairs, chosen ones first, each with its pair's tools: what the SFT collator
+        renders."""
+        return ([{"messages": row["prompt"] + row["chosen"], "tools": row.get("tools")} for row in rows]
+                + [{"messages": row["prompt"] + row["rejected"], "tools": row.get("tools")} for row in rows])
 
     def problems(self, rows: list[dict]) -> list[RowError | None]:
         """Per pair: why `__call__` would refuse it (its chosen or its rejected conversation), or None."""

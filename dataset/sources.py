@@ -349,6 +349,8 @@ def normalize_pair(row: dict, schema: str) -> dict:
             raise _RowError("rejected", "its turns before the last assistant turn differ from chosen's: the two "
                                         "conversations must share their prompt")
     out = {key: value for key, value in row.items() if key not in ("prompt", "chosen", "rejected")}
+    if row.get("tools") is not None:
+        out["tools"] = normalize_tools(row["tools"])
     reward_model = row.get("reward_model")
     if "ground_truth" not in out and isinstance(reward_model, dict) and "ground_truth" in reward_model:
         out["ground_truth"] = reward_model["ground_truth"]

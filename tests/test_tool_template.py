@@ -8,9 +8,12 @@ import json
 
 import pytest
 
-from dataset.collators import PromptCollator, SFTCollator, split_conversation
-from dataset.sources import DataError, RowDataset
+from dataset.collators import PairCollator, PromptCollator, SFTCollator, split_conversation
+from dataset.sources import DataError, PairDataset, RowDataset
 from model.tokenizer import default_tokenizer_dir, load_tokenizer
+from serving.engine import CompletionServer
+from stub_server import Stub
+from trainer.teachers.template_check import local_rendering, server_rendering
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city (°C).",
@@ -143,6 +146,41 @@ def test_a_row_without_tools_renders_as_before(qwen, tmp_path):
     sft = SFTCollator(qwen, max_length=512, max_prompt_length=256)
     assert sft.render(row["messages"], row.get("tools")) == (
         qwen.apply_chat_template(messages[:1], add_generation_prompt=True), qwen.apply_chat_template(messages))
+
+
+def test_preference_pairs_render_with_their_tools(qwen, hf_qwen, tmp_path):
+    prompt = CONVERSATIONS["parallel calls"][:-1]
+    chosen, rejected = CONVERSATIONS["parallel calls"][-1:], [{"role": "assistant", "content": "No idea."}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                                "tools": json.dumps(TOOLS)}) + "\n", encoding="utf-8")
+    pairs = PairDataset(str(path))
+    batch = PairCollator(SFTCollator(qwen, max_length=4096, max_prompt_length=2048))([pairs[0]])
+    assert batch["input_ids"][0].tolist() == hf_ids(hf_qwen, prompt + chosen)
+    assert batch["input_ids"][1][batch["attention_mask"][1] == 1].tolist() == hf_ids(hf_qwen, prompt + rejected)
+    path.write_text(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected, "tools": {}}) + "\n",
+                    encoding="utf-8")
+    with pytest.raises(DataError, match="row 0 .*column 'tools': not a list"):
+        PairDataset(str(path))
+
+
+def test_the_teachers_template_check_renders_the_rows_tools(qwen, hf_qwen):
+    """A teacher is shown the prompt with the row's tools: a local one renders them, a served one is sent them."""
+    messages = CONVERSATIONS["sequential calls with results"]
+    prompt = split_conversation(messages)[0]
+    expected = hf_ids(hf_qwen, prompt, add_generation_prompt=True, enable_thinking=True)
+    assert local_rendering(qwen, 2048, True)(messages, TOOLS) == expected
+    stub = Stub(lambda path, body: (200, {"tokens": expected}))
+    server = CompletionServer(stub.url, "teacher", what="teacher server")
+    try:
+        assert server_rendering(server, True)(messages, TOOLS) == expected
+        assert server_rendering(server, True)(messages, None) == expected
+    finally:
+        server.close()
+        stub.close()
+    (path, with_tools), (_, without) = stub.posts
+    assert path.endswith("/tokenize") and with_tools["tools"] == TOOLS and with_tools["messages"] == prompt
+    assert "tools" not in without
 
 
 BAD_ROWS = {
