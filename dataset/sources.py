@@ -26,6 +26,9 @@ Rows are validated once, when the dataset is built, so a broken row stops the ru
 the 1-based line), the column and the reason: unparseable string, not a list, a turn that is not a dict or lacks
 role/content, an unknown role, non-string or empty content, no user turn, an assistant turn before any user turn, or
 none of the columns above. Valid roles are system, user, assistant and tool (the roles Qwen3's template renders).
+A `tools` column (OpenAI function-tool schemas, or their JSON text) is checked by `normalize_tools`, an assistant
+turn's `tool_calls` by `_check_tool_calls` (OpenAI's form); an assistant turn with calls may have empty or null
+content (null becomes ""). docs/data.md "Tools and tool messages".
 A file that cannot be read is a `DataError` as well: missing, a folder, not UTF-8 (jsonl; the line is named), a
 line that is not JSON, a damaged parquet file. `DataError` is a `common.errors.UserError`: scripts print it as one
 line and exit with code 2. Whether the collator can render every row is checked by `dataset.collators.validate_rows`.

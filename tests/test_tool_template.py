@@ -105,6 +105,16 @@ def test_the_template_shows_tools_calls_and_results_where_qwen3_puts_them(qwen):
         == qwen.apply_chat_template([USER])
 
 
+def test_qwen3_does_not_render_a_conversation_as_an_extension_of_its_prefix(qwen):
+    """docs/data.md: a call-only turn after the last user query has an empty think block only while it is last."""
+    messages = CONVERSATIONS["sequential calls with results"]
+    shorter, longer = (qwen.apply_chat_template(messages[:end], tools=TOOLS) for end in (3, 4))
+    assert shorter.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", "
+                            "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n")
+    assert not longer.startswith(shorter)
+    assert "<|im_start|>assistant\n<tool_call>" in longer
+
+
 @pytest.fixture(scope="module")
 def tool_rows(tmp_path_factory):
     """The conversations as a jsonl file's rows, the way data carries them: `tools` as a list in some rows and as
