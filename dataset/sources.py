@@ -149,7 +149,7 @@ def _check_tool_calls(calls: Any, column: str, k: int, role: Any) -> None:
             arguments = _json_object(arguments)
         if not isinstance(arguments, dict):
             raise _RowError(column, f"{where}[{j}] ({name}): arguments are neither an object nor the JSON text of "
-                                    f"one: {str(function.get('arguments'))[:80]}")
+                                    f"one: {repr(function.get('arguments'))[:80]}")
 
 
 def _json_object(text: str) -> Any:

@@ -208,7 +208,7 @@ BAD_ROWS = {
     "call of another type": ({"calls": [{**call("add", {}), "type": "code"}]}, ["tool_calls[0] is not OpenAI's"]),
     "call without name": ({"calls": [{"type": "function", "function": {"arguments": {}}}]},
                           ["tool_calls[0] has no function name"]),
-    "arguments unparsable": ({"calls": [call("add", '{"a": 1,')]}, ["tool_calls[0] (add): arguments"]),
+    "arguments unparsable": ({"calls": [call("add", '{"a": 1,\n')]}, ["tool_calls[0] (add): arguments"]),
     "arguments a list": ({"calls": [call("add", "[1, 2]")]}, ["tool_calls[0] (add): arguments"]),
     "calls on a user turn": ({"user_calls": [call("add", {})]}, ["turn 0 (user) has tool_calls"]),
 }
