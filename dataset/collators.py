@@ -69,10 +69,11 @@ def has_completion(messages: list[dict]) -> bool:
     return split_conversation(messages)[1] is not None
 
 
-def _apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool) -> str:
+def _apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool,
+                    tools: list[dict] | None) -> str:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             enable_thinking=enable_thinking)
+                                             enable_thinking=enable_thinking, tools=tools)
     except jinja2.TemplateSyntaxError:
         raise  # the template itself is broken, not the row
     except jinja2.TemplateError as e:
@@ -117,13 +118,14 @@ class SFTCollator:
         # One id for a 12-character string with "<|", "_" and "|>" in it: a special token, not a BPE merge.
         self._special_header = "<|im_start|>" if len(tokenizer.encode("<|im_start|>")) == 1 else None
 
-    def render(self, messages: list[dict]) -> tuple[str, str]:
-        """-> (prompt text, full text); full == prompt for a prompt-only row. RowError when the row cannot be split."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, str]:
+        """-> (prompt text, full text); full == prompt for a prompt-only row. RowError when the row cannot be split.
+        `tools`: the row's tool schemas (its `tools` column), rendered into both texts."""
         prompt_messages, full_messages = split_conversation(messages)
-        prompt = _apply_template(self.tokenizer, prompt_messages, True, self.enable_thinking)
+        prompt = _apply_template(self.tokenizer, prompt_messages, True, self.enable_thinking, tools)
         if full_messages is None:
             return prompt, prompt
-        full = _apply_template(self.tokenizer, full_messages, False, self.enable_thinking)
+        full = _apply_template(self.tokenizer, full_messages, False, self.enable_thinking, tools)
         if not full.startswith(prompt):
             at = len(os.path.commonprefix([prompt, full]))
             raise RowError("no prompt/completion boundary: the chat template renders the conversation so that it "
@@ -145,7 +147,7 @@ class SFTCollator:
         texts: dict[int, tuple[str, int, int]] = {}  # row -> (full text, where the prompt ends, where to start)
         for i, row in enumerate(rows):
             try:
-                prompt, full = self.render(row["messages"])
+                prompt, full = self.render(row["messages"], row.get("tools"))
             except RowError as e:
                 results[i] = e
                 continue
@@ -195,23 +197,24 @@ class PromptCollator:
         self.max_prompt_length = max_prompt_length
         self.enable_thinking = enable_thinking
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text: the messages before the last assistant turn, with the generation prompt."""
-        return _apply_template(self.tokenizer, split_conversation(messages)[0], True, self.enable_thinking)
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text: the messages before the last assistant turn, with the generation prompt (and the row's
+        `tools` schemas)."""
+        return _apply_template(self.tokenizer, split_conversation(messages)[0], True, self.enable_thinking, tools)
 
     def problems(self, rows: list[dict]) -> list[RowError | None]:
         """Per row: why `__call__` would refuse it, or None (tokenising a prompt cannot fail, rendering it can)."""
         out: list[RowError | None] = []
         for row in rows:
             try:
-                self.render(row["messages"])
+                self.render(row["messages"], row.get("tools"))
                 out.append(None)
             except RowError as e:
                 out.append(e)
         return out
 
     def __call__(self, rows: list[dict]) -> dict:
-        texts = [self.render(row["messages"]) for row in rows]
+        texts = [self.render(row["messages"], row.get("tools")) for row in rows]
         prompts = [_keep_end(ids, self.max_prompt_length) for ids in self.tokenizer.encode_batch(texts)]
         prompt_ids = _pad(prompts, self.tokenizer.pad_token_id, left=True)
         return {
@@ -232,9 +235,10 @@ class PairCollator:
 
     @staticmethod
     def conversations(rows: list[dict]) -> list[dict]:
-        """The 2B conversations of B pairs, chosen ones first: what the SFT collator renders."""
-        return ([{"messages": row["prompt"] + row["chosen"]} for row in rows]
-                + [{"messages": row["prompt"] + row["rejected"]} for row in rows])
+        """The 2B conversations of B pairs, chosen ones first, each with its pair's tools: what the SFT collator
+        renders."""
+        return ([{"messages": row["prompt"] + row["chosen"], "tools": row.get("tools")} for row in rows]
+                + [{"messages": row["prompt"] + row["rejected"], "tools": row.get("tools")} for row in rows])
 
     def problems(self, rows: list[dict]) -> list[RowError | None]:
         """Per pair: why `__call__` would refuse it (its chosen or its rejected conversation), or None."""

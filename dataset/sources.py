@@ -26,6 +26,9 @@ Rows are validated once, when the dataset is built, so a broken row stops the ru
 the 1-based line), the column and the reason: unparseable string, not a list, a turn that is not a dict or lacks
 role/content, an unknown role, non-string or empty content, no user turn, an assistant turn before any user turn, or
 none of the columns above. Valid roles are system, user, assistant and tool (the roles Qwen3's template renders).
+A `tools` column (OpenAI function-tool schemas, or their JSON text) is checked by `normalize_tools`, an assistant
+turn's `tool_calls` by `_check_tool_calls` (OpenAI's form); an assistant turn with calls may have empty or null
+content (null becomes ""). docs/data.md "Tools and tool messages".
 A file that cannot be read is a `DataError` as well: missing, a folder, not UTF-8 (jsonl; the line is named), a
 line that is not JSON, a damaged parquet file. `DataError` is a `common.errors.UserError`: scripts print it as one
 line and exit with code 2. Whether the collator can render every row is checked by `dataset.collators.validate_rows`.
@@ -101,13 +104,20 @@ def _validate_turns(turns: Any, column: str) -> list[dict]:
         if not isinstance(turn, dict):
             raise _RowError(column, f"turn {k} is a {type(turn).__name__}, not a dict with role and content")
         role, content = turn.get("role"), turn.get("content")
+        if turn.get("tool_calls") is not None:
+            _check_tool_calls(turn["tool_calls"], column, k, role)
+        calls = bool(turn.get("tool_calls"))
+        if calls and content is None:
+            # OpenAI writes a call-only turn's content as null; Qwen3's template needs text (under transformers too)
+            content = ""
+            turn = {**turn, "content": content}
         if role is None or content is None:
             raise _RowError(column, f"turn {k} has no {'role' if role is None else 'content'} (keys: {sorted(turn)})")
         if role not in VALID_ROLES:
             raise _RowError(column, f"turn {k} has unknown role {role!r} (expected one of {VALID_ROLES})")
         if not isinstance(content, str):
             raise _RowError(column, f"turn {k} ({role}) content is a {type(content).__name__}, not a string")
-        if not content.strip():
+        if not content.strip() and not calls:
             raise _RowError(column, f"turn {k} ({role}) has empty content")
         if role == "assistant" and not seen_user:
             raise _RowError(column, f"turn {k} is an assistant turn before any user turn")
@@ -117,6 +127,59 @@ def _validate_turns(turns: Any, column: str) -> list[dict]:
     if not seen_user:
         raise _RowError(column, "no user turn")
     return messages
+
+
+def _check_tool_calls(calls: Any, column: str, k: int, role: Any) -> None:
+    """An assistant turn's `tool_calls` in OpenAI's form: [{"type": "function", "function": {"name": ...,
+    "arguments": {...} or the JSON text of an object}}, ...] ("type" may be left out; "id" and other keys are kept)."""
+    where = f"turn {k} ({role}) tool_calls"
+    if role != "assistant":
+        raise _RowError(column, f"turn {k} ({role}) has tool_calls: only an assistant turn calls tools")
+    if not isinstance(calls, list):
+        raise _RowError(column, f"{where} is a {type(calls).__name__}, not a list")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise _RowError(column, f"{where}[{j}] is not OpenAI's {{\"type\": \"function\", \"function\": "
+                                    f"{{\"name\", \"arguments\"}}}}: {str(call)[:80]}")
+        name, arguments = function.get("name"), function.get("arguments")
+        if not isinstance(name, str) or not name:
+            raise _RowError(column, f"{where}[{j}] has no function name")
+        if isinstance(arguments, str):
+            arguments = _json_object(arguments)
+        if not isinstance(arguments, dict):
+            raise _RowError(column, f"{where}[{j}] ({name}): arguments are neither an object nor the JSON text of "
+                                    f"one: {repr(function.get('arguments'))[:80]}")
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def normalize_tools(tools: Any) -> list[dict]:
+    """A row's `tools` column (a list, or its JSON text) -> the list of OpenAI function-tool schemas
+    [{"type": "function", "function": {"name", "description", "parameters"}}, ...]: what the chat template lists."""
+    if isinstance(tools, str):
+        tools = _json_object(tools)
+        if tools is None:
+            raise _RowError("tools", "a string that is not JSON: give a list of function-tool schemas")
+    if not isinstance(tools, list):
+        raise _RowError("tools", f"not a list of function-tool schemas but {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise _RowError("tools", f"entry {j} is not OpenAI's {{\"type\": \"function\", \"function\": {{\"name\", "
+                                     f"\"description\", \"parameters\"}}}}: {str(tool)[:80]}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _RowError("tools", f"entry {j} has no function name")
+        for key, kind in (("description", str), ("parameters", dict)):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                raise _RowError("tools", f"entry {j} ({function['name']}): {key} is a "
+                                         f"{type(function[key]).__name__}, not a {kind.__name__}")
+    return tools
 
 
 def _question_messages(row: dict) -> tuple[list[dict], list[str]]:
@@ -149,6 +212,8 @@ def normalize_row(row: dict) -> dict:
         messages, consumed = _question_messages(row)
     out = {key: value for key, value in row.items() if key not in consumed}
     out["messages"] = messages
+    if row.get("tools") is not None:
+        out["tools"] = normalize_tools(row["tools"])
     reward_model = row.get("reward_model")
     if "ground_truth" not in out and isinstance(reward_model, dict) and "ground_truth" in reward_model:
         out["ground_truth"] = reward_model["ground_truth"]
@@ -287,6 +352,8 @@ def normalize_pair(row: dict, schema: str) -> dict:
             raise _RowError("rejected", "its turns before the last assistant turn differ from chosen's: the two "
                                         "conversations must share their prompt")
     out = {key: value for key, value in row.items() if key not in ("prompt", "chosen", "rejected")}
+    if row.get("tools") is not None:
+        out["tools"] = normalize_tools(row["tools"])
     reward_model = row.get("reward_model")
     if "ground_truth" not in out and isinstance(reward_model, dict) and "ground_truth" in reward_model:
         out["ground_truth"] = reward_model["ground_truth"]

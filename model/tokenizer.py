@@ -154,8 +154,12 @@ class QwenTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             enable_thinking: bool = True, tokenize: bool = False,
-                            continue_final_message: bool = False, **kwargs):
+                            continue_final_message: bool = False, tools: list[dict] | None = None, **kwargs):
         """The conversation rendered through the folder's template (token ids with `tokenize`).
+
+        `tools`: OpenAI function-tool schemas, given to the template as transformers gives them (Qwen3's lists them in
+        the system turn; None or [] renders as no tools). Messages may hold assistant `tool_calls` and `tool` turns;
+        dataset/sources.py checks their form.
 
         `continue_final_message`: the rendering stops right after the final message's content, which the model is
         then to continue (no end-of-turn after it), as transformers' option of that name does: a marker is appended
@@ -183,8 +187,9 @@ class QwenTokenizer:
                                  f"not text")
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         text = _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
-            bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token, **kwargs)
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking, bos_token=self.bos_token, eos_token=self.eos_token,
+            pad_token=self.pad_token, **kwargs)
         if final is not None:
             text = _cut_at_continue_tag(text, final)
         return self.encode(text) if tokenize else text

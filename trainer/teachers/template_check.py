@@ -26,8 +26,8 @@ def check_template(args: argparse.Namespace, name: str, role: str, source: str, 
     theirs_render = (server_rendering(server, bool(args.enable_thinking)) if server is not None else
                      local_rendering(own_tokenizer, args.max_prompt_length, bool(args.enable_thinking)))
     for row in rows:
-        student_ids = tokenizer.encode(ours.render(row["messages"]))
-        teacher_ids = theirs_render(row["messages"])
+        student_ids = tokenizer.encode(ours.render(row["messages"], row.get("tools")))
+        teacher_ids = theirs_render(row["messages"], row.get("tools"))
         if teacher_ids == student_ids:
             continue
         at = next((i for i, (a, b) in enumerate(zip(student_ids, teacher_ids)) if a != b),
@@ -48,15 +48,17 @@ def local_rendering(tokenizer, max_prompt_length: int, enable_thinking: bool):
     """A local teacher's own template: its folder's tokenizer files (the packaged Qwen3 ones when it has none:
     trainer/teachers/frozen.py's same_vocabulary)."""
     collator = PromptCollator(tokenizer, max_prompt_length, enable_thinking)
-    return lambda messages: tokenizer.encode(collator.render(messages))
+    return lambda messages, tools: tokenizer.encode(collator.render(messages, tools))
 
 
 def server_rendering(server: CompletionServer, enable_thinking: bool):
     """A served teacher's template: the ids its /tokenize endpoint gives for the prompt's messages with the
-    generation prompt (vLLM renders them with the chat template it serves)."""
-    def render(messages: list[dict]) -> list[int]:
+    generation prompt and the row's tools (vLLM renders them with the chat template it serves)."""
+    def render(messages: list[dict], tools: list[dict] | None) -> list[int]:
         payload = {"model": server.model, "messages": split_conversation(messages)[0], "add_generation_prompt": True,
                    "add_special_tokens": False, "chat_template_kwargs": {"enable_thinking": enable_thinking}}
+        if tools:
+            payload["tools"] = tools   # a row without tools sends the request it always sent
         try:
             tokens = server.client.post_once("/tokenize", payload).get("tokens")
         except (RequestError, AttributeError) as e:
