@@ -7,6 +7,8 @@ import json
 import os
 import random
 import re
+import signal
+import threading
 import time
 from fractions import Fraction
 
@@ -15,6 +17,7 @@ import pytest
 from support import ROOT
 from tools import CALCULATOR, Tool, ToolRegistry, run_tool_call
 from tools.calculator import MAX_DEPTH, MAX_DIGITS, CalculatorError, calculate, evaluate, format_value, number
+from tools.isolation import FORK, run_in_child
 from tools.registry import check_arguments
 
 OPERATORS = ["+", "-", "*", "/", "//", "%", "**"]
@@ -226,6 +229,26 @@ def test_a_tool_holding_the_gil_is_killed():
     start = time.monotonic()
     assert run_tool_call(registry, call("huge")) == "error: timed out after 0.5 s"
     assert time.monotonic() - start < 2
+
+
+def test_a_child_ends_itself_when_its_caller_cannot():
+    """A caller killed mid-call never kills its child: the child's own alarm, a second past the timeout, does."""
+    reader, writer = FORK.Pipe(duplex=False)
+    child = FORK.Process(target=run_in_child, args=(lambda arguments: time.sleep(30), {}, writer, 100, 0.5))
+    child.start()
+    child.join(5)
+    assert child.exitcode == -signal.SIGALRM
+    reader.close()
+    writer.close()
+
+
+def test_calls_from_a_worker_thread():
+    """Rollouts will call tools from threads: the child still sets its alarm (fork makes its thread the main one)."""
+    registry, answers = ToolRegistry([CALCULATOR]), []
+    worker = threading.Thread(target=lambda: answers.append(run_tool_call(registry, calculator_call("6 * 7"))))
+    worker.start()
+    worker.join(10)
+    assert answers == ["42"]
 
 
 def test_results_are_cut_to_the_cap():

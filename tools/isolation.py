@@ -13,7 +13,9 @@ may hold (fork copies only the calling thread); a child that blocks on one anywa
 stuck tool. Linux and macOS only (fork)."""
 from __future__ import annotations
 
+import math
 import multiprocessing
+import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -29,9 +31,14 @@ def bounded(text: str, max_chars: int, total: int | None = None) -> str:
     return f"{text[:max_chars]}\n[cut: {max_chars:,} of {total:,} characters shown]"
 
 
-def run_in_child(function: Callable[[dict], str], arguments: dict, writer: Connection, max_chars: int) -> None:
+def run_in_child(function: Callable[[dict], str], arguments: dict, writer: Connection, max_chars: int,
+                 timeout_s: float) -> None:
     """The child's whole life: call the tool, send back (at most max_chars of its text, the text's full length).
     Only the prefix crosses the pipe, so a tool returning megabytes costs the caller nothing."""
+    # A deadline of its own, a second past the caller's: a caller killed mid-call (SIGKILL, out of memory) cannot
+    # kill its child, which would otherwise run a stuck tool forever. SIG_DFL, since fork copied the caller's handler.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(math.ceil(timeout_s) + 1)
     try:
         result = function(arguments)
         text = result if isinstance(result, str) else f"error: the tool returned {type(result).__name__}, not a string"
@@ -46,7 +53,8 @@ def call_bounded(function: Callable[[dict], str], arguments: dict, timeout_s: fl
     it has not answered within timeout_s (the child is then killed), or an error text if the child dies silently.
     Never raises for anything the tool does."""
     reader, writer = FORK.Pipe(duplex=False)
-    child = FORK.Process(target=run_in_child, args=(function, arguments, writer, max_chars), daemon=True)
+    child = FORK.Process(target=run_in_child, args=(function, arguments, writer, max_chars, timeout_s),
+                        daemon=True)
     child.start()
     writer.close()  # the child holds the only writer now, so its death reads as end-of-file, not as a wait
     try:
