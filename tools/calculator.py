@@ -32,8 +32,8 @@ MAX_DEPTH = 50
 MAX_DIGITS = 1000
 SIGNIFICANT_DIGITS = 20
 
-# ASCII only: str.isdigit and \d (unicode) would also take characters such as '²' that int() reads differently
 SPACES = " \t\n\r\f\v"  # the ASCII whitespace TOKEN's \s* skips
+# ASCII only: str.isdigit and \d (unicode) would also take characters such as '²' that int() reads differently
 TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|//|[-+*/%()]))", re.ASCII)
 
 
@@ -65,7 +65,8 @@ def number(text: str) -> Fraction:
 def checked(value: Fraction) -> Fraction:
     """`value`, refused when its numerator or denominator has more than MAX_DIGITS digits."""
     for part in (value.numerator, value.denominator):
-        # bit_length first: str() of a huge int is itself slow, and the bound on bits already decides most cases
+        # bits first, cheap: past 3.33 bits a digit a number surely has more than MAX_DIGITS digits; str() decides
+        # the rest exactly (no value reaching here has more than about 2 * MAX_DIGITS digits: operands are checked)
         if abs(part).bit_length() > MAX_DIGITS * 3.33 or len(str(abs(part))) > MAX_DIGITS:
             raise CalculatorError(f"a result has more than {MAX_DIGITS} digits")
     return value

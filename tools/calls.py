@@ -20,7 +20,8 @@ def parse_call(registry: ToolRegistry, call: str) -> tuple[str, dict] | str:
     except (ValueError, RecursionError) as error:  # RecursionError: json's decoder on thousands of nested brackets
         return f"error: the tool call is not JSON ({error})"
     if not isinstance(parsed, dict):
-        return f'error: the tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, not {type(parsed).__name__}'
+        return (f'error: the tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, '
+                f'not {type(parsed).__name__}')
     name, arguments = parsed.get("name"), parsed.get("arguments")
     if not isinstance(name, str):
         return 'error: the tool call has no "name" string'
