@@ -293,6 +293,7 @@ def test_no_result_is_ever_an_exception(registry):
             position = rng.randrange(len(text))
             text[position] = rng.choice('{}[]()"\\:,*/-+0123456789 .ae')
         assert isinstance(run_tool_call(registry, "".join(text)), str)
+    assert run_tool_call(registry, None).startswith("error: the tool call is not JSON")
 
 
 # --- the registry itself --------------------------------------------------------------------------------------------

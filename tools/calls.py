@@ -17,7 +17,8 @@ def parse_call(registry: ToolRegistry, call: str) -> tuple[str, dict] | str:
     """(tool name, arguments) of a well-formed call to a registered tool, or the error text saying what is wrong."""
     try:
         parsed = json.loads(call)
-    except (ValueError, RecursionError) as error:  # RecursionError: json's decoder on thousands of nested brackets
+    # RecursionError: json's decoder on thousands of nested brackets; TypeError: a call that is not text at all
+    except (ValueError, RecursionError, TypeError) as error:
         return f"error: the tool call is not JSON ({error})"
     if not isinstance(parsed, dict):
         return (f'error: the tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, '
