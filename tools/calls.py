@@ -37,7 +37,8 @@ def parse_call(registry: ToolRegistry, call: str) -> tuple[str, dict] | str:
 
 def run_tool_call(registry: ToolRegistry, call: str) -> str:
     """The text the model reads back for one tool call: the tool's answer, or `error: ...`; at most the registry's
-    max_result_chars (and a marker), within its timeout_s. Never raises."""
+    max_result_chars (and a marker), within its timeout_s. Nothing in the call or the tool makes it raise; only a
+    machine that cannot start a process at all raises (OSError from fork), as an environment failure should."""
     parsed = parse_call(registry, call)
     if isinstance(parsed, str):
         return bounded(parsed, registry.max_result_chars)

@@ -5,7 +5,8 @@ the training run, and one long C-level operation (a huge integer power) holds th
 notice its own deadline. A child is killed (SIGKILL) at the deadline, whatever it is doing, and takes its memory
 with it. Why fork, once per call, and not a pool of spawned workers: a forked child inherits the tool's function, so
 a tool may be any callable (a closure, a lambda, a bound method), not only one a fresh interpreter can import; a
-fork costs milliseconds, against seconds to respawn a pool worker after every kill.
+fork costs milliseconds (docs/tools.md), against a fresh interpreter's start-up to respawn a pool worker after
+every kill.
 
 What that means for a tool: it runs in a copy of the caller's memory, so nothing it changes there comes back (tools
 are functions of their arguments and return a string). It must not use CUDA or a lock another thread of the caller
