@@ -5,6 +5,7 @@
                      <-  serving   <-  trainer, eval
                                    <-  eval (the scripts: model, dataset, serving and the grader; never the
                                        training skeleton)
+            <-  tools (the tools a rollout may call)  <-  serving, trainer, eval
 
 trainer may use eval's grader (held-out accuracy during training); nothing in eval imports trainer."""
 import ast
@@ -16,11 +17,12 @@ from support import ROOT
 
 ALLOWED = {
     "common": {"common"},
+    "tools": {"common", "tools"},
     "model": {"common", "model"},
     "dataset": {"common", "model", "dataset"},
-    "serving": {"common", "model", "serving"},
-    "eval": {"common", "model", "dataset", "serving", "eval"},
-    "trainer": {"common", "model", "dataset", "serving", "trainer", "eval.grader"},
+    "serving": {"common", "model", "tools", "serving"},
+    "eval": {"common", "model", "dataset", "serving", "tools", "eval"},
+    "trainer": {"common", "model", "dataset", "serving", "tools", "trainer", "eval.grader"},
 }
 # A data-making script that samples and grades with eval's own functions rather than a second copy of them; nothing
 # imports it, so the layer it lives in stays readable without eval.
