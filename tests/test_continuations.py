@@ -16,7 +16,7 @@ from common.errors import RuntimeFailure, UserError
 from dataset.continuations import (DEFAULT_OPTIONS, PROBE_PARTIAL, ContinuationCache, ContinuationClient,
                                    ContinuationRequest, ContinuationUsage, continuation_key, resumes)
 from dataset.teacher import SamplingParams
-from model.tokenizer import default_tokenizer_dir, load_tokenizer
+from model.tokenizer import default_tokenizer_dir
 from stub_server import Stub, choices_body
 from vllm_servers import counting_weights
 
@@ -34,17 +34,6 @@ CONVERSATIONS = {
     "trailing-newline": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "line one\n"}],
     "unicode": [{"role": "user", "content": "Grüße?"}, {"role": "assistant", "content": "Grüße zurück — "}],
 }
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def hf_qwen():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import pytest
 
 from dataset.collators import PairCollator, PromptCollator, SFTCollator, split_conversation
 from dataset.sources import DataError, PairDataset, RowDataset
-from model.tokenizer import default_tokenizer_dir, load_tokenizer
 from serving.engine import CompletionServer
 from stub_server import Stub
 from trainer.teachers.template_check import local_rendering, server_rendering
@@ -67,17 +66,6 @@ CONVERSATIONS = {
         {"role": "user", "content": "That call was cut short."},
         {"role": "assistant", "content": '<tool_call>\n{"name": get_weather}\n</tool_call>'}],
 }
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def hf_qwen():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(default_tokenizer_dir())
 
 
 def hf_ids(hf_qwen, messages: list[dict], **options) -> list[int]:
