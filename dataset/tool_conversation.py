@@ -21,7 +21,13 @@ the assistant's own tokens: what a student trained on it sees is what it will se
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from common.seeds import derived_seed
+from model.generate import generate_ids
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -92,3 +98,77 @@ def conversation_ids(tokenizer, messages: list[dict], tools: list[dict] | None,
         mask += [0] * len(context) + [1] * len(turn)
         pending = []
     return ids, mask
+
+
+# a turn as the sampler returns it: its token ids (through its EOS, or cut at the budget) and, from a server, the
+# log-probability each was drawn with
+Turn = tuple[list[int], list[float] | None]
+
+
+@dataclass
+class Conversation:
+    """One row's multi-turn rollout after its prompt: the turns and tool results in order (`ids`), 1 on the tokens
+    the policy sampled (`sampled`), their sampling log-probabilities (`logprobs`: a server's, else None), and the
+    assistant turns taken (`turns`)."""
+    ids: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    turns: int = 0
+
+
+def roll_out(num_rows: int, sample_turn: Callable[[int, list[int], list[list[int]]], list[Turn]],
+             respond: Callable[[list[int]], list[int] | None], max_new_tokens: int, max_turns: int,
+             eos_token_id: int) -> list[Conversation]:
+    """Multi-turn rollouts of `num_rows` rows: turn t samples every row still going on at once,
+    `sample_turn(t, rows, conversations)` -> each row's turn (`conversations[i]`: row rows[i]'s tokens after its
+    prompt so far, the engine continues from them token for token). A turn that ends with EOS and calls tools gets
+    `respond(turn_ids)` appended and the row goes on; a row ends at a turn without calls, a turn without EOS, at
+    `max_turns` turns, or when its next results would pass `max_new_tokens` (tokens after the prompt, sampled and
+    results together). A turn longer than the row's budget left is cut to it."""
+    conversations = [Conversation() for _ in range(num_rows)]
+    going = list(range(num_rows))
+    for turn in range(max_turns):
+        if not going:
+            break
+        turns = sample_turn(turn, going, [conversations[r].ids for r in going])
+        still = []
+        for row, (ids, logprobs) in zip(going, turns):
+            conversation = conversations[row]
+            left = max_new_tokens - len(conversation.ids)
+            ids = ids[:left]
+            conversation.ids += ids
+            conversation.sampled += [1] * len(ids)
+            if logprobs is not None:
+                conversation.logprobs = (conversation.logprobs or []) + list(logprobs[:len(ids)])
+            conversation.turns += 1
+            ended = not ids or ids[-1] != eos_token_id or turn + 1 == max_turns
+            results = None if ended else respond(ids)
+            if results is None or len(results) > left - len(ids):
+                continue
+            conversation.ids += results
+            conversation.sampled += [0] * len(results)
+            still.append(row)
+        going = still
+    return conversations
+
+
+def turn_seed(row_seed: int, turn: int) -> int:
+    """Turn `turn`'s seed of a row whose single-turn seed is `row_seed`: the first turn samples as one turn does, so
+    a conversation that ends after one turn is the single-turn rollout."""
+    return row_seed if turn == 0 else derived_seed(row_seed, turn)
+
+
+def engine_turns(model, prompts: Sequence[list[int]], seeds: Sequence[int] | None, max_new_tokens: int,
+                 pad_token_id: int, **options) -> Callable[[int, list[int], list[list[int]]], list[Turn]]:
+    """roll_out's sampler in the built-in engine: turn t of rows `rows` is one `generate_ids` batch over each row's
+    prompt and conversation so far (prefilled: the cache is not kept from turn to turn), row r sampling with a
+    generator seeded turn_seed(seeds[r], t) (`seeds` None: greedy). `options`: generate's sampling options."""
+    device = getattr(model, "module", model).lm_head.weight.device
+
+    def sample_turn(turn: int, rows: list[int], conversations: list[list[int]]) -> list[Turn]:
+        generators = None if seeds is None else [torch.Generator(device).manual_seed(turn_seed(seeds[r], turn))
+                                                 for r in rows]
+        turns = generate_ids(model, [list(prompts[r]) + c for r, c in zip(rows, conversations)], max_new_tokens,
+                             pad_token_id, generator=generators, **options)
+        return [(ids, None) for ids in turns]
+    return sample_turn

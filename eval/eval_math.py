@@ -53,6 +53,7 @@ from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
+from dataset.tool_conversation import ToolResponder, engine_turns, roll_out  # noqa: E402
 from eval.grader import grade, problem_interval, wilson_interval  # noqa: E402
 from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
 from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
@@ -60,6 +61,7 @@ from model.precision import inference_dtype  # noqa: E402
 from serving.engine import CompletionServer, open_checked_server, probe_token_ids  # noqa: E402
 from serving.weight_sync import check_served_weights  # noqa: E402
 from common.seeds import derived_seed  # noqa: E402
+from tools import BUILTIN_TOOLS, answerer, tool_names, unknown_tools  # noqa: E402
 from common.version import code_commit  # noqa: E402
 
 
@@ -111,12 +113,17 @@ def stop_token_ids(model: Qwen3ForCausalLM, tokenizer) -> list[int]:
 def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    max_new_tokens: int, temperature: float, top_p: float, seeds: Sequence[int],
                    stop_ids: list[int], server: CompletionServer | None = None,
-                   decoder: Decoder | None = None) -> list[Completion]:
+                   decoder: Decoder | None = None, responder: ToolResponder | None = None,
+                   max_turns: int = 1) -> list[Completion]:
     """One batch of completions, from the model (one generate call over the left-padded batch, `decoder`'s decode
-    step) or from the server that serves it (one request per row). temperature 0 is greedy. (Tests replace this
-    function.)"""
+    step) or from the server that serves it (one request per row). temperature 0 is greedy. With a `responder`
+    (--tools) multi-turn conversations in the built-in engine, as the loops roll them out (docs/tools.md): each
+    completion is the model's own tokens, every turn's, which are graded. (Tests replace this function.)"""
     sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
+    if responder is not None:
+        return conversation_batch(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, seeds if
+                                  temperature > 0 else None, responder, max_turns, decoder, sampling)
     if server is not None:
         out = server.generate(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
                               model_vocab_size=model.config.vocab_size, **sampling)
@@ -128,6 +135,23 @@ def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor,
     ended = torch.isin(out.completion_ids, torch.tensor(stop_ids, device=out.completion_ids.device)).any(dim=1)
     return [Completion(tokenizer.decode(ids[mask.bool()], skip_special_tokens=True), int(mask.sum()), bool(eos))
             for ids, mask, eos in zip(out.completion_ids, out.completion_mask, ended)]
+
+
+def conversation_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                       max_new_tokens: int, seeds: Sequence[int] | None, responder: ToolResponder, max_turns: int,
+                       decoder: Decoder | None, sampling: dict) -> list[Completion]:
+    """complete_batch with tools: each row's conversation (`seeds` None: greedy), its own tokens decoded."""
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+    options = {k: v for k, v in sampling.items() if k != "pad_token_id"}
+    sample_turn = engine_turns(model, prompts, seeds, max_new_tokens, tokenizer.pad_token_id, decoder=decoder,
+                               **options)
+    conversations = roll_out(len(prompts), sample_turn, responder, max_new_tokens, max_turns, tokenizer.eos_token_id)
+    completions = []
+    for conversation in conversations:
+        own = [t for t, sampled in zip(conversation.ids, conversation.sampled) if sampled]
+        ended = bool(own) and own[-1] in sampling["eos_token_id"]
+        completions.append(Completion(tokenizer.decode(own, skip_special_tokens=True), len(own), ended))
+    return completions
 
 
 def encode_prompts(collator: PromptCollator, rows: Sequence[dict], chunk: int = 256) -> list[list[int]]:
@@ -222,12 +246,14 @@ def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batc
                   max_new_tokens: int = 256, max_prompt_length: int = 512, enable_thinking: bool = False,
                   n_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   grade_timeout: float = 5.0, progress: bool = True, server: CompletionServer | None = None,
-                  decoder: Decoder | None = None) -> tuple[dict, list[dict]]:
+                  decoder: Decoder | None = None, responder: ToolResponder | None = None,
+                  max_turns: int = 1) -> tuple[dict, list[dict]]:
     """Generate n_samples completions per row, grade them, -> (summary, per-sample records in input order).
 
     `rows`: dicts with `messages` and `ground_truth` (RowDataset rows). The model is used as it is (device, dtype);
     it is put in eval mode and left there. With a `server` (serving this model) the completions come from it;
-    `decoder`: generate's decode step (default: eager).
+    `decoder`: generate's decode step (default: eager); `responder`: the tools' answers, multi-turn conversations of
+    up to `max_turns` turns (complete_batch).
     """
     check_sampling(n_samples, temperature, top_p)
     check_ground_truth(rows)
@@ -250,7 +276,7 @@ def evaluate_math(model: Qwen3ForCausalLM, tokenizer, rows: Sequence[dict], batc
         completions = complete_batch(model, tokenizer, batch["prompt_ids"].to(device),
                                      batch["prompt_attention_mask"].to(device), max_new_tokens, temperature, top_p,
                                      [derived_seed(seed, i, s) for i, s in batch_jobs], stop_ids, server,
-                                     decoder=decoder)
+                                     decoder=decoder, responder=responder, max_turns=max_turns)
         for (i, s), completion in zip(batch_jobs, completions):
             results[i, s] = make_record(i, s, n_samples, tokenizer.decode(prompts[i]), completion,
                                         str(rows[i]["ground_truth"]), grade_timeout)
@@ -320,6 +346,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the server's --served-model-name (default: --model_path, vLLM's default name)")
     parser.add_argument("--server_api_key_env", default=None,
                         help="environment variable holding the server's API key (default: no key)")
+    parser.add_argument("--tools", default="",
+                        help=f"comma-separated tools the model's calls are answered by, multi-turn as the loops' "
+                             f"rollouts (built in: {', '.join(BUILTIN_TOOLS)}; the rows' `tools` column shows them "
+                             f"to it; docs/tools.md). Empty: one answer")
+    parser.add_argument("--max_turns", type=int, default=4, help="with --tools: assistant turns per answer at most")
     # grading and output
     parser.add_argument("--grade_timeout", type=float, default=5.0, help="seconds per graded sample")
     parser.add_argument("--out", default=None,
@@ -333,7 +364,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.decode == "auto":
         args.decode = default_decode(torch.device(args.device).type)
     validate_model_args(args)
+    validate_tool_args(args)
     return args
+
+
+def validate_tool_args(args: argparse.Namespace) -> None:
+    unknown = unknown_tools(tool_names(args.tools))
+    if unknown:
+        refuse(f"--tools {args.tools}: no tool named {', '.join(unknown)} (built in: {', '.join(BUILTIN_TOOLS)})")
+    if args.max_turns < 1:
+        refuse(f"--max_turns must be >= 1, got {args.max_turns}")
+    if args.tools and args.server_url:
+        refuse("--tools: multi-turn answers run in the built-in engine for now; drop --server_url")
 
 
 def output_paths(out: str | None, model_path: str, data_path: str) -> tuple[str, str]:
@@ -380,7 +422,10 @@ def main(argv: list[str] | None = None) -> dict:
                                      enable_thinking=bool(args.enable_thinking), n_samples=args.n_samples,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                      grade_timeout=args.grade_timeout, progress=not args.no_progress,
-                                     server=server, decoder=Decoder(compiled=args.decode == "compiled"))
+                                     server=server, decoder=Decoder(compiled=args.decode == "compiled"),
+                                     responder=ToolResponder(tokenizer, answerer(tool_names(args.tools)),
+                                                             bool(args.enable_thinking)) if args.tools else None,
+                                     max_turns=args.max_turns)
     # the code and the settings that made it: a script reusing the summary can tell whether it still holds
     summary.update(model_path=args.model_path, data_path=data_path, out=out_path, args=vars(args),
                    commit=code_commit())

@@ -525,3 +525,21 @@ def completion_mask_through_eos(completion_ids: torch.Tensor, eos_ids: torch.Ten
     is_eos = torch.isin(completion_ids, eos_ids).long()
     eos_before = is_eos.cumsum(dim=1) - is_eos  # number of EOS strictly before each position
     return (eos_before == 0).long()
+
+
+def generate_ids(model: Qwen3ForCausalLM, contexts: list[list[int]], max_new_tokens: int, pad_token_id: int,
+                 **options) -> list[list[int]]:
+    """Each context (its token ids, no padding) continued, all in one `generate` batch (left padded, `options` as
+    generate's): each row's new tokens through its first EOS, or all `max_new_tokens` of them without one. A
+    multi-turn rollout's turn: the conversation so far, prefilled, continued."""
+    width = max(len(ids) for ids in contexts)
+    device = getattr(model, "module", model).lm_head.weight.device
+    input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(contexts), width, dtype=torch.long)
+    for i, ids in enumerate(contexts):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attention_mask[i, width - len(ids):] = 1
+    out = generate(model, input_ids.to(device), attention_mask.to(device), max_new_tokens,
+                   pad_token_id=pad_token_id, **options)
+    lengths = out.completion_mask.sum(dim=1).tolist()
+    return [row[:n] for row, n in zip(out.completion_ids.tolist(), lengths)]

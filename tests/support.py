@@ -110,3 +110,30 @@ class Allocations(TorchDispatchMode):
             self.shapes += [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
                             if isinstance(t, torch.Tensor)]
         return out
+
+
+def tool_agent_model(seed: int = 0):
+    """A tiny untied Qwen3 (the real vocabulary) that plays an agent: every token's embedding is one shared vector
+    plus a third of its random one, so every position computes about the same final hidden state h, and the head's
+    rows are set along h so that at any position (temperature 1) EOS has probability ~0.36, `<tool_call>` ~0.24,
+    seven ordinary tokens ~0.40 between them and the rest of the vocabulary ~1e-5: short turns, about half of them
+    calling a tool (malformed calls, answered with an error text) -- multi-turn rollouts from a model of the tests'
+    size. A peaked distribution, as a trained model's: a seeded draw lands within rounding of a token boundary about
+    never (over a flat one it would, and a row's samples would change with its batch's padding, which moves its
+    logits by rounding). The embeddings' own parts keep positions apart: with one embedding for all, attention's
+    gradients would be zero up to rounding, which Adam's first steps blow up to whole updates."""
+    from model import Qwen3Config, create_model
+    from model.tokenizer import load_tokenizer
+    model = create_model(Qwen3Config.from_dict({**TINY_CONFIG, "tie_word_embeddings": False}), seed=seed)
+    tokenizer = load_tokenizer(None)
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings.copy_(embeddings[0] + (embeddings - embeddings[0]) / 3)
+        h = model(torch.tensor([[0]]), return_hidden=True).hidden_states[0, -1]
+        direction = h / h.dot(h)  # a head row c * direction gives the logit c at every position
+        model.lm_head.weight.copy_(-20.0 * direction)
+        model.lm_head.weight[tokenizer.eos_token_id] = 2.0 * direction
+        model.lm_head.weight[tokenizer.token_to_id("<tool_call>")] = 1.6 * direction
+        for token in tokenizer.encode(" the 1 2+3="):
+            model.lm_head.weight[token] = 0.3 * direction
+    return model

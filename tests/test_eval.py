@@ -145,7 +145,7 @@ def test_n_samples_report_pass_at_k_and_mean(setup, monkeypatch):
     by_seed = {derived_seed(7, i, s): (i, s) for i in range(3) for s in range(4)}
 
     def complete_batch(model, tok, prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, seeds, stop, server,
-                       decoder=None):
+                       decoder=None, responder=None, max_turns=1):
         jobs = [by_seed[seed] for seed in seeds]
         return [Completion(f"\\boxed{{{PROBLEMS[i][1] if (i, s) in right else 'x'}}}", 2, False) for i, s in jobs]
 

@@ -3,7 +3,8 @@
 teachers, rows routed by a column, and skew divergences; OPD's sampled-token form with PowerOPD's reward and IW-OPD's
 weights; OPD with speculative KD's rollouts; OPD with the student's own EMA as its teacher; RL with update epochs
 over minibatches and CISPO; SFT, RL and PPO with a LoRA student -- PPO's critic with adapters too --, RL's OPD term
-with those variants; DPO on preference pairs, its reference live or precomputed) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short
+with those variants; DPO on preference pairs, its reference live or precomputed; RL and OPD on multi-turn rollouts
+with a calculator) on a tiny Qwen3 (real 151,936 vocabulary, CPU, fp32): accumulation is exact (also for a short
 tail window), DDP with 2 ranks equals one process, --packing 1 equals the padded batch, a run killed with SIGKILL right after a checkpoint and resumed ends bit-identical to one never
 interrupted, and resuming across a world-size change that keeps the global batch reaches the same weights.
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support import ROOT, TINY_CONFIG, write_chat_jsonl, write_pairs_jsonl, write_text_corpus
+from support import ROOT, TINY_CONFIG, tool_agent_model, write_chat_jsonl, write_pairs_jsonl, write_text_corpus
 from loop_helpers import (checkpoint_step, kill_after_first_checkpoint, loop_args, max_weight_diff, metrics,
                           run_command, torchrun_command, weights, without_timing)
 from model import Qwen3Config, create_model, save_pretrained
@@ -70,6 +71,10 @@ LOOPS = {
     # numbers precomputed (the base with its adapters off), kept in the resume file and read back on a resume
     "dpo": (train_dpo, os.path.join(ROOT, "trainer", "train_dpo.py")),
     "dpo_lora": (train_dpo, os.path.join(ROOT, "trainer", "train_dpo.py")),
+    # multi-turn rollouts with the calculator (tests/support.py's agent model: short turns, about half of them
+    # calling): conversations of different lengths and turns in one micro-batch, labels on the student's tokens only
+    "rl_tools": (train_rl_varied, os.path.join(ROOT, "tests", "rl_length_reward.py")),
+    "opd_tools": (train_opd, os.path.join(ROOT, "trainer", "train_opd.py")),
 }
 # what each loop needs beyond the common flags; OPD samples 8 tokens per prompt with per-row seeds, so its samples
 # (and with them its weights) do not depend on accumulation, world size or an interruption; with lmbda 0.5 (seed 7)
@@ -98,6 +103,9 @@ LOOP_FLAGS["ppo_lora"] = {**LOOP_FLAGS["ppo"], **LORA}
 LOOP_FLAGS["rl_epochs"] = {**LOOP_FLAGS["rl"], "update_epochs": 2, "num_minibatches": 2, "policy_loss": "cispo"}
 LOOP_FLAGS["dpo"] = {"rpo_alpha": 0.5}
 LOOP_FLAGS["dpo_lora"] = {**LORA, "loss_type": "ipo", "precompute_ref": 1}
+TOOLS = {"tools": "calculator", "max_turns": 3, "max_new_tokens": 64}  # the agent model, with its own --model_path
+LOOP_FLAGS["rl_tools"] = {**LOOP_FLAGS["rl"], **TOOLS}
+LOOP_FLAGS["opd_tools"] = TOOLS  # reverse KL: the JSD of the peaked agent and a random teacher is ln 2, flat
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +118,13 @@ def files(tmp_path_factory) -> dict[str, str]:
     config.write_text(json.dumps(TINY_CONFIG))
     for name, seed in (("teacher", 123), ("teacher_b", 321)):
         save_pretrained(create_model(Qwen3Config.from_json(str(config)), seed=seed), str(folder / name))
+    save_pretrained(tool_agent_model(), str(folder / "agent"))
     teachers = folder / "teachers.json"
     teachers.write_text(json.dumps({"a": {"path": str(folder / "teacher")}, "b": {"path": str(folder / "teacher_b")}}))
     return {"config": str(config), "data": write_chat_jsonl(folder / "chat.jsonl", 20),
             "corpus": write_text_corpus(folder / "corpus.jsonl", rows=20, row_length=96),
             "pairs": write_pairs_jsonl(folder / "pairs.jsonl", 20), "teacher": str(folder / "teacher"),
+            "agent": str(folder / "agent"),
             "teachers": str(teachers)}
 
 
@@ -143,6 +153,8 @@ def loop(request, files):
     own_teacher = (request.param.startswith(("sft", "dpo", "pretrain"))
                    or request.param in ("opd_self", "ppo", "ppo_lora"))
     extra = {**LOOP_FLAGS[request.param], **(teacher if not own_teacher else {})}
+    if request.param.endswith("_tools"):  # the agent model is the student (loop_args' --model_config dropped)
+        extra.update(model_path=files["agent"], model_config=None)
     data = (routed(files["data"]) if several else files["pairs"] if request.param.startswith("dpo")
             else files["corpus"] if request.param == "pretrain" else files["data"])
 

@@ -56,6 +56,7 @@ from trainer.losses.chunked import completion_hidden, completion_rows
 from trainer.losses.divergences import evaluation_divergence, training_divergence
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
+from trainer.rollouts.tool_turns import tool_responder
 from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, load_prompt_data,
                               train_noting_stop_signals)
 from trainer.teachers.specs import teacher_specs
@@ -106,7 +107,8 @@ def train(args: argparse.Namespace) -> None:
         teachers = open_self_teachers(args, run, tokenizer, training)
     # every save keeps the rollouts sampled ahead; step 1's coin decides which steps sample
     speculative = Speculative(teachers.local[0], args.skd_topk) if args.skd_topk else None  # speculative KD
-    rollouts = Rollouts(run, tokenizer, server, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s), speculative)
+    rollouts = Rollouts(run, tokenizer, server, lambda e, s: on_policy_draw(args.seed, args.lmbda, e, s), speculative,
+                        tool_responder(args, tokenizer))  # --tools: multi-turn, the student's calls answered
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder,  # each rank its share
                                  **teachers.for_evaluation())
     say_servers(args, args.teacher_topk)

@@ -59,6 +59,7 @@ from trainer.rl.rewards import GroupCollator, add_group_stats, graded_samples, l
 from trainer.rl.updates import behaviour_logprobs, train_rollout_batch
 from trainer.rollouts.servers import connect_server, say_servers
 from trainer.rollouts.source import Rollouts
+from trainer.rollouts.tool_turns import tool_responder
 from trainer.skeleton import (PhaseClock, Run, build_student, init_distributed_mode, print0,
                               train_noting_stop_signals)
 from trainer.skeleton.sharding import reshard_root
@@ -115,7 +116,8 @@ def train(args: argparse.Namespace) -> None:
     reference = load_reference(args, tokenizer, info.device, student) if args.kl_coef else None
     run = Run(args, info, student, dataset, GroupCollator(collator, args.num_generations), tokenizer_dir,
               config.RESUMABLE)
-    rollouts = Rollouts(run, tokenizer, server, lambda epoch, step: True)  # every save keeps the rollouts sampled ahead
+    # every save keeps the rollouts sampled ahead; --tools: multi-turn, the student's calls answered
+    rollouts = Rollouts(run, tokenizer, server, lambda epoch, step: True, responder=tool_responder(args, tokenizer))
     evaluator = HeldoutEvaluator(args, tokenizer, info, run.step, rollouts.decoder,  # each rank its share
                                  **teachers.for_evaluation())
     say_servers(args)

@@ -12,6 +12,7 @@ from trainer.config.self_distillation import add_self_distillation_args, self_di
 from trainer.losses.fused_divergences import SKEW, SKEWS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
+from trainer.rollouts.tool_turns import add_tool_args, tool_rules
 from trainer.teachers.specs import add_teachers_args, served_teacher_rules, teacher_specs, validate_teachers_args
 
 RESUMABLE = SHARED_RESUMABLE | TEACHER_RESUMABLE | SERVER_RESUMABLE
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_opd_signal_args(parser, "--loss sampled_kl")
     add_self_distillation_args(parser)
     add_sampling_args(parser)
+    add_tool_args(parser)
     add_server_args(parser)
     args = parser.parse_args(argv)
     default_student(args, "kd", "python trainer/train_sft.py && python trainer/train_distillation.py")
@@ -50,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         resolve_teacher_path(args)
     validate_sampling_args(args)
     validate_opd_args(args)
+    refuse_first(tool_rules(args) + [
+        (bool(args.tools) and bool(args.skd_topk), "--tools with --skd_topk: speculative KD decodes one turn; drop "
+                                                   "one of them"),
+        (bool(args.tools) and args.self_teacher != "none",
+         "--tools with --self_teacher: the privileged prompt is built for one turn; use a --teacher_path"),
+    ])
     validate_server_args(args, samples=args.lmbda > 0)
     specs = teacher_specs(args)
     validate_teachers_args(args, specs)

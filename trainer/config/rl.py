@@ -15,6 +15,7 @@ from trainer.losses.rollout_correction import CORRECTIONS
 from trainer.rl.rewards import REWARDS
 from trainer.rollouts.servers import SERVER_RESUMABLE, add_server_args, check_server_wait, validate_server_args
 from trainer.rollouts.source import add_sampling_args, validate_sampling_args
+from trainer.rollouts.tool_turns import add_tool_args, tool_rules
 from trainer.teachers.specs import add_teachers_args, read_teachers_file, teacher_specs, validate_teachers_args
 
 RESUMABLE = SHARED_RESUMABLE | TEACHER_RESUMABLE | SERVER_RESUMABLE
@@ -35,11 +36,13 @@ def rl_parser(description: str, save_weight: str) -> ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = rl_parser("RL with verifiable rewards (GRPO family) for a Qwen3 student", "rl")
+    add_tool_args(parser)
     args = parser.parse_args(argv)
     default_student(args, "sft", "python trainer/train_sft.py")  # the demo's only model whose answers end
     validate_common_args(args)
     validate_sampling_args(args)
     validate_rl_args(args)
+    refuse_first(tool_rules(args))
     validate_server_args(args, samples=True, teacher=False)
     specs = teacher_specs(args) if args.opd_coef else []
     validate_teachers_args(args, specs)

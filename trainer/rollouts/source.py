@@ -32,6 +32,8 @@ from model.generate import Speculative
 from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.rollouts.queue import RolloutQueue
+from dataset.tool_conversation import ToolResponder
+from trainer.rollouts.tool_turns import sample_conversations
 from trainer.skeleton.distributed import is_main_process, print0
 from trainer.skeleton.loading import sft_collator
 from trainer.skeleton.run import Run
@@ -42,16 +44,19 @@ Sequences = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attent
 
 class Rollouts:
     def __init__(self, run: Run, tokenizer, server: CompletionServer | None, on_policy: Callable[[int, int], bool],
-                 speculative: Speculative | None = None):
+                 speculative: Speculative | None = None, responder: ToolResponder | None = None):
         """The rollouts of `run`'s student (`run.raw_model`, unwrapped: it samples, or the server gets its weights,
         under the run's autocast and compute dtype; every request to the server inside the run's failure protocol,
         Run.fail_together), which every save of the run keeps (the ones sampled ahead, resumed from its checkpoint).
         `on_policy(epoch, step)`: whether optimizer step `step` samples (the loop's coin, the same on every rank).
         `decoder`: the built-in engine's decode step (--decode: compiled by default on CUDA), which the loop's
         held-out evaluation shares (one compiled step, one held cache). `speculative`: speculative KD's teacher in
-        the built-in engine (OPD's --skd_topk), the share of tokens it replaced logged (`skd_replaced_share`)."""
+        the built-in engine (OPD's --skd_topk), the share of tokens it replaced logged (`skd_replaced_share`).
+        `responder`: the answers to the student's tool calls (--tools): multi-turn rollouts in the built-in engine
+        (trainer/rollouts/tool_turns.py), labels on the student's own tokens only."""
         args = run.args
         self.args, self.tokenizer, self.server, self.speculative = args, tokenizer, server, speculative
+        self.responder = responder
         self.decoder = Decoder(compiled=args.decode == "compiled")
         self.on_policy, self.student, self.autocast = on_policy, run.raw_model, run.autocast
         self.fail_together = run.fail_together
@@ -96,6 +101,11 @@ class Rollouts:
                 # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
                 self.stats.ratio("staleness", step - version, 1)
                 return served_sequences(batch, [ids for ids, _ in completions], self.tokenizer, self.device)
+            if on_policy and self.responder is not None:
+                return sample_conversations(self.student, batch, row_seeds(self.args.seed, batch, epoch),
+                                            self.responder, self.args.max_new_tokens, self.args.max_turns,
+                                            self.device, self.autocast, self.decoder, self.tokenizer.pad_token_id,
+                                            sampling_settings(self.args, self.tokenizer))
             if on_policy:
                 return sample_completions(self.student, self.args, self.tokenizer, batch, epoch, self.device,
                                           self.autocast, self.decoder, self.speculative, self.stats)

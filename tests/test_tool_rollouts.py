@@ -1,0 +1,300 @@
+# python -m pytest -q -n 0 tests/test_tool_rollouts.py
+"""Multi-turn rollouts with tools (dataset/tool_conversation.py's roll_out, trainer/rollouts/tool_turns.py): the
+turns' bookkeeping against a scripted sampler; in the built-in engine each turn continues the conversation token for
+token, a row's conversation does not depend on its batch-mates, and a conversation that ends after one turn is the
+single-turn rollout; and the mask: in a two-call conversation built by hand, exactly the student's tokens carry the
+OPD loss, the teacher's score, the KL and the token counts (float64 references over those positions alone)."""
+import contextlib
+
+import pytest
+import torch
+
+from dataset.collators import IGNORE_INDEX, PromptCollator
+from dataset.sources import RowDataset
+from dataset.tool_conversation import Conversation, ToolResponder, roll_out, turn_seed
+from loop_helpers import assert_one_line_error, loop_args, metrics, script_exit
+from model import Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
+from model.generate import Decoder, generate_ids
+from support import tool_agent_model
+from tools import CALCULATOR, ToolRegistry, run_tool_call
+from trainer.losses.chunked import completion_hidden
+from trainer.losses.closed_forms import generalized_jsd_loss
+from trainer.rollouts import source
+from trainer.rollouts.tool_turns import conversation_sequences, sample_conversations
+
+EOS = 151645
+
+
+def scripted(turns: dict[tuple[int, int], list[int]], seen: list):
+    """A sampler that answers turn t of row r with turns[(r, t)] and records what it was asked."""
+    def sample_turn(turn, rows, conversations):
+        seen.append((turn, list(rows), [list(c) for c in conversations]))
+        return [(turns[(r, turn)], [0.5 * turn] * len(turns[(r, turn)])) for r in rows]
+    return sample_turn
+
+
+def test_roll_out_appends_results_after_calls_and_stops_each_row_for_its_own_reason():
+    respond = lambda ids: [7, 7] if 99 in ids else None  # noqa: E731  a turn holding token 99 calls a tool
+    turns = {(0, 0): [1, 99, EOS], (0, 1): [2, 99, EOS], (0, 2): [3, EOS],   # two calls, then an answer
+             (1, 0): [4, EOS],                                               # no call: done after one turn
+             (2, 0): [5, 99, 6],                                             # no EOS (the budget): done
+             (3, 0): [99, EOS], (3, 1): [99, EOS], (3, 2): [99, EOS]}        # calls until --max_turns
+    seen = []
+    out = roll_out(4, scripted(turns, seen), respond, max_new_tokens=64, max_turns=3, eos_token_id=EOS)
+    assert [c.ids for c in out] == [[1, 99, EOS, 7, 7, 2, 99, EOS, 7, 7, 3, EOS], [4, EOS], [5, 99, 6],
+                                    [99, EOS, 7, 7, 99, EOS, 7, 7, 99, EOS]]
+    assert out[0].sampled == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert out[0].logprobs == [0.0] * 3 + [0.5] * 3 + [1.0] * 2  # the sampled tokens' only
+    assert [c.turns for c in out] == [3, 1, 1, 3]
+    # each turn samples only the rows going on, each from its conversation so far
+    assert [(t, rows) for t, rows, _ in seen] == [(0, [0, 1, 2, 3]), (1, [0, 3]), (2, [0, 3])]
+    assert seen[1][2] == [[1, 99, EOS, 7, 7], [99, EOS, 7, 7]]
+
+
+def test_roll_out_keeps_every_conversation_within_its_budget():
+    respond = lambda ids: [7, 7, 7]  # noqa: E731
+    turns = {(0, 0): [1, EOS], (0, 1): [2, 2, 2, 2, 2, EOS],   # the second turn is cut at the budget
+             (1, 0): [1, 1, 1, 1, 1, EOS]}                      # its results would pass the budget: done
+    out = roll_out(2, scripted(turns, []), respond, max_new_tokens=8, max_turns=4, eos_token_id=EOS)
+    assert out[0].ids == [1, EOS, 7, 7, 7, 2, 2, 2] and out[0].sampled == [1, 1, 0, 0, 0, 1, 1, 1]
+    assert out[1].ids == [1, 1, 1, 1, 1, EOS] and out[1].turns == 1
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return tool_agent_model().eval()
+
+
+@pytest.fixture(scope="module")
+def responder():
+    registry = ToolRegistry([CALCULATOR])
+    return ToolResponder(load_tokenizer(None), lambda call: run_tool_call(registry, call), enable_thinking=False)
+
+
+def prompt_batch(tokenizer, count: int, start: int = 0) -> dict:
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} * 7?" + " Think." * (i % 3)}]}
+            for i in range(start, start + count)]
+    return PromptCollator(tokenizer, 64, enable_thinking=False)(rows)
+
+
+def conversations_of(model, batch, seeds, responder, max_new_tokens=96):
+    tokenizer = load_tokenizer(None)
+    settings = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
+                    vocab_size=len(tokenizer))
+    return sample_conversations(model, batch, seeds, responder, max_new_tokens, 4, "cpu", contextlib.nullcontext,
+                                Decoder(), tokenizer.pad_token_id, settings)
+
+
+def rows_of(sequences) -> list[tuple[list[int], list[int]]]:
+    input_ids, attention_mask, labels = sequences
+    return [(ids[mask.bool()].tolist(), lab[mask.bool()].tolist())
+            for ids, mask, lab in zip(input_ids, attention_mask, labels)]
+
+
+def test_a_conversation_does_not_depend_on_its_batch_mates(agent, responder, one_thread):
+    tokenizer = load_tokenizer(None)
+    batch = prompt_batch(tokenizer, 6)
+    together = rows_of(conversations_of(agent, batch, list(range(100, 106)), responder))
+    assert sum(lab.count(IGNORE_INDEX) for _, lab in together) > sum(len(ids) // 2 for ids, _ in together) // 4, \
+        "the agent model should have called tools"
+    for i in (0, 3, 5):
+        alone = {k: v[i:i + 1] for k, v in batch.items()}
+        assert rows_of(conversations_of(agent, alone, [100 + i], responder)) == [together[i]]
+
+
+def test_each_turn_continues_the_conversation_with_its_own_seed(agent, responder, one_thread):
+    tokenizer = load_tokenizer(None)
+    batch = prompt_batch(tokenizer, 4)
+    seeds = [7, 8, 9, 10]
+    (ids, labels), = rows_of(conversations_of(agent, {k: v[:1] for k, v in batch.items()}, seeds[:1], responder))
+    prompt = batch["prompt_ids"][0][batch["prompt_attention_mask"][0].bool()].tolist()
+    # the tokens labelled are those sampled; each turn starts right after a tool result, sampled with turn t's seed
+    starts = [k for k in range(len(prompt), len(ids)) if labels[k] != IGNORE_INDEX
+              and (k == len(prompt) or labels[k - 1] == IGNORE_INDEX)]
+    assert len(starts) >= 2, "the agent model's first row should take two turns or more"
+    for turn, start in enumerate(starts):
+        end = next((k for k in range(start, len(ids)) if labels[k] == IGNORE_INDEX), len(ids))
+        expected = generate_ids(agent, [ids[:start]], 96, tokenizer.pad_token_id,
+                                generator=[torch.Generator().manual_seed(turn_seed(seeds[0], turn))],
+                                eos_token_id=EOS, vocab_size=len(tokenizer))[0]
+        assert ids[start:end] == expected[:end - start]
+
+
+def test_a_conversation_of_one_turn_is_the_single_turn_rollout(agent, one_thread):
+    tokenizer = load_tokenizer(None)
+    batch = prompt_batch(tokenizer, 5)
+    batch["rows"] = [{"row_index": i} for i in range(5)]
+
+    class Args:
+        seed, gen_temperature, top_k, top_p, max_new_tokens = 3, 1.0, 0, 1.0, 24
+    never = lambda ids: None  # noqa: E731  no turn calls: every conversation ends after its first turn
+    single = source.sample_completions(agent, Args, tokenizer, batch, 0, "cpu", contextlib.nullcontext)
+    turns = conversations_of(agent, batch, source.row_seeds(3, batch, 0), never, max_new_tokens=24)
+    assert all(torch.equal(a, b) for a, b in zip(single, turns))
+
+
+# --- the mask: a two-call conversation built by hand, through the loops' own losses ---
+
+@pytest.fixture
+def teacher_dir(tiny_config_path, tmp_path):
+    save_pretrained(create_model(Qwen3Config.from_json(tiny_config_path), seed=123), str(tmp_path / "teacher"))
+    return str(tmp_path / "teacher")
+
+
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call><|im_end|>'
+
+
+def two_call_conversation(tokenizer, responder) -> Conversation:
+    """Call, result, call, result, answer: the student's three turns and the two results between them."""
+    conversation = Conversation()
+    for turn in (CALL.format("123 * 45"), CALL.format("5535 + 6"), "123 * 45 + 6 = 5541. \\boxed{5541}<|im_end|>"):
+        ids = tokenizer.encode(turn)
+        conversation.ids += ids
+        conversation.sampled += [1] * len(ids)
+        results = responder(ids)
+        if results is not None:
+            conversation.ids += results
+            conversation.sampled += [0] * len(results)
+    return conversation
+
+
+@pytest.fixture
+def hand_built_rollouts(monkeypatch, responder):
+    """Every on-policy micro-batch's rollouts: the two-call conversation after each row's prompt."""
+    tokenizer = load_tokenizer(None)
+    conversation = two_call_conversation(tokenizer, responder)
+    assert tokenizer.decode([t for t, s in zip(conversation.ids, conversation.sampled) if not s]).count(
+        "<tool_response>\n5535\n</tool_response>") == 1
+
+    def sequences(self, batch, step, epoch, on_policy, clock):
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_attention_mask"])]
+        return conversation_sequences(prompts, [conversation] * len(prompts), tokenizer.pad_token_id, "cpu")
+    monkeypatch.setattr(source.Rollouts, "sequences", sequences)
+    return conversation
+
+
+def test_the_losses_read_exactly_the_students_tokens_of_a_two_call_conversation(tiny_config_path, responder):
+    """completion_hidden is where every loss, teacher score and KL term of the loops takes its positions from
+    (frozen_hidden for the frozen models): in a hand-built two-call conversation its targets are exactly the tokens
+    the student sampled, in order, and its hidden states those of the positions before them."""
+    tokenizer = load_tokenizer(None)
+    conversation = two_call_conversation(tokenizer, responder)
+    prompts = [tokenizer.encode("<|im_start|>user\nWhat is 123 * 45 + 6?<|im_end|>\n<|im_start|>assistant\n"),
+               tokenizer.encode("<|im_start|>user\nAnd this?<|im_end|>\n<|im_start|>assistant\n")]
+    input_ids, attention_mask, labels = conversation_sequences(prompts, [conversation] * 2, tokenizer.pad_token_id,
+                                                               "cpu")
+    model = create_model(Qwen3Config.from_json(tiny_config_path), seed=0).eval()
+    with torch.no_grad():
+        hidden, targets = completion_hidden(model, input_ids, attention_mask, labels)
+        full = model(input_ids, return_hidden=True).hidden_states
+    sampled = [t for t, s in zip(conversation.ids, conversation.sampled) if s]
+    assert targets.tolist() == sampled * 2
+    positions = [(row, len(prompts[row]) + k - 1) for row in range(2) for k, s in enumerate(conversation.sampled) if s]
+    assert torch.equal(hidden, torch.stack([full[row, t] for row, t in positions]))
+
+
+def first_rows(data: str, count: int) -> list[dict]:
+    from trainer.skeleton.data_stream import EpochSampler
+    dataset = RowDataset(data)
+    return [dataset[i] for i in list(EpochSampler(len(dataset), seed=7, epoch=0))[:count]]
+
+
+def hand_built_batch(data, count, conversation):
+    tokenizer = load_tokenizer(None)
+    prompts = PromptCollator(tokenizer, 32, enable_thinking=False)(first_rows(data, count))
+    prompt_lists = [ids[m.bool()].tolist() for ids, m in zip(prompts["prompt_ids"], prompts["prompt_attention_mask"])]
+    return conversation_sequences(prompt_lists, [conversation] * count, tokenizer.pad_token_id, "cpu")
+
+
+def test_only_the_students_tokens_carry_the_opd_loss_and_the_teachers_score(tiny_config_path, chat_jsonl, teacher_dir,
+                                                                             tmp_path, hand_built_rollouts):
+    from trainer.train_opd import main as train_opd
+    train_opd(loop_args(tiny_config_path, chat_jsonl, tmp_path / "run", batch=2, max_steps=1, beta=0.5,
+                        teacher_path=teacher_dir, max_new_tokens=128, max_length=160, tools="calculator",
+                        grad_clip=0))
+    logged = metrics(tmp_path / "run")[0]
+    input_ids, attention_mask, labels = hand_built_batch(chat_jsonl, 2, hand_built_rollouts)
+    assert int((labels != IGNORE_INDEX).sum()) == 2 * sum(hand_built_rollouts.sampled) == logged["tokens"]
+    # a float64 reference over the labelled positions: the results' tokens are context, never a target
+    student = create_model(Qwen3Config.from_json(tiny_config_path), seed=7).double()
+    teacher = load_pretrained(teacher_dir).double().eval()
+    vocab = len(load_tokenizer(None))
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids, attention_mask=attention_mask).logits[:, :-1, :vocab]
+    student_logits = student(input_ids, attention_mask=attention_mask).logits[:, :-1, :vocab]
+
+    expected = generalized_jsd_loss(student_logits, teacher_logits, labels[:, 1:], beta=0.5)
+    expected.backward()
+    loss, grad_norm = expected.item(), torch.stack([p.grad.norm() for p in student.parameters()]).norm().item()
+    assert logged["loss"] == pytest.approx(loss, rel=1e-5)
+    assert logged["grad_norm"] == pytest.approx(grad_norm, rel=1e-3)  # fp32 training, a float64 reference
+
+
+def test_only_the_students_tokens_carry_the_kl_and_the_opd_term(tiny_config_path, chat_jsonl, teacher_dir, tmp_path,
+                                                                 hand_built_rollouts):
+    from trainer.train_rl import main as train_rl
+    train_rl(loop_args(tiny_config_path, chat_jsonl, tmp_path / "run", batch=1, max_steps=1, num_generations=2,
+                       teacher_path=teacher_dir, kl_coef=0.1, opd_coef=0.5, max_new_tokens=128, max_length=160,
+                       tools="calculator"))
+    logged = metrics(tmp_path / "run")[0]
+    input_ids, attention_mask, labels = hand_built_batch(chat_jsonl, 1, hand_built_rollouts)
+    student = create_model(Qwen3Config.from_json(tiny_config_path), seed=7).double().eval()
+    teacher = load_pretrained(teacher_dir).double().eval()
+    targets = labels[:, 1:]
+    taken = targets != IGNORE_INDEX
+
+    def logp(model):
+        with torch.no_grad():
+            logits = model(input_ids, attention_mask=attention_mask).logits[:, :-1, :len(load_tokenizer(None))]
+        return logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0][taken]
+    student_logp, teacher_logp = logp(student), logp(teacher)
+    d = student_logp - student_logp  # the reference is the student's start: k3 = 0 at the first step
+    assert logged["kl"] == pytest.approx(float((torch.exp(d) - d - 1).mean()), abs=1e-7)
+    assert logged["reverse_kl_estimate"] == pytest.approx(float((student_logp - teacher_logp).mean()), rel=1e-5)
+    assert logged["tokens"] == 2 * sum(hand_built_rollouts.sampled)
+
+
+@pytest.mark.parametrize("script, flags, names", [
+    ("rl", {"tools": "calculator,abacus"}, ["--tools", "abacus", "BUILTIN_TOOLS"]),
+    ("rl", {"tools": "calculator", "max_turns": 0}, ["--max_turns"]),
+    ("rl", {"tools": "calculator", "fsdp": 1}, ["--tools", "--fsdp 0"]),
+    ("opd", {"tools": "calculator", "skd_topk": 4}, ["--tools", "--skd_topk"]),
+    ("opd", {"tools": "calculator", "self_teacher": "ema", "privileged_template": "{question} {ground_truth}"},
+     ["--tools", "--self_teacher"]),
+    ("eval", {"tools": "abacus"}, ["--tools", "abacus"]),
+    ("eval", {"tools": "calculator", "max_turns": 0}, ["--max_turns"]),
+])
+def test_what_tools_cannot_go_with_is_refused_in_one_line(tiny_config_path, chat_jsonl, teacher_dir, tmp_path,
+                                                          capsys, script, flags, names):
+    from eval.eval_math import main as eval_math
+    from trainer.train_opd import main as train_opd
+    from trainer.train_rl import main as train_rl
+    if script == "eval":
+        argv = ["--model_path", teacher_dir, "--data_path", chat_jsonl, "--device", "cpu",
+                *[item for k, v in flags.items() for item in (f"--{k}", str(v))]]
+        main = eval_math
+    else:
+        teacher = {"teacher_path": teacher_dir} if script == "opd" and "self_teacher" not in flags else {}
+        argv = loop_args(tiny_config_path, chat_jsonl, tmp_path / "out", **teacher, **flags)
+        main = train_rl if script == "rl" else train_opd
+    code, stderr = script_exit(main, argv, capsys)
+    assert_one_line_error(code, stderr, 2, *names)
+    assert not (tmp_path / "out").exists(), "a refused run leaves nothing behind"
+
+
+def test_eval_grades_the_conversations_the_loops_roll_out(agent, responder, one_thread):
+    """eval_math.py --tools: the same conversations as the loops' rollouts for the same seeds, each graded on the
+    model's own tokens (every turn's; the tool results are not its answer)."""
+    from eval.eval_math import conversation_batch
+    tokenizer = load_tokenizer(None)
+    batch = prompt_batch(tokenizer, 4)
+    seeds = [5, 6, 7, 8]
+    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, eos_token_id=[EOS], pad_token_id=tokenizer.pad_token_id,
+                    vocab_size=len(tokenizer))
+    completions = conversation_batch(agent, tokenizer, batch["prompt_ids"], batch["prompt_attention_mask"], 96, seeds,
+                                     responder, 4, Decoder(), sampling)
+    rolled = rows_of(conversations_of(agent, batch, seeds, responder))
+    for completion, (_, labels) in zip(completions, rolled):
+        own = [t for t in labels if t != IGNORE_INDEX]
+        assert completion.text == tokenizer.decode(own, skip_special_tokens=True)
+        assert completion.num_tokens == len(own) and completion.eos == (own[-1] == EOS)
