@@ -3,7 +3,8 @@
 multi-turn rollout produces (dataset/tool_conversation.py) with labels on every assistant turn and nowhere else,
 checked against transformers' rendering of the pieces; the budgets cut it as they cut any row; rows without tool
 results collate bit for bit as before; a conversation that cannot be put in rollout order is refused at start-up in
-one line naming the file and the row."""
+one line naming the file and the row; and a real SFT run on the demo's tool conversations trains every assistant
+token and its loss falls."""
 import json
 
 import pytest
@@ -11,9 +12,13 @@ import torch
 
 from dataset.collators import (IGNORE_INDEX, PairCollator, RowError, SFTCollator, _keep_end, _pad,
                                in_rollout_order, validate_rows)
+from dataset.make_demo_data import build_splits
 from dataset.sources import DataError, PairDataset, RowDataset
 from dataset.tool_conversation import conversation_ids, results_text
+from loop_helpers import loop_args, metrics
 from test_tool_template import CALL_ONLY, CONVERSATIONS, RESULT, TOOLS, USER, hf_ids
+from trainer.skeleton.data_stream import EpochSampler
+from trainer.train_sft import main as train_sft
 
 WITH_RESULTS = [name for name, messages in CONVERSATIONS.items() if in_rollout_order(messages)]
 
@@ -195,3 +200,26 @@ def test_a_tool_conversation_that_cannot_be_put_in_rollout_order_is_refused_nami
     assert reason in message
     with pytest.raises(RowError, match="cannot be rendered so"):  # the verdict of the collation itself
         collator([dataset[1]])
+
+
+@pytest.mark.slow
+def test_sft_on_the_demos_tool_conversations_trains_every_assistant_token_and_the_loss_falls(qwen, tiny_config_path,
+                                                                                              tmp_path):
+    """16 of the products task's conversations with the calculator (call, result, answer), 4 epochs of 4 steps: the
+    first step's loss counts exactly the assistant tokens of its rows, both turns of each, and the loss falls."""
+    rows = [row for row in build_splits("products")["sft_train"] if row["tools"]][:16]
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    train_sft(loop_args(tiny_config_path, str(data), tmp_path, name="sft", batch=4, epochs=4, learning_rate=1e-2,
+                        max_length=320, max_prompt_length=256))
+    logged = metrics(tmp_path, "sft")
+    dataset = RowDataset(str(data))
+    first_step = [dataset[i] for i in list(EpochSampler(len(dataset), seed=7, epoch=0))[:4]]
+    trained = 0
+    for row in first_step:
+        ids, mask = conversation_ids(qwen, row["messages"], row["tools"], False)
+        assert mask[0] == 0 and qwen.decode([t for t, m in zip(ids, mask) if m]).count("<|im_end|>") == 2
+        trained += sum(mask)
+    assert logged[0]["tokens"] == trained  # every assistant token, both turns; nothing else
+    losses = [m["loss"] for m in logged]
+    assert len(losses) == 16 and losses[-1] < 0.5 * losses[0]
