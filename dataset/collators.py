@@ -9,7 +9,8 @@ The chat template is applied here, per batch, so `enable_thinking` is decided in
 
 Split of a conversation (`split_conversation`): the target is the LAST assistant turn; the prompt is every message
 before it. Messages after the last assistant turn have no target and are dropped. A row without an assistant turn is
-prompt-only. Only the last assistant turn is trained on; earlier assistant turns are context (masked).
+prompt-only. Only the last assistant turn is trained on; earlier assistant turns are context (masked). Except a
+conversation with tool results (`in_rollout_order`), which SFT trains on every assistant turn, below.
 
 SFTCollator
     prompt text     = template(prompt messages, add_generation_prompt=True)
@@ -25,6 +26,22 @@ SFTCollator
     Qwen3's template with enable_thinking=False ends the prompt with an empty `<think>\\n\\n</think>\\n\\n`; with True
     the same empty block is rendered inside the completion (and so is trained on). The completion ends with
     `<|im_end|>\\n`: the newline after EOS is one extra label token, as the template renders it.
+
+SFTCollator on a conversation with tool results (a `tool` message before its last assistant turn): the token
+    sequence a multi-turn rollout produces, dataset.tool_conversation.conversation_ids (the prompt with the
+    generation prompt, each assistant turn as sampled through its `<|im_end|>`, each run of tool results followed by
+    the next generation prompt), the messages after the last assistant turn dropped as above; labels on every
+    assistant token and nowhere else (tool results, generation prompts and the template's tokens are -100), unshifted
+    as above. So a student learns to call, to read the results and to answer on exactly the tokens its own rollouts
+    will hold (the template's rendering differs: Qwen3 drops a call-only turn's empty think block once a result
+    follows it). A turn ends at its `<|im_end|>`: the newline after it is the results' first token, not a label.
+    The budgets as for any row: the prompt (everything before the first assistant turn) keeps its last
+    `max_prompt_length` tokens, the rest (turns, results, generation prompts) its first `max_length - len(prompt)`,
+    so a long conversation loses its last turns as a long solution loses its end (it may stop inside a turn or a
+    result; only the assistant tokens kept are labelled). A conversation conversation_ids cannot render (a user turn
+    after the first assistant turn, two assistant turns without a result between them, a turn whose rendering does
+    not follow its prompt's, such as <think> reasoning under enable_thinking=False) is a RowError. Preference pairs
+    (PairCollator) keep the template's rendering: their target is the one answer after a shared prompt.
 
 PromptCollator (OPD): the same prompt text, truncated the same way, left padded, plus the input rows unchanged
     (ground truth, messages, ...) so the loop can grade or fall back to the dataset's own completions.
@@ -45,7 +62,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.errors import UserError
 from dataset.sources import DataError
+from dataset.tool_conversation import conversation_ids
 
 IGNORE_INDEX = -100  # the label of a position that no loss counts (PyTorch's cross_entropy default)
 PROGRESS_MIN_ROWS = 2000   # validate_rows shows a progress bar above this many rows (on a terminal)
@@ -67,6 +86,13 @@ def split_conversation(messages: list[dict]) -> tuple[list[dict], list[dict] | N
 
 def has_completion(messages: list[dict]) -> bool:
     return split_conversation(messages)[1] is not None
+
+
+def in_rollout_order(messages: list[dict]) -> bool:
+    """Whether SFT trains `messages` turn by turn in a rollout's token order: a tool result comes before the last
+    assistant turn (see the module docstring)."""
+    conversation = split_conversation(messages)[1]
+    return conversation is not None and any(message["role"] == "tool" for message in conversation)
 
 
 def _apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool, enable_thinking: bool,
@@ -137,7 +163,9 @@ class SFTCollator:
         return prompt, full
 
     def encode(self, rows: list[dict], tail_only: bool = False) -> list[tuple[list[int], int] | RowError]:
-        """Per row: (ids of the full text, how many of them are the prompt), or the RowError that keeps it out.
+        """Per row: (ids of the full text, how many of them are the prompt), or the RowError that keeps it out: the
+        template's rendering, its last assistant turn the completion (a conversation in rollout order is
+        `encode_turns`' instead; `labelled` chooses).
 
         tail_only (for validation): tokenise each text only from the last special `<|im_start|>` of its prompt; the
         ids are then the tail's. The tokenizer cuts a text at special tokens before anything else, so the tokens after
@@ -165,26 +193,78 @@ class SFTCollator:
     def _tail_start(self, prompt: str) -> int:
         return max(prompt.rfind(self._special_header), 0) if self._special_header else 0
 
-    def problems(self, rows: list[dict]) -> list[RowError | None]:
-        """Per row: why `__call__` would refuse it, or None."""
-        return [result if isinstance(result, RowError) else None for result in self.encode(rows, tail_only=True)]
+    def encode_turns(self, row: dict) -> tuple[list[int], list[int]] | RowError:
+        """A conversation with tool results, through its last assistant turn, in rollout order -> (ids, 1 on every
+        assistant token): dataset.tool_conversation.conversation_ids; or the RowError that keeps it out."""
+        conversation = split_conversation(row["messages"])[1]
+        try:
+            return conversation_ids(self.tokenizer, conversation, row.get("tools"), self.enable_thinking)
+        except (jinja2.TemplateSyntaxError, UserError):
+            raise  # the template itself, or the tokenizer's files, are broken, not the row
+        except jinja2.TemplateError as e:
+            return RowError(f"the chat template refuses the row: {e}")
+        except ValueError as e:
+            return RowError(f"a conversation with tool results is trained turn by turn in a rollout's token order, "
+                            f"and this one cannot be rendered so: {e}{self._reasoning_hint(conversation)}")
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        input_ids, prompt_lengths = [], []
-        for result in self.encode(rows):
+    def _reasoning_hint(self, conversation: list[dict]) -> str:
+        """What to change when an assistant turn reasons under enable_thinking=False: the prompt then ends with an
+        empty think block and the turn's own rendering does not follow it."""
+        reasons = any("<think>" in m["content"] or m.get("reasoning_content")
+                      for m in conversation if m["role"] == "assistant")
+        if self.enable_thinking or not reasons:
+            return ""
+        return (" (an assistant turn holds <think> reasoning under enable_thinking=False: use --enable_thinking 1 "
+                "or strip the <think> block from the data)")
+
+    def labelled(self, rows: list[dict], rollout_order: bool = True) -> list[tuple[list[int], list[int]] | RowError]:
+        """Per row, untruncated: (ids, 1 on each token the loss counts), or the RowError that keeps it out. A row
+        `in_rollout_order` is `encode_turns`' (unless `rollout_order` is False); any other is `encode`'s, its
+        completion labelled."""
+        turns = [rollout_order and in_rollout_order(row["messages"]) for row in rows]
+        whole = iter(self.encode([row for row, by_turns in zip(rows, turns) if not by_turns]))
+        out: list = []
+        for row, by_turns in zip(rows, turns):
+            if by_turns:
+                out.append(self.encode_turns(row))
+                continue
+            result = next(whole)
+            if isinstance(result, RowError):
+                out.append(result)
+            else:
+                ids, boundary = result
+                out.append((ids, [0] * boundary + [1] * (len(ids) - boundary)))
+        return out
+
+    def problems(self, rows: list[dict], rollout_order: bool = True) -> list[RowError | None]:
+        """Per row: why `__call__` would refuse it, or None."""
+        turns = [rollout_order and in_rollout_order(row["messages"]) for row in rows]
+        whole = iter(self.encode([row for row, by_turns in zip(rows, turns) if not by_turns], tail_only=True))
+        results = [self.encode_turns(row) if by_turns else next(whole) for row, by_turns in zip(rows, turns)]
+        return [result if isinstance(result, RowError) else None for result in results]
+
+    def fit(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        """A row's (ids, mask) within the budgets (module docstring): the prompt, every token before the first
+        labelled one, keeps its last `max_prompt_length`, the rest its first `max_length - len(prompt)`."""
+        start = mask.index(1) if 1 in mask else len(mask)
+        prompt = _keep_end(ids[:start], self.max_prompt_length)
+        end = start + self.max_length - len(prompt)
+        return prompt + ids[start:end], [0] * len(prompt) + mask[start:end]
+
+    def __call__(self, rows: list[dict], rollout_order: bool = True) -> dict[str, torch.Tensor]:
+        """`rollout_order` False: every row rendered by the template, its last assistant turn the target
+        (PairCollator's pairs)."""
+        input_ids, masks = [], []
+        for result in self.labelled(rows, rollout_order):
             if isinstance(result, RowError):
                 raise result
-            full_ids, boundary = result
-            prompt = _keep_end(full_ids[:boundary], self.max_prompt_length)
-            completion = full_ids[boundary:boundary + self.max_length - len(prompt)]
-            input_ids.append(prompt + completion)
-            prompt_lengths.append(len(prompt))
+            ids, mask = self.fit(*result)
+            input_ids.append(ids)
+            masks.append(mask)
         ids = _pad(input_ids, self.tokenizer.pad_token_id, left=False)
-        width = ids.shape[1]
-        real = _first_positions([len(r) for r in input_ids], width)
-        # Rows are [prompt, completion, padding]: the completion is what is real and not the prompt.
-        completion = real & ~_first_positions(prompt_lengths, width)
-        return {"input_ids": ids, "attention_mask": real.long(), "labels": ids.masked_fill(~completion, IGNORE_INDEX)}
+        real = _first_positions([len(r) for r in input_ids], ids.shape[1])
+        labelled = _pad(masks, 0, left=False).bool()  # padding is never labelled
+        return {"input_ids": ids, "attention_mask": real.long(), "labels": ids.masked_fill(~labelled, IGNORE_INDEX)}
 
 
 class PromptCollator:
@@ -227,8 +307,10 @@ class PromptCollator:
 class PairCollator:
     """Preference pairs (dataset.sources.PairDataset rows) -> the SFT collator's input_ids, attention_mask, labels for
     2B sequences, the B chosen answers first, then the B rejected ones in the same order (TRL's layout), each rendered
-    and truncated exactly as SFT renders a conversation: prompt + that answer (`sft`, an SFTCollator). Plus
-    `row_index` (B,): each pair's row, the key of a precomputed reference (trainer/train_dpo.py)."""
+    and truncated exactly as SFT renders a conversation's last turn: prompt + that answer (`sft`, an SFTCollator),
+    by the template even when the prompt holds tool results (`rollout_order=False`: the target is the one answer
+    after a prompt both share). Plus `row_index` (B,): each pair's row, the key of a precomputed reference
+    (trainer/train_dpo.py)."""
 
     def __init__(self, sft: SFTCollator):
         self.sft = sft
@@ -242,7 +324,7 @@ class PairCollator:
 
     def problems(self, rows: list[dict]) -> list[RowError | None]:
         """Per pair: why `__call__` would refuse it (its chosen or its rejected conversation), or None."""
-        found = self.sft.problems(self.conversations(rows))
+        found = self.sft.problems(self.conversations(rows), rollout_order=False)
         out: list[RowError | None] = []
         for chosen, rejected in zip(found[:len(rows)], found[len(rows):]):
             error = chosen or rejected
@@ -250,7 +332,7 @@ class PairCollator:
         return out
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        return {**self.sft(self.conversations(rows)),
+        return {**self.sft(self.conversations(rows), rollout_order=False),
                 "row_index": torch.tensor([row["row_index"] for row in rows], dtype=torch.long)}
 
 

@@ -1,17 +1,22 @@
-"""Built-in demo data in DAPO-Math-17K's schema, two tasks with worked solutions a tiny model can learn.
+"""Built-in demo data in DAPO-Math-17K's schema: three arithmetic tasks, one of them solved with a calculator tool.
+
+Two have worked solutions a tiny model can learn (addition, running_sum); the third (products) it can do with the
+calculator and mostly not by hand.
 
     python dataset/make_demo_data.py                 # writes dataset/demo/*.parquet if missing or out of date
     python dataset/make_demo_data.py --task running_sum   # the long-answer task: dataset/demo/running_sum/
+    python dataset/make_demo_data.py --task products      # the tool task: dataset/demo/products/
     python dataset/make_demo_data.py --force         # rewrite them
     python dataset/make_demo_data.py --out_dir /tmp/demo
 
 Every row has DAPO's columns:
-    data_source  "demo_arithmetic" (addition) or "demo_running_sum"
+    data_source  "demo_arithmetic" (addition), "demo_running_sum" or "demo_products"
     prompt       [{"role": "user", "content": "What is 47 + 38? Put the final answer in \\boxed{}."}] (addition)
                  (sft_train adds {"role": "assistant", "content": "7+8=15, 4+3+1=8. \\boxed{85}"})
     ability      "math"
     reward_model {"style": "rule", "ground_truth": "85"}
     extra_info   {"index": i, "split": "sft_train" | "opd_prompts" | "eval" | "val"}
+and the products task's rows also `tools`: the calculator's schema list as JSON text, or null.
 
 addition (the default, every loop's data without --data_path): two-digit addition as column addition, ones first:
 the ones digits and their sum, the tens digits plus the carry, the boxed sum. Every step is one fact of the
@@ -29,12 +34,26 @@ measured: docs/data.md), then adds it to the previous step's total, so one wrong
 box wrong: the regime of long generations where a student's early mistake decides the rest. A problem is its first
 number and the multiset of its digits: no split holds a reordering of another's.
 
+products (docs/data.md, "The tool task"; not in benchmarks/demo.py yet, it waits for multi-turn rollouts): a
+three-digit number times a two-digit one, "What is 123 * 45? ...", which a tiny model mostly cannot multiply unaided
+and can with the calculator (tools/calculator.py). One data set trains both arms, with tools and without: each
+training problem twice, first with the calculator -- the `tools` column [CALCULATOR.schema()], a turn calling it on
+"123 * 45", its answer "5535" as the tool message, "123 * 45 = 5535. \\boxed{5535}" -- then by hand, multiplied by
+the two digits of b and added: "123*5=615, 123*40=4920, 615+4920=5535. \\boxed{5535}" (`by_hand`). Both ways for
+every problem, not half and half: the two rows differ only in the tools column and the solution, so the tools column
+alone says whether to call, and each arm has all 3,000 problems. The tool messages are the calculator's function
+called here (run_tool_call's answer without its fork per call; tests/test_products_data.py checks they agree). A
+problem is the ordered pair (a, b) of 81,000, drawn without replacement.
+
 Files per task (disjoint problems), the same on every machine:
-    sft_train.parquet    3,000 rows with the worked solution
+    sft_train.parquet    3,000 rows with the worked solution (products: 6,000, each problem with the calculator,
+                         then by hand)
     opd_prompts.parquet    512 prompt-only rows, for on-policy distillation and RL
     eval.parquet           200 prompt-only held-out rows
     val.parquet            200 prompt-only rows for choosing learning rates (benchmarks/demo.py --sweep), so that
                            the eval problems choose nothing
+    products also SPLIT_tools.parquet for each of the three prompt files: the same problems with the calculator's
+    schema in the `tools` column (`file_names`)
 A file written by an earlier version of this script (its schema metadata carries the task's version) is rewritten
 on first use.
 
@@ -45,6 +64,7 @@ one document a problem -- its question, a newline, its worked solution -- in a `
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -61,6 +81,9 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from common.errors import ArgumentParser, run_script  # noqa: E402
 from common.files import atomic_write, check_writable  # noqa: E402
+# the products task's tool: its own schema and answers, never a copy (the one import of tools/ in dataset/,
+# tests/test_layering.py's MODULES_ABOVE_THEIR_LAYER)
+from tools.calculator import CALCULATOR  # noqa: E402
 
 DEFAULT_OUT_DIR = os.path.join(ROOT, "dataset", "demo")
 SEED = 1234
@@ -84,7 +107,8 @@ def question(numbers: tuple[int, ...]) -> str:
 
 
 def numbers_of(text: str) -> tuple[int, ...] | None:
-    """The numbers of the demo question in `text` (either task's form, in order), or None if it holds none."""
+    """The numbers of the demo sum in `text` (either sum task's form, in order), or None if it holds none (a products
+    question is not a sum)."""
     named = LABELLED.search(text)
     if named:
         return tuple(int(pair.split("=")[1]) for pair in named.group(1).split(", "))
@@ -109,6 +133,35 @@ def solve(*numbers: int) -> tuple[int, str]:
     return total, ", ".join(steps) + f". \\boxed{{{total}}}"
 
 
+def product_question(numbers: tuple[int, ...]) -> str:
+    """The products question, "What is 123 * 45? Put the final answer in \\boxed{}.", its expression written as the
+    calculator takes it."""
+    return QUESTION.format(" * ".join(map(str, numbers)))
+
+
+def by_hand(a: int, b: int) -> tuple[int, str]:
+    """-> (a * b, long multiplication by the two digits of b): "123*5=615, 123*40=4920, 615+4920=5535.
+    \\boxed{5535}", the product by b's ones digit, by its tens digit times ten, and their sum."""
+    ones, tens = b % 10, b - b % 10
+    return a * b, f"{a}*{ones}={a * ones}, {a}*{tens}={a * tens}, {a * ones}+{a * tens}={a * b}. \\boxed{{{a * b}}}"
+
+
+CALCULATOR_TOOLS = json.dumps([CALCULATOR.schema()])  # a row's `tools` column: JSON text, parquet's safe spelling
+
+
+def calculator_turns(a: int, b: int) -> list[dict]:
+    """The worked solution with the calculator: a turn that calls it on "a * b", its answer as the tool message, and
+    a turn that writes the product and boxes it."""
+    expression = f"{a} * {b}"
+    call = {"type": "function", "function": {"name": CALCULATOR.name, "arguments": {"expression": expression}}}
+    # the function run_tool_call runs in a forked child, called directly: a fork per row would take a minute and
+    # more; tests/test_products_data.py checks, on a sample, that run_tool_call answers the rendered call with it
+    result = CALCULATOR.function({"expression": expression})
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": f"{expression} = {result}. \\boxed{{{result}}}"}]
+
+
 def addition_problems(rng: random.Random) -> list[tuple[int, ...]]:
     """Every unordered operand pair (a <= b, a and b in 10..99) once, shuffled, each in a random operand order."""
     pool = [(a, b) for a in range(10, 100) for b in range(a, 100)]
@@ -129,34 +182,54 @@ def running_sum_problems(rng: random.Random) -> list[tuple[int, ...]]:
     return problems
 
 
+def product_problems(rng: random.Random) -> list[tuple[int, ...]]:
+    """Distinct (a, b), a three-digit a (100..999) times a two-digit b (10..99), as many as the splits take, drawn
+    without replacement from the 81,000."""
+    pool = [(a, b) for a in range(100, 1000) for b in range(10, 100)]
+    return rng.sample(pool, sum(SPLIT_SIZES.values()))
+
+
 @dataclass(frozen=True)
 class Task:
     data_source: str
     version: str
     folder: str  # under DEFAULT_OUT_DIR
     problems: Callable[[random.Random], list[tuple[int, ...]]]  # disjoint, in the splits' order
+    question: Callable[[tuple[int, ...]], str]
+    solve: Callable[..., tuple[int, str]]  # a problem's numbers -> (answer, worked solution)
+    tools: bool = False  # each problem also with the calculator (products: module docstring)
 
 
 TASKS = {
     # 1: addition and subtraction with "First a + tens = x, then ..."; 2: column addition, pair-disjoint
-    "addition": Task("demo_arithmetic", "2", "", addition_problems),
-    "running_sum": Task("demo_running_sum", "2", "running_sum", running_sum_problems),
+    "addition": Task("demo_arithmetic", "2", "", addition_problems, question, solve),
+    "running_sum": Task("demo_running_sum", "2", "running_sum", running_sum_problems, question, solve),
+    "products": Task("demo_products", "1", "products", product_problems, product_question, by_hand, tools=True),
 }
 VERSION = TASKS["addition"].version
+TOOLS_SUFFIX = "_tools"  # a prompt split's twin with the calculator: eval_tools.parquet beside eval.parquet
 
 
-def make_row(index: int, split: str, numbers: tuple[int, ...], with_solution: bool, task: str = "addition") -> dict:
-    answer, solution = solve(*numbers)
-    prompt = [{"role": "user", "content": question(numbers)}]
+def make_row(index: int, split: str, numbers: tuple[int, ...], with_solution: bool, task: str = "addition",
+             tools: bool = False) -> dict:
+    """One row in DAPO's schema; `tools`: with the calculator (its schema in the `tools` column, and with_solution
+    the calculator's turns instead of the worked solution). A task with tools gives every row the column, null
+    where the row has none (one file holds both kinds)."""
+    spec = TASKS[task]
+    answer, solution = spec.solve(*numbers)
+    prompt = [{"role": "user", "content": spec.question(numbers)}]
     if with_solution:
-        prompt.append({"role": "assistant", "content": solution})
-    return {
-        "data_source": TASKS[task].data_source,
+        prompt += calculator_turns(*numbers) if tools else [{"role": "assistant", "content": solution}]
+    row = {
+        "data_source": spec.data_source,
         "prompt": prompt,
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"index": index, "split": split},
     }
+    if spec.tools:
+        row["tools"] = CALCULATOR_TOOLS if tools else None
+    return row
 
 
 def split_problems(task: str = "addition", seed: int = SEED) -> dict[str, list[tuple[int, ...]]]:
@@ -169,10 +242,31 @@ def split_problems(task: str = "addition", seed: int = SEED) -> dict[str, list[t
     return splits
 
 
+def file_names(task: str = "addition") -> list[str]:
+    """The task's files (without .parquet): a split each, and for a task with tools each prompt split's twin with
+    the calculator (SPLIT_tools)."""
+    names = list(SPLIT_SIZES)
+    if TASKS[task].tools:
+        names += [split + TOOLS_SUFFIX for split in SPLIT_SIZES if split != "sft_train"]
+    return names
+
+
 def build_splits(task: str = "addition", seed: int = SEED) -> dict[str, list[dict]]:
-    """The splits as lists of rows."""
-    return {split: [make_row(i, split, numbers, split == "sft_train", task) for i, numbers in enumerate(problems)]
-            for split, problems in split_problems(task, seed).items()}
+    """The task's files as lists of rows, by file name: each split's problems, worked in sft_train and prompt-only
+    in the others. A task with tools: sft_train holds each problem twice, with the calculator and then by hand, and
+    each prompt split has its twin with the calculator's schema (file_names)."""
+    files = {}
+    for split, problems in split_problems(task, seed).items():
+        train = split == "sft_train"
+        if train and TASKS[task].tools:
+            files[split] = [make_row(2 * i + k, split, numbers, True, task, tools=k == 0)
+                            for i, numbers in enumerate(problems) for k in (0, 1)]
+            continue
+        files[split] = [make_row(i, split, numbers, train, task) for i, numbers in enumerate(problems)]
+        if TASKS[task].tools:
+            files[split + TOOLS_SUFFIX] = [make_row(i, split, numbers, False, task, tools=True)
+                                           for i, numbers in enumerate(problems)]
+    return files
 
 
 def up_to_date(path: str, task: str = "addition", version: str | None = None) -> bool:
@@ -238,18 +332,18 @@ def ensure_demo_pairs(out_dir: str | None = None, task: str = "addition") -> dic
 
 def ensure_demo_data(out_dir: str | None = None, force: bool = False, task: str = "addition") -> dict[str, str]:
     """Write `task`'s parquet files (into `out_dir`, by default its folder under dataset/demo/) if any is missing or
-    out of date (or if force); -> {split: path}."""
+    out of date (or if force); -> {file name: path} (file_names: a split's name, or its twin's with tools)."""
     out_dir = out_dir or os.path.join(DEFAULT_OUT_DIR, TASKS[task].folder)
-    paths = {split: os.path.join(out_dir, f"{split}.parquet") for split in SPLIT_SIZES}
+    paths = {name: os.path.join(out_dir, f"{name}.parquet") for name in file_names(task)}
     if force or not all(up_to_date(p, task) for p in paths.values()):
         stale = any(os.path.isfile(p) for p in paths.values())
         why = "--force" if force else "written by an earlier version" if stale else "first use"
         # stdout, like the loops' log lines: stderr is for the one-line errors
         print(f"writing the demo data to {out_dir} ({why})", flush=True)
         check_writable(out_dir, "the demo data folder")
-        for split, rows in build_splits(task).items():
+        for name, rows in build_splits(task).items():
             # Atomic: a crash never leaves a half-written file, and ranks racing here write identical bytes.
-            with atomic_write(paths[split]) as f:
+            with atomic_write(paths[name]) as f:
                 table = pa.Table.from_pylist(rows)
                 pq.write_table(table.replace_schema_metadata({"demo_version": TASKS[task].version}), f)
     return paths
@@ -266,9 +360,9 @@ def ensure_demo_corpus(task: str = "addition") -> dict[str, str]:
     if not all(up_to_date(p, task) for p in paths.values()):
         print(f"writing the demo corpus to {out_dir}", flush=True)
         check_writable(out_dir, "the demo data folder")
-        problems = split_problems(task)
+        problems, spec = split_problems(task), TASKS[task]
         for name, split in CORPUS_SPLITS.items():
-            texts = [f"{question(numbers)}\n{solve(*numbers)[1]}" for numbers in problems[split]]
+            texts = [f"{spec.question(numbers)}\n{spec.solve(*numbers)[1]}" for numbers in problems[split]]
             with atomic_write(paths[name]) as f:
                 table = pa.Table.from_pylist([{"text": text} for text in texts])
                 pq.write_table(table.replace_schema_metadata({"demo_version": TASKS[task].version}), f)
@@ -279,11 +373,13 @@ def main() -> None:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="addition", choices=list(TASKS), help="which task's files")
     parser.add_argument("--out_dir", default=None,
-                        help="folder for the four parquet files (default: dataset/demo/, a task's own folder under it)")
+                        help="folder for the parquet files (default: dataset/demo/, a task's own folder under it)")
     parser.add_argument("--force", action="store_true", help="rewrite the files even if they exist")
     args = parser.parse_args()
-    for split, path in ensure_demo_data(args.out_dir, force=args.force, task=args.task).items():
-        print(f"{split:12s} {pq.read_metadata(path).num_rows:6d} rows  {path}")
+    paths = ensure_demo_data(args.out_dir, force=args.force, task=args.task)
+    width = max(map(len, paths))
+    for name, path in paths.items():
+        print(f"{name:{width}s} {pq.read_metadata(path).num_rows:6d} rows  {path}")
 
 
 if __name__ == "__main__":
