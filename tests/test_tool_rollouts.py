@@ -298,3 +298,19 @@ def test_eval_grades_the_conversations_the_loops_roll_out(agent, responder, one_
         own = [t for t in labels if t != IGNORE_INDEX]
         assert completion.text == tokenizer.decode(own, skip_special_tokens=True)
         assert completion.num_tokens == len(own) and completion.eos == (own[-1] == EOS)
+
+
+def test_self_distillation_refuses_rows_with_tool_results(tiny_config_path, tmp_path, capsys):
+    """Its teacher's view keeps the student's labelled tokens only: a conversation's results would fall out of it."""
+    import json
+    from trainer.train_opd import main as train_opd
+    data = tmp_path / "tools.jsonl"
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 * 3"}}}
+    row = {"messages": [{"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "6"}, {"role": "assistant", "content": "\\boxed{6}"}],
+           "ground_truth": "6"}
+    data.write_text(json.dumps(row) + "\n")
+    argv = loop_args(tiny_config_path, str(data), tmp_path / "out", self_teacher="ema", lmbda=0.5,
+                     privileged_template="{question} {ground_truth}")
+    code, stderr = script_exit(train_opd, argv, capsys)
+    assert_one_line_error(code, stderr, 2, "row 0", "tool results", "--teacher_path")

@@ -53,10 +53,14 @@ def privileged_messages(row: dict, template: str) -> list[dict]:
 def check_privileged_prompts(dataset, collator: PromptCollator, template: str, max_prompt_length: int) -> None:
     """Every row's privileged prompt rendered and measured at start-up: a column the template names that a row lacks,
     a malformed template, or a prompt longer than --max_prompt_length (it would lose its first tokens) is one
-    line naming the row."""
+    line naming the row; so is a row with tool results (the teacher's view keeps the student's labelled tokens only,
+    and a conversation's results would fall out of it)."""
     path = getattr(dataset, "path", "the data")
     for index in range(len(dataset)):
         row = dataset[index]
+        if any(message["role"] == "tool" for message in row["messages"]):
+            refuse(f"row {index} of {path} holds tool results: self-distillation's privileged prompt is built for "
+                   f"one answer; use a --teacher_path for conversations with tools")
         try:
             messages = privileged_messages(row, template)
         except (KeyError, IndexError) as error:
