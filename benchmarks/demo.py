@@ -62,6 +62,17 @@ its exports at 10-50% on val; every method runs 64 steps, exported and graded at
 in demo.json; benchmarks/demo_curves.py draws it against steps, FLOPs and teacher tokens); the student and every
 final model are also graded on 8 samples per problem at temperature 1 (avg@8, pass@8); 128 new tokens everywhere.
 
+--task products (dataset/make_demo_data.py's tool task: a three-digit number times a two-digit one; each training
+problem solved once with the calculator, once by hand) writes into checkpoints/demo_products/: the teacher and a
+smaller student (its own SFT, the first export at 20-60% on val with the calculator) learn both kinds of solution;
+the calculator's arm (TOOL_METHODS: `--methods rl,rl_tools,opd,opd_tools`) is RL and OPD on multi-turn rollouts
+whose calls the calculator answers (--tools calculator, the prompts' SPLIT_tools twins that show it), graded with it
+and tested against the student graded with it and against the same method without it (the same problems in the
+same order); the methods without it are tested against the student graded by hand (its row NAME_by_hand). The
+training runs take --max_length 320 --max_prompt_length 224 (the calculator's schema makes a prompt 212 tokens), 96
+new tokens everywhere. A row graded with tools has no reverse KL: its record holds the model's own turns without
+the results between them.
+
 A run of these names already in the task's folder is refused (one line) unless --fresh moves it aside or --resume
 goes on with it (every training command resumes, --from_resume 1; an evaluation made by the same code with the
 same flags is reused); a run in progress (its lock names a live process) is refused either way. A command that fails stops the demo with its exit
@@ -90,7 +101,7 @@ if ROOT not in sys.path:
 from benchmarks.harness import machine  # noqa: E402
 from common.errors import ArgumentParser, RuntimeFailure, UserError, run_script  # noqa: E402
 from common.version import code_commit, same_code  # noqa: E402
-from dataset.make_demo_data import SPLIT_SIZES, ensure_demo_data  # noqa: E402
+from dataset.make_demo_data import SPLIT_SIZES, TOOLS_SUFFIX, ensure_demo_data  # noqa: E402
 
 TEACHER_PORT = 8001  # the teacher served by vLLM, a background process of the demo
 TEACHER_URL = f"http://127.0.0.1:{TEACHER_PORT}/v1"
@@ -105,10 +116,18 @@ class DemoTask:
     eval_new_tokens: int   # every evaluation's and rollout's completion budget
     # the loops' data flags: the addition's files are every loop's default data, so its commands name none
     explicit_data: bool = True
+    length_flags: str = ""  # the training runs' sequence budgets where the defaults are too short (" --max_length N")
+    # the tool the task's tool arm calls (--tools): the student is chosen and graded with it, on the prompt files'
+    # SPLIT_tools twins, and the methods without it are tested against the student graded without it
+    tools: str = ""
 
 
 ADDITION = DemoTask("addition", "dataset/demo", "checkpoints/demo", 64, explicit_data=False)  # answers: 20-25 tokens
 RUNNING_SUM = DemoTask("running_sum", "dataset/demo/running_sum", "checkpoints/demo_running_sum", 128)  # 57-101
+# a three-digit number times a two-digit one, with the calculator or by hand: a prompt with the calculator's schema
+# is 212 tokens, a calculator conversation ~70 after it, a hand-worked answer 50-60
+PRODUCTS = DemoTask("products", "dataset/demo/products", "checkpoints/demo_products", 96,
+                    length_flags=" --max_length 320 --max_prompt_length 224", tools="calculator")
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,16 @@ SCALES = {"addition": {
     "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=4,
                   seeds=(1,), task=RUNNING_SUM, dtype="float32", eval_rows=8, student_band=(0.0, 1.0),
                   student_config="model/configs/qwen3-tiny-student.json", student_steps=2, curve=(2,), sampled=2),
+}, "products": {
+    # the teacher: the addition's 8-layer model on both kinds of worked solution (each problem with the calculator
+    # and by hand); the student: 4 layers, its own SFT, the first export at 20-60% on val with the calculator, so
+    # that the tool arm has room; 32 steps a method
+    "cpu": Scale("model/configs/qwen3-demo.json", teacher_steps=800, snapshots=tuple(range(50, 425, 25)),
+                 budget_steps=32, seeds=(1, 2), task=PRODUCTS, dtype="float32", teacher_eval_interval=200,
+                 student_band=(0.20, 0.60), student_config="model/configs/qwen3-tiny.json", student_steps=400),
+    "tiny": Scale("model/configs/qwen3-tiny-student.json", teacher_steps=4, snapshots=(2,), budget_steps=2,
+                  seeds=(1,), task=PRODUCTS, dtype="float32", eval_rows=8, student_band=(0.0, 1.0),
+                  student_config="model/configs/qwen3-tiny-student.json", student_steps=2),
 }}
 
 
@@ -186,6 +215,8 @@ class Method:
     own_start: bool = False
     # a variant of another method (its name): each row also tested against that method's row of the same seed
     variant_of: str | None = None
+    # multi-turn with the task's tool (--tools): its prompts and gradings the files' SPLIT_tools twins
+    tools: bool = False
 
 
 # The learning rates: `--sweep` at this budget, graded on the val problems (the student: 41.5%), seed 1 (docs and the
@@ -253,6 +284,20 @@ VARIANTS = (
 )
 
 
+# The tool task's arm with the calculator (--task products): RL and OPD on multi-turn rollouts whose calls the
+# calculator answers, graded with it, each row tested against the student graded with it and against the same
+# method's row without the tool (same seed, the same problems in the same order); at RL's and OPD's learning rates
+# (not swept on this task)
+TOOL_METHODS = (
+    Method("rl_tools", "RL with the calculator (multi-turn, GRPO, groups of 4)", "trainer/train_rl.py",
+           "--num_generations 4 --batch_size 4 --tools calculator", 3e-5, data="opd_prompts" + TOOLS_SUFFIX,
+           rows_per_step=4, variant_of="rl", tools=True),
+    Method("opd_tools", "white-box OPD with the calculator (multi-turn, reverse KL)", "trainer/train_opd.py",
+           f"{OPD_TEACHER} --tools calculator", 3e-4, data="opd_prompts" + TOOLS_SUFFIX, variant_of="opd",
+           tools=True),
+)
+
+
 @dataclass(frozen=True)
 class Row:
     name: str                    # in the task's save_dir: NAME/, NAME_metrics.jsonl, NAME_eval_eval.jsonl
@@ -269,12 +314,16 @@ def common_flags(scale: Scale) -> str:
     return f"--device {scale.device} --dtype {scale.dtype} --save_dir {scale.task.save_dir}"
 
 
-def evaluation(name: str, scale: Scale, data: str = "eval") -> str:
+def evaluation(name: str, scale: Scale, data: str = "eval", tools: bool = False) -> str:
+    """eval_math.py's command grading `name` on the task's `data` split; `tools`: with the task's tool (--tools), on
+    the split's twin whose prompts show it."""
     task = scale.task
     rows = f" --max_rows {scale.eval_rows}" if scale.eval_rows else ""
+    data += TOOLS_SUFFIX if tools else ""
     where = f" --data_path {task.data_dir}/{data}.parquet" if data != "eval" or task.explicit_data else ""
+    calls = f" --tools {task.tools}" if tools else ""
     return (f"python eval/eval_math.py --model_path {task.save_dir}/{name} --max_new_tokens {task.eval_new_tokens} "
-            f"--device {scale.device}{where}{rows}")
+            f"--device {scale.device}{where}{rows}{calls}")
 
 
 def sampled_evaluation(name: str, scale: Scale) -> list[str]:
@@ -295,8 +344,8 @@ def sft_command(scale: Scale, model_config: str, steps: int, name: str, exports:
             if task.explicit_data else "")
     curve = f" --eval_interval {eval_interval} --eval_data_path {task.data_dir}/val.parquet" if eval_interval else ""
     snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
-    return (f"python trainer/train_sft.py --model_config {model_config} {common_flags(scale)}{data} --epochs {epochs} "
-            f"--max_steps {steps}{snapshots}{curve} --save_weight {name} --from_resume 1")
+    return (f"python trainer/train_sft.py --model_config {model_config} {common_flags(scale)}{data}{task.length_flags} "
+            f"--epochs {epochs} --max_steps {steps}{snapshots}{curve} --save_weight {name} --from_resume 1")
 
 
 def teacher_row(scale: Scale) -> Row:
@@ -305,6 +354,9 @@ def teacher_row(scale: Scale) -> Row:
     exports = () if scale.student_config else scale.snapshots
     train = sft_command(scale, scale.model_config, scale.teacher_steps, "teacher", exports,
                         scale.teacher_eval_interval)
+    if scale.task.tools:  # graded by hand too; its row reads the grading with the tool (the last)
+        return Row("teacher", f"teacher (SFT), with the {scale.task.tools}",
+                   (train, evaluation("teacher", scale), evaluation("teacher", scale, tools=True)))
     return Row("teacher", "teacher (SFT)", (train, evaluation("teacher", scale)))
 
 
@@ -321,14 +373,22 @@ def student_sft_row(scale: Scale) -> Row:
 def snapshot_row(scale: Scale, step: int) -> Row:
     """One of the candidates' exports graded on the val problems."""
     name = student_name(scale, step)
-    return Row(name, f"{source_label(scale)} at step {step}", (evaluation(name, scale, "val"),))
+    return Row(name, f"{source_label(scale)} at step {step}", (evaluation(name, scale, "val", bool(scale.task.tools)),))
 
 
 def student_row(scale: Scale, step: int) -> Row:
     low, high = scale.student_band
     name = student_name(scale, step)
+    tools = f", with the {scale.task.tools}" if scale.task.tools else ""
     return Row(name, f"starting student ({source_label(scale)} at step {step}, the first export at {low:.0%}-"
-                     f"{high:.0%} on val)", (*sampled_evaluation(name, scale), evaluation(name, scale)), student=True)
+                     f"{high:.0%} on val{tools})",
+               (*sampled_evaluation(name, scale), evaluation(name, scale, tools=bool(scale.task.tools))), student=True)
+
+
+def by_hand_row(scale: Scale, student: str) -> Row:
+    """A tool task's student graded without the tool (the prompts without it): the baseline of the methods that do
+    not call it, itself tested against the student with the tool."""
+    return Row(f"{student}_by_hand", f"starting student, without the {scale.task.tools}", (evaluation(student, scale),))
 
 
 def source_label(scale: Scale) -> str:
@@ -348,8 +408,8 @@ def data_flags(method: Method, task: DemoTask) -> str:
     its files and budget are every loop's defaults)."""
     if not task.explicit_data or method.data is None:
         return ""
-    budget = f" --max_new_tokens {task.eval_new_tokens}" if method.data == "opd_prompts" else ""
-    return f" --data_path {task.data_dir}/{method.data}.parquet{budget}"
+    budget = f" --max_new_tokens {task.eval_new_tokens}" if method.data.startswith("opd_prompts") else ""
+    return f" --data_path {task.data_dir}/{method.data}.parquet{budget}{task.length_flags}"
 
 
 def method_row(method: Method, seed: int, scale: Scale, student: str, learning_rate: float | None = None,
@@ -365,26 +425,31 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
     exports = ([0] if method.own_start else []) + list(curve)
     snapshots = f" --export_steps {','.join(map(str, exports))}" if exports else ""
     # a run stops at the end of its data: the budget's rows take this many passes (the 512 prompts: 32 steps a pass)
-    epochs = math.ceil(scale.budget_steps * method.rows_per_step / SPLIT_SIZES[method.data or "opd_prompts"])
+    split = (method.data or "opd_prompts").removesuffix(TOOLS_SUFFIX)
+    epochs = math.ceil(scale.budget_steps * method.rows_per_step / SPLIT_SIZES[split])
     snapshots += f" --epochs {epochs}" if epochs > 1 else ""
     train = (f"python {method.script} --model_path {task.save_dir}/{student} {flags}{data_flags(method, task)} "
              f"--max_steps {scale.budget_steps} --learning_rate {rate:g} --seed {seed} {common_flags(scale)} "
              f"--save_weight {name}{snapshots} --from_resume 1")
-    graded = [evaluation(f"{name}_step{step}", scale, data) for step in curve]
+    graded = [evaluation(f"{name}_step{step}", scale, data, method.tools) for step in curve]
     samples = sampled_evaluation(name, scale) if data == "eval" and sampled else []
-    return Row(name, method.label, (train, *graded, *samples, evaluation(name, scale, data)), method, seed, rate)
+    return Row(name, method.label, (train, *graded, *samples, evaluation(name, scale, data, method.tools)), method,
+               seed, rate)
 
 
 def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) -> list[Row]:
     """Each method's rows, one per seed; after a method with its own start, that start graded (its baseline)."""
-    rows = []
+    # a tool task: the methods without the tool are tested against the student graded without it
+    by_hand = by_hand_row(scale, student) if scale.task.tools else None
+    rows = [by_hand] if by_hand else []
     for method in methods:
         start = start_row(method, scale) if method.own_start else None
         # the OPD variants are compared by their greedy accuracy against OPD's: no curve, no sampled grading (on the
         # long task those took as long as the variants' training)
         variant = method in VARIANTS
+        baseline = start.name if start else by_hand.name if by_hand and not method.tools else None
         rows += [replace(method_row(method, seed, scale, student, curve=() if variant else scale.curve,
-                                    sampled=not variant), baseline=start and start.name)
+                                    sampled=not variant), baseline=baseline)
                  for seed in scale.seeds]
         rows += [start] if start else []
     return rows
@@ -945,8 +1010,11 @@ def demo_statistics(root: str, row: Row, start: Row | None) -> tuple[float | Non
     """(the row's held-out reverse KL to the teacher, its paired test against `start` or None)."""
     from benchmarks.demo_stats import paired_test, reverse_kl_to_teacher
     folder = os.path.dirname(gradings_path(root, row))
-    reverse_kl = None if row.name == "teacher" else reverse_kl_to_teacher(
-        os.path.join(folder, row.name), os.path.join(folder, "teacher"), gradings_path(root, row))
+    named = named_flags(row.commands[-1])
+    # graded with tools, a record's completion is the model's own turns without the results between them: not a
+    # sequence either model produced, so no KL is measured on it
+    reverse_kl = None if row.name == "teacher" or "--tools" in named else reverse_kl_to_teacher(
+        os.path.join(root, named["--model_path"]), os.path.join(folder, "teacher"), gradings_path(root, row))
     paired = paired_test(gradings_path(root, row), gradings_path(root, start)) if start else None
     return reverse_kl, paired
 
@@ -1130,15 +1198,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and white-box OPD, each seed (docs/logit_free.md)")
     parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
                         help="comma-separated methods of the table or the sweep (default: METHODS; the OPD "
-                             "variants, VARIANTS, by name: " + ",".join(m.name for m in VARIANTS) + "; and dpo)")
+                             "variants, VARIANTS, by name: " + ",".join(m.name for m in VARIANTS) + "; dpo; and "
+                             "with --task products the calculator's arm: " + ",".join(m.name for m in TOOL_METHODS)
+                             + ")")
     args = parser.parse_args(argv)
     if args.resume and (args.fresh or args.retrain):
         parser.error("--resume goes on with the runs that --fresh and --retrain move aside: pass one of them")
-    names = {m.name: m for m in (*METHODS, *VARIANTS, DPO)}
+    names = {m.name: m for m in (*METHODS, *VARIANTS, DPO, *TOOL_METHODS)}
     unknown = [name for name in args.methods.split(",") if name not in names]
     if unknown:
         parser.error(f"--methods: {', '.join(unknown)} not among {', '.join(names)}")
     args.methods = [names[name] for name in args.methods.split(",")]
+    task = SCALES[args.task][next(iter(SCALES[args.task]))].task
+    calling = [m.name for m in args.methods if m.tools]
+    if calling and not task.tools:
+        parser.error(f"--methods {','.join(calling)}: the {args.task} task has no tool; use --task products")
     if args.scale not in SCALES[args.task]:
         parser.error(f"--scale {args.scale}: the {args.task} task has {', '.join(SCALES[args.task])}")
     if args.sweep is not None:
@@ -1229,8 +1303,9 @@ def print_plan(args: argparse.Namespace, scale: Scale, teacher: Row) -> None:
           f"{placeholder} below is that export", flush=True)
     rows = planned_rows(args, scale, placeholder)
     if not args.sweep:  # the student's own grading on the held-out problems
-        rows = [Row(placeholder, "starting student",
-                    (*sampled_evaluation(placeholder, scale), evaluation(placeholder, scale)))] + rows
+        rows = [Row(placeholder, "starting student", (*sampled_evaluation(placeholder, scale),
+                                                      evaluation(placeholder, scale, tools=bool(scale.task.tools))))
+                ] + rows
     for row in rows:
         print("\n".join(row.commands), flush=True)
 

@@ -669,3 +669,28 @@ def test_a_grading_runs_no_code_of_the_folders_whose_changes_it_ignores():
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     folders = {spec.split(")")[1] for spec in demo.GRADING_UNUSED}
     assert folders == {"benchmarks", "trainer"} and not folders & set(json.loads(loaded.stdout)), loaded.stdout
+
+
+@pytest.mark.slow
+def test_the_tool_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
+    """--task products for real at --scale tiny: the student chosen and graded with the calculator and graded by
+    hand too, RL and OPD with the calculator (multi-turn) tested against the student with it and against the same
+    method without it, the methods without it against the student by hand."""
+    for name in os.listdir(ROOT):
+        if name not in ("checkpoints", ".git"):
+            os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "checkpoints").mkdir()
+    teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": FakeTeacher()}
+    argv = ["--task", "products", "--scale", "tiny", "--methods", "rl,rl_tools,opd,opd_tools"]
+    assert demo.main(argv, root=str(tmp_path), runner=in_this_process(monkeypatch), teachers=teachers) == 0
+    saved = json.load(open(tmp_path / demo.PRODUCTS.save_dir / "demo.json"))
+    rows = {r["name"]: r for r in saved["rows"]}
+    scale = demo.SCALES["products"]["tiny"]
+    student = demo.student_name(scale, scale.snapshots[0])
+    assert "--tools calculator" in rows[student]["commands"][-1] and "--tools" not in rows[f"{student}_by_hand"][
+        "commands"][-1]
+    for name in ("rl_s1", "rl_tools_s1", "opd_s1", "opd_tools_s1"):
+        assert not rows[name].get("skipped") and rows[name]["steps"] == scale.budget_steps, name
+        assert rows[name]["versus_start"] is not None and rows[name]["problems"] == 8, name
+        assert ("--tools calculator" in rows[name]["commands"][0]) == name.endswith("tools_s1"), name
+    assert rows["rl_tools_s1"]["versus_base"] is not None and rows["opd_tools_s1"]["versus_base"] is not None
