@@ -528,20 +528,26 @@ def in_this_process(monkeypatch):
 # both serve the rule-based teacher on the demo's fixed port (demo.RULE_PORT, in the commands): one worker runs them
 @pytest.mark.xdist_group("rule_port")
 @pytest.mark.slow
+def tiny_table(tmp_path, monkeypatch, argv: list[str], task, rule_teacher) -> dict[str, dict]:
+    """The demo run for real with `argv` in a copy of the repository made of links (its checkpoints/ its own), each
+    script as `__main__` in this process, the vLLM rows skipped (their teacher faked unavailable) -> demo.json's
+    rows by name."""
+    for name in os.listdir(ROOT):
+        if name not in ("checkpoints", ".git"):
+            os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "checkpoints").mkdir()
+    teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": rule_teacher}
+    assert demo.main(argv, root=str(tmp_path), runner=in_this_process(monkeypatch), teachers=teachers) == 0
+    saved = json.load(open(tmp_path / task.save_dir / "demo.json"))
+    return {r["name"]: r for r in saved["rows"]}
+
+
 def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     """Every command for real at --scale tiny (the code path, not the numbers), each script run as `__main__` in
     this process, in a copy of the repository made of links (its checkpoints/ its own); the vLLM rows skipped (their
     teacher faked unavailable: tests/test_serving.py proves the served teacher), the rule-based teacher served for
     real."""
-    for name in os.listdir(ROOT):
-        if name not in ("checkpoints", ".git"):
-            os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    (tmp_path / "checkpoints").mkdir()
-    teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": demo.RuleTeacher()}
-    assert demo.main(["--scale", "tiny"], root=str(tmp_path), runner=in_this_process(monkeypatch),
-                     teachers=teachers) == 0
-    saved = json.load(open(tmp_path / demo.ADDITION.save_dir / "demo.json"))
-    rows = {r["name"]: r for r in saved["rows"]}
+    rows = tiny_table(tmp_path, monkeypatch, ["--scale", "tiny"], demo.ADDITION, demo.RuleTeacher())
     student = f"teacher_step{demo.SCALES['addition']['tiny'].snapshots[0]}"
     assert rows["teacher"]["problems"] == 8 and rows[student]["reverse_kl_to_teacher"] >= 0
     for name in ("kd_s1", "opd_s1", "lf_rule_s1", "rl_s1"):
@@ -556,16 +562,9 @@ def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
 def test_the_long_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     """--task running_sum for real at --scale tiny: the smaller student's own SFT, the curve's exports graded, the
     sampled gradings, the rule-based teacher answering the long task's questions."""
-    for name in os.listdir(ROOT):
-        if name not in ("checkpoints", ".git"):
-            os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    (tmp_path / "checkpoints").mkdir()
-    teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": demo.RuleTeacher()}
     # KD (teacher-forced) and logit-free OPD (rollouts, the rule teacher): the addition's test runs OPD and RL
     argv = ["--task", "running_sum", "--scale", "tiny", "--methods", "kd,lf_rule"]
-    assert demo.main(argv, root=str(tmp_path), runner=in_this_process(monkeypatch), teachers=teachers) == 0
-    saved = json.load(open(tmp_path / demo.RUNNING_SUM.save_dir / "demo.json"))
-    rows = {r["name"]: r for r in saved["rows"]}
+    rows = tiny_table(tmp_path, monkeypatch, argv, demo.RUNNING_SUM, demo.RuleTeacher())
     scale = demo.SCALES["running_sum"]["tiny"]
     student = demo.student_name(scale, scale.snapshots[0])
     assert rows[student]["sampled"]["n"] == scale.sampled and rows["teacher"]["problems"] == 8
@@ -676,15 +675,8 @@ def test_the_tool_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     """--task products for real at --scale tiny: the student chosen and graded with the calculator and graded by
     hand too, RL and OPD with the calculator (multi-turn) tested against the student with it and against the same
     method without it, the methods without it against the student by hand."""
-    for name in os.listdir(ROOT):
-        if name not in ("checkpoints", ".git"):
-            os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    (tmp_path / "checkpoints").mkdir()
-    teachers = {"vllm": FakeTeacher(unavailable="vLLM faked unavailable"), "rule": FakeTeacher()}
     argv = ["--task", "products", "--scale", "tiny", "--methods", "rl,rl_tools,opd,opd_tools"]
-    assert demo.main(argv, root=str(tmp_path), runner=in_this_process(monkeypatch), teachers=teachers) == 0
-    saved = json.load(open(tmp_path / demo.PRODUCTS.save_dir / "demo.json"))
-    rows = {r["name"]: r for r in saved["rows"]}
+    rows = tiny_table(tmp_path, monkeypatch, argv, demo.PRODUCTS, FakeTeacher())
     scale = demo.SCALES["products"]["tiny"]
     student = demo.student_name(scale, scale.snapshots[0])
     assert "--tools calculator" in rows[student]["commands"][-1] and "--tools" not in rows[f"{student}_by_hand"][
