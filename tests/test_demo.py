@@ -525,9 +525,6 @@ def in_this_process(monkeypatch):
     return run
 
 
-# both serve the rule-based teacher on the demo's fixed port (demo.RULE_PORT, in the commands): one worker runs them
-@pytest.mark.xdist_group("rule_port")
-@pytest.mark.slow
 def tiny_table(tmp_path, monkeypatch, argv: list[str], task, rule_teacher) -> dict[str, dict]:
     """The demo run for real with `argv` in a copy of the repository made of links (its checkpoints/ its own), each
     script as `__main__` in this process, the vLLM rows skipped (their teacher faked unavailable) -> demo.json's
@@ -542,6 +539,9 @@ def tiny_table(tmp_path, monkeypatch, argv: list[str], task, rule_teacher) -> di
     return {r["name"]: r for r in saved["rows"]}
 
 
+# both serve the rule-based teacher on the demo's fixed port (demo.RULE_PORT, in the commands): one worker runs them
+@pytest.mark.xdist_group("rule_port")
+@pytest.mark.slow
 def test_the_demo_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     """Every command for real at --scale tiny (the code path, not the numbers), each script run as `__main__` in
     this process, in a copy of the repository made of links (its checkpoints/ its own); the vLLM rows skipped (their
