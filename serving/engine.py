@@ -100,31 +100,37 @@ class CompletionServer:
                  seeds: Sequence[int], eos_token_id: int | list[int], pad_token_id: int, **sampling) -> GenerateOutput:
         """`model.generate`'s contract for left-padded prompts: (B, R) completion ids with pad after each row's EOS
         and the mask through the first EOS; R is the longest completion. One request per row, seeded by `seeds`
-        (`sampling`: `sample_tokens`'s settings)."""
+        (`sampling`: `sample_rows`' settings)."""
         completions = self.sample_tokens(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
                                          eos_token_id=eos_token_id, **sampling)
         return completions_output(prompt_ids, [ids for ids, _ in completions], eos_token_id, pad_token_id)
 
     def sample_tokens(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, *,
-                      seeds: Sequence[int], do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
-                      top_p: float = 1.0, eos_token_id: int | list[int], vocab_size: int,
-                      model_vocab_size: int) -> list[tuple[list[int], list[float]]]:
-        """The requests alone: each row's completion token ids as the server returned them (through its EOS or
-        `max_new_tokens`), and the log-probability the server drew each with (at the temperature, after top-k /
-        top-p and the logit bias: a server started with --logprobs-mode processed_logprobs, as
-        serving/vllm_launch.py starts it). Plain lists, no tensor work: what a background thread can do
-        (trainer/rollouts/queue.py)."""
-        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+                      seeds: Sequence[int], **sampling) -> list[tuple[list[int], list[float]]]:
+        """`sample_rows` for left-padded prompts, each row with the whole `max_new_tokens`."""
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        return self.sample_rows(rows, [max_new_tokens] * len(rows), seeds=seeds, **sampling)
+
+    def sample_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seeds: Sequence[int],
+                    do_sample: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                    eos_token_id: int | list[int], vocab_size: int,
+                    model_vocab_size: int) -> list[tuple[list[int], list[float]]]:
+        """The requests alone, one per row, its token ids the request's prompt (never text: a multi-turn rollout's
+        conversation so far is continued token for token) and at most its `max_new_tokens[i]` sampled: each row's
+        completion token ids as the server returned them (through its EOS or the budget), and the log-probability
+        the server drew each with (at the temperature, after top-k / top-p and the logit bias: a server started with
+        --logprobs-mode processed_logprobs, as serving/vllm_launch.py starts it). Plain lists, no tensor work: what
+        a background thread can do (trainer/rollouts/queue.py)."""
+        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         padding_rows = {str(i): -100.0 for i in range(vocab_size, model_vocab_size)}
         payloads = [{
-            "model": self.model, "prompt": row, "max_tokens": max_new_tokens, "n": 1, "seed": int(seed),
+            "model": self.model, "prompt": list(map(int, row)), "max_tokens": int(budget), "n": 1, "seed": int(seed),
             "temperature": temperature if do_sample else 0.0, "top_p": top_p if do_sample else 1.0,
             "top_k": top_k if do_sample else 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "ignore_eos": True, "stop_token_ids": eos_ids,
             "logit_bias": padding_rows, "logprobs": 0,
             "return_token_ids": True, "skip_special_tokens": False,
-        } for row, seed in zip(rows, seeds)]
+        } for row, budget, seed in zip(prompts, max_new_tokens, seeds)]
         return self._post_all(payloads, _sampled_tokens)
 
     # -- scoring -------------------------------------------------------------------------------------------------------
