@@ -123,8 +123,9 @@ def roll_out(num_rows: int, sample_turn: Callable[[int, list[int], list[list[int
     `sample_turn(t, rows, conversations)` -> each row's turn (`conversations[i]`: row rows[i]'s tokens after its
     prompt so far, the engine continues from them token for token). A turn that ends with EOS and calls tools gets
     `respond(turn_ids)` appended and the row goes on; a row ends at a turn without calls, a turn without EOS, at
-    `max_turns` turns, or when its next results would pass `max_new_tokens` (tokens after the prompt, sampled and
-    results together). A turn longer than the row's budget left is cut to it."""
+    `max_turns` turns, or when its next results would leave no token of `max_new_tokens` (tokens after the prompt,
+    sampled and results together) to its next turn. A turn longer than the row's budget left is cut to it (a
+    sampler may stop it there: every row going on has a token left)."""
     conversations = [Conversation() for _ in range(num_rows)]
     going = list(range(num_rows))
     for turn in range(max_turns):
@@ -143,7 +144,7 @@ def roll_out(num_rows: int, sample_turn: Callable[[int, list[int], list[list[int
             conversation.turns += 1
             ended = not ids or ids[-1] != eos_token_id or turn + 1 == max_turns
             results = None if ended else respond(ids)
-            if results is None or len(results) > left - len(ids):
+            if results is None or len(results) >= left - len(ids):
                 continue
             conversation.ids += results
             conversation.sampled += [0] * len(results)
@@ -171,4 +172,20 @@ def engine_turns(model, prompts: Sequence[list[int]], seeds: Sequence[int] | Non
         turns = generate_ids(model, [list(prompts[r]) + c for r, c in zip(rows, conversations)], max_new_tokens,
                              pad_token_id, generator=generators, **options)
         return [(ids, None) for ids in turns]
+    return sample_turn
+
+
+def served_turns(server, prompts: Sequence[list[int]], seeds: Sequence[int] | None, max_new_tokens: int,
+                 **sampling) -> Callable[[int, list[int], list[list[int]]], list[Turn]]:
+    """roll_out's sampler on a completion server (serving.engine.CompletionServer, e.g. vLLM): turn t of rows `rows`
+    is one request per row whose prompt is the row's prompt and conversation so far as token ids -- the server
+    continues exactly the tokens sampled and appended, it never re-renders text (the template is not append-only:
+    the module's docstring) -- for at most the row's budget left, seeded turn_seed(seeds[r], t) as engine_turns'
+    generators are (`seeds` None: greedy, `sampling` with do_sample False). Each turn comes back with the
+    log-probability the server drew each token with. `sampling`: the server's sample_rows settings."""
+    def sample_turn(turn: int, rows: list[int], conversations: list[list[int]]) -> list[Turn]:
+        # greedy: a seed draws nothing, any will do
+        turn_seeds = [0] * len(rows) if seeds is None else [turn_seed(seeds[r], turn) for r in rows]
+        return server.sample_rows([list(prompts[r]) + c for r, c in zip(rows, conversations)],
+                                  [max_new_tokens - len(c) for c in conversations], seeds=turn_seeds, **sampling)
     return sample_turn

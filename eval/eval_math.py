@@ -53,7 +53,7 @@ from common.files import atomic_write, check_writable  # noqa: E402
 from dataset.collators import PromptCollator  # noqa: E402
 from dataset.make_demo_data import ensure_demo_data  # noqa: E402
 from dataset.sources import RowDataset  # noqa: E402
-from dataset.tool_conversation import ToolResponder, engine_turns, roll_out  # noqa: E402
+from dataset.tool_conversation import ToolResponder, engine_turns, roll_out, served_turns  # noqa: E402
 from eval.grader import grade, problem_interval, wilson_interval  # noqa: E402
 from model import DTYPES, Decoder, Qwen3ForCausalLM, generate, load_pretrained, load_tokenizer  # noqa: E402
 from model.generate import DECODE_CHOICES, default_decode  # noqa: E402
@@ -117,13 +117,14 @@ def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor,
                    max_turns: int = 1) -> list[Completion]:
     """One batch of completions, from the model (one generate call over the left-padded batch, `decoder`'s decode
     step) or from the server that serves it (one request per row). temperature 0 is greedy. With a `responder`
-    (--tools) multi-turn conversations in the built-in engine, as the loops roll them out (docs/tools.md): each
-    completion is the model's own tokens, every turn's, which are graded. (Tests replace this function.)"""
+    (--tools) multi-turn conversations, in the built-in engine or on the server, as the loops roll them out
+    (docs/tools.md): each completion is the model's own tokens, every turn's, which are graded. (Tests replace this
+    function.)"""
     sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0, top_p=top_p,
                     eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
     if responder is not None:
         return conversation_batch(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, seeds if
-                                  temperature > 0 else None, responder, max_turns, decoder, sampling)
+                                  temperature > 0 else None, responder, max_turns, decoder, sampling, server)
     if server is not None:
         out = server.generate(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
                               model_vocab_size=model.config.vocab_size, **sampling)
@@ -139,12 +140,18 @@ def complete_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor,
 
 def conversation_batch(model: Qwen3ForCausalLM, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        max_new_tokens: int, seeds: Sequence[int] | None, responder: ToolResponder, max_turns: int,
-                       decoder: Decoder | None, sampling: dict) -> list[Completion]:
-    """complete_batch with tools: each row's conversation (`seeds` None: greedy), its own tokens decoded."""
+                       decoder: Decoder | None, sampling: dict,
+                       server: CompletionServer | None = None) -> list[Completion]:
+    """complete_batch with tools: each row's conversation (`seeds` None: greedy), its own tokens decoded; each turn
+    from the model or, given a `server` serving it, continued there from the conversation's token ids."""
     prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
     options = {k: v for k, v in sampling.items() if k != "pad_token_id"}
-    sample_turn = engine_turns(model, prompts, seeds, max_new_tokens, tokenizer.pad_token_id, decoder=decoder,
-                               **options)
+    if server is None:
+        sample_turn = engine_turns(model, prompts, seeds, max_new_tokens, tokenizer.pad_token_id, decoder=decoder,
+                                   **options)
+    else:
+        sample_turn = served_turns(server, prompts, seeds, max_new_tokens, model_vocab_size=model.config.vocab_size,
+                                   **options)
     conversations = roll_out(len(prompts), sample_turn, responder, max_new_tokens, max_turns, tokenizer.eos_token_id)
     completions = []
     for conversation in conversations:
@@ -374,8 +381,6 @@ def validate_tool_args(args: argparse.Namespace) -> None:
         refuse(f"--tools {args.tools}: no tool named {', '.join(unknown)} (built in: {', '.join(BUILTIN_TOOLS)})")
     if args.max_turns < 1:
         refuse(f"--max_turns must be >= 1, got {args.max_turns}")
-    if args.tools and args.server_url:
-        refuse("--tools: multi-turn answers run in the built-in engine for now; drop --server_url")
 
 
 def output_paths(out: str | None, model_path: str, data_path: str) -> tuple[str, str]:

@@ -100,31 +100,37 @@ class CompletionServer:
                  seeds: Sequence[int], eos_token_id: int | list[int], pad_token_id: int, **sampling) -> GenerateOutput:
         """`model.generate`'s contract for left-padded prompts: (B, R) completion ids with pad after each row's EOS
         and the mask through the first EOS; R is the longest completion. One request per row, seeded by `seeds`
-        (`sampling`: `sample_tokens`'s settings)."""
+        (`sampling`: `sample_rows`' settings)."""
         completions = self.sample_tokens(prompt_ids, prompt_mask, max_new_tokens, seeds=seeds,
                                          eos_token_id=eos_token_id, **sampling)
         return completions_output(prompt_ids, [ids for ids, _ in completions], eos_token_id, pad_token_id)
 
     def sample_tokens(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, *,
-                      seeds: Sequence[int], do_sample: bool = True, temperature: float = 1.0, top_k: int = 0,
-                      top_p: float = 1.0, eos_token_id: int | list[int], vocab_size: int,
-                      model_vocab_size: int) -> list[tuple[list[int], list[float]]]:
-        """The requests alone: each row's completion token ids as the server returned them (through its EOS or
-        `max_new_tokens`), and the log-probability the server drew each with (at the temperature, after top-k /
-        top-p and the logit bias: a server started with --logprobs-mode processed_logprobs, as
-        serving/vllm_launch.py starts it). Plain lists, no tensor work: what a background thread can do
-        (trainer/rollouts/queue.py)."""
-        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+                      seeds: Sequence[int], **sampling) -> list[tuple[list[int], list[float]]]:
+        """`sample_rows` for left-padded prompts, each row with the whole `max_new_tokens`."""
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        return self.sample_rows(rows, [max_new_tokens] * len(rows), seeds=seeds, **sampling)
+
+    def sample_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, seeds: Sequence[int],
+                    do_sample: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                    eos_token_id: int | list[int], vocab_size: int,
+                    model_vocab_size: int) -> list[tuple[list[int], list[float]]]:
+        """The requests alone, one per row, its token ids the request's prompt (never text: a multi-turn rollout's
+        conversation so far is continued token for token) and at most its `max_new_tokens[i]` sampled: each row's
+        completion token ids as the server returned them (through its EOS or the budget), and the log-probability
+        the server drew each with (at the temperature, after top-k / top-p and the logit bias: a server started with
+        --logprobs-mode processed_logprobs, as serving/vllm_launch.py starts it). Plain lists, no tensor work: what
+        a background thread can do (trainer/rollouts/queue.py)."""
+        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         padding_rows = {str(i): -100.0 for i in range(vocab_size, model_vocab_size)}
         payloads = [{
-            "model": self.model, "prompt": row, "max_tokens": max_new_tokens, "n": 1, "seed": int(seed),
+            "model": self.model, "prompt": list(map(int, row)), "max_tokens": int(budget), "n": 1, "seed": int(seed),
             "temperature": temperature if do_sample else 0.0, "top_p": top_p if do_sample else 1.0,
             "top_k": top_k if do_sample else 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "ignore_eos": True, "stop_token_ids": eos_ids,
             "logit_bias": padding_rows, "logprobs": 0,
             "return_token_ids": True, "skip_special_tokens": False,
-        } for row, seed in zip(rows, seeds)]
+        } for row, budget, seed in zip(prompts, max_new_tokens, seeds)]
         return self._post_all(payloads, _sampled_tokens)
 
     # -- scoring -------------------------------------------------------------------------------------------------------
@@ -138,15 +144,15 @@ class CompletionServer:
         return self._post_all(payloads, _prompt_logprobs)
 
     def completion_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                            completion_lengths: Sequence[int]) -> torch.Tensor:
-        """Left-padded rows whose last `completion_lengths[i]` attended tokens are a completion -> the served
-        model's log-probabilities of those tokens, row after row: ((sum of lengths,), fp32, on input_ids' device),
-        in the order the loss takes its label positions."""
+                            targets: torch.Tensor) -> torch.Tensor:
+        """Rows of token ids (`attention_mask` on each row's tokens, any padding) and `targets`, (B, T) bool on the
+        tokens to score -- a completion's, or a multi-turn conversation's sampled tokens, which tool results
+        interleave (never a row's first token) -> the served model's log-probabilities of those tokens, row after
+        row: ((number of targets,), fp32, on input_ids' device), in the order the loss takes its label positions."""
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
         served = self.prompt_logprobs(rows)
-        parts = [logprobs[len(logprobs) - n:] if n else logprobs[:0]
-                 for logprobs, n in zip(served, map(int, completion_lengths))]
-        return torch.cat(parts).to(input_ids.device)
+        picks = scored_positions(targets, attention_mask)
+        return torch.cat([logprobs[pick] for logprobs, pick in zip(served, picks)]).to(input_ids.device)
 
     def prompt_topk_logprobs(self, sequences: Sequence[Sequence[int]], k: int
                              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -159,16 +165,17 @@ class CompletionServer:
                     for ids in sequences]
         return self._post_all(payloads, lambda body: _prompt_topk_logprobs(body, k))
 
-    def completion_topk_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                 completion_lengths: Sequence[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`completion_logprobs` with the top-k: at each completion position the ids of the teacher's top-k tokens
-        plus the sampled one, and its log-probabilities of them, row after row: ((sum of lengths, k+1) int64,
-        (sum of lengths, k+1) fp32), on input_ids' device."""
+    def completion_topk_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
+                                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`completion_logprobs` with the top-k: at each target position the ids of the teacher's top-k tokens plus
+        the sampled one, and its log-probabilities of them, row after row: ((number of targets, k+1) int64, (number
+        of targets, k+1) fp32), on input_ids' device."""
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
         served = self.prompt_topk_logprobs(rows, k)
-        ids = [i[len(i) - n:] if n else i[:0] for (i, _), n in zip(served, map(int, completion_lengths))]
-        logprobs = [v[len(v) - n:] if n else v[:0] for (_, v), n in zip(served, map(int, completion_lengths))]
-        return torch.cat(ids).to(input_ids.device), torch.cat(logprobs).to(input_ids.device)
+        picks = scored_positions(targets, attention_mask)
+        ids = torch.cat([i[pick] for (i, _), pick in zip(served, picks)])
+        logprobs = torch.cat([v[pick] for (_, v), pick in zip(served, picks)])
+        return ids.to(input_ids.device), logprobs.to(input_ids.device)
 
     def check_topk(self, k: int, probe_ids: Sequence[int]) -> None:
         """Refuse at once a server that will not return k prompt log-probabilities per position (vLLM's
@@ -217,6 +224,12 @@ def open_checked_server(base_url: str, model: str, *, what: str, max_length: int
         if topk:
             server.check_topk(topk, probe_token_ids(tokenizer))  # its --max-logprobs >= K
     return server
+
+
+def scored_positions(targets: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per row, which of its prompt log-probabilities (tokens 1 .. len-1 of its attended tokens, `prompt_logprobs`)
+    are of a target token: (len-1,) bool."""
+    return [row[mask.bool()][1:] for row, mask in zip(targets.cpu(), attention_mask.cpu())]
 
 
 def completions_output(prompt_ids: torch.Tensor, completions: Sequence[Sequence[int]], eos_token_id: int | list[int],

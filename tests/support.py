@@ -112,8 +112,9 @@ class Allocations(TorchDispatchMode):
         return out
 
 
-def tool_agent_model(seed: int = 0):
-    """A tiny untied Qwen3 (the real vocabulary) that plays an agent: every token's embedding is one shared vector
+def tool_agent_model(seed: int = 0, config: dict = TINY_CONFIG):
+    """A tiny untied Qwen3 of `config`'s shape (the real vocabulary; SERVED_CONFIG's for a vLLM server) that plays an
+    agent: every token's embedding is one shared vector
     plus a third of its random one, so every position computes about the same final hidden state h, and the head's
     rows are set along h so that at any position (temperature 1) EOS has probability ~0.36, `<tool_call>` ~0.24,
     seven ordinary tokens ~0.40 between them and the rest of the vocabulary ~1e-5: short turns, about half of them
@@ -124,7 +125,7 @@ def tool_agent_model(seed: int = 0):
     gradients would be zero up to rounding, which Adam's first steps blow up to whole updates."""
     from model import Qwen3Config, create_model
     from model.tokenizer import load_tokenizer
-    model = create_model(Qwen3Config.from_dict({**TINY_CONFIG, "tie_word_embeddings": False}), seed=seed)
+    model = create_model(Qwen3Config.from_dict({**config, "tie_word_embeddings": False}), seed=seed)
     tokenizer = load_tokenizer(None)
     with torch.no_grad():
         embeddings = model.model.embed_tokens.weight

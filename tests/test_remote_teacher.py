@@ -1,7 +1,8 @@
 # python -m pytest tests/test_remote_teacher.py
 """OPD with the teacher on a real vLLM CPU server (--teacher_url): its log-probabilities of the student's samples
-replace the local teacher's, exactly. The servers come from the session fixture `vllm_servers`
-(tests/vllm_servers.py); without a vLLM environment the server tests skip, saying how to make one."""
+(with tools: of a conversation's own tokens, between its tool results) replace the local teacher's, exactly. The
+servers come from the session fixture `vllm_servers` (tests/vllm_servers.py); without a vLLM environment the server
+tests skip, saying how to make one."""
 import contextlib
 import json
 import os
@@ -13,13 +14,16 @@ import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX, build_sequences
+from dataset.tool_conversation import Conversation, ToolResponder
 from loop_helpers import (assert_one_line_error, checkpoint_step, kill_after_first_checkpoint, loop_args,
                           max_weight_diff, metrics, script_exit, weights, without_timing)
 from model import generate, load_pretrained, load_tokenizer
 from serving.engine import CompletionServer
 from support import ROOT, SERVED_CONFIG, give_another_tokenizer, write_chat_jsonl
+from tools import answerer
 from trainer.losses.topk_divergence import topk_support
 from trainer.losses.divergences import Divergence, evaluation_divergence
+from trainer.rollouts.tool_turns import conversation_sequences
 from trainer.teachers.parts import teacher_scores
 from trainer.train_opd import main as train_opd
 from vllm_servers import TcpProxy, dies_before_call, free_port
@@ -206,6 +210,37 @@ def test_served_top_k_equals_the_local_teachers(vllm_servers):
         local = {int(i): float(v) for i, v in zip(local_ids[n], local_logprobs[n]) if i >= 0}
         assert served.keys() == local.keys() and int(targets[n]) in served
         assert max(abs(served[i] - local[i]) for i in served) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_served_teacher_scores_exactly_the_students_own_tokens_of_a_conversation(vllm_servers):
+    """With --tools the labelled tokens are the student's turns, between which the tool results lie (they are not the
+    rows' last tokens): the served teacher's log-probabilities and top-8 of exactly those tokens are the local
+    teacher's (fp32: 1e-4)."""
+    tokenizer = load_tokenizer(None)
+    teacher = load_pretrained(vllm_servers.teacher_dir)
+    call = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+                            '<|im_end|>')
+    results = ToolResponder(tokenizer, answerer(["calculator"]), enable_thinking=False)(call)
+    answer = tokenizer.encode("6 * 7 = 42. \\boxed{42}<|im_end|>")
+    conversation = Conversation(call + results + answer, [1] * len(call) + [0] * len(results) + [1] * len(answer))
+    prompts = [tokenizer.encode(f"<|im_start|>user\nWhat is {i} * 7?<|im_end|>\n<|im_start|>assistant\n")
+               for i in (6, 16)]
+    sequences = conversation_sequences(prompts, [conversation] * 2, tokenizer.pad_token_id, "cpu")
+    server = CompletionServer(vllm_servers.teacher.url, "teacher", what="teacher server")
+    hidden = teacher_scores(Divergence("jsd"), teacher, None, contextlib.nullcontext, *sequences)
+    logits = hidden @ teacher.lm_head.weight[:len(tokenizer)].T
+    targets = sequences[2][sequences[2] != IGNORE_INDEX]
+    assert targets.tolist() == (call + answer) * 2
+    local = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    served = teacher_scores(Divergence("sampled_kl"), None, server, contextlib.nullcontext, *sequences)
+    assert served.shape == local.shape and (served - local).abs().max().item() < 1e-4
+    ids, logprobs = teacher_scores(Divergence("topk", topk=8), None, server, contextlib.nullcontext, *sequences)
+    local_ids, local_logprobs = topk_support(logits, targets, 8)
+    for n in range(targets.numel()):
+        served_k = {int(i): float(v) for i, v in zip(ids[n], logprobs[n]) if i >= 0}
+        local_k = {int(i): float(v) for i, v in zip(local_ids[n], local_logprobs[n]) if i >= 0}
+        assert served_k.keys() == local_k.keys() and max(abs(served_k[i] - local_k[i]) for i in served_k) < 1e-4
 
 
 def initial_weights(files, tmp_path) -> dict:

@@ -1,17 +1,22 @@
 # python -m pytest -q -n 0 tests/test_tool_rollouts.py
 """Multi-turn rollouts with tools (dataset/tool_conversation.py's roll_out, trainer/rollouts/tool_turns.py): the
-turns' bookkeeping against a scripted sampler; in the built-in engine each turn continues the conversation token for
-token, a row's conversation does not depend on its batch-mates, and a conversation that ends after one turn is the
-single-turn rollout; and the mask: in a two-call conversation built by hand, exactly the student's tokens carry the
-OPD loss, the teacher's score, the KL and the token counts (float64 references over those positions alone)."""
+turns' bookkeeping against a scripted sampler; on a (stub) rollout server each turn asks for the conversation's token
+ids, the budget left and the turn's seed, and a conversation kept as the rollout queue keeps it rebuilds its
+sequence, labels and log-probabilities exactly (the real server: tests/test_served_tools.py); in the built-in engine
+each turn continues the conversation token for token, a row's conversation does not depend on its batch-mates, and
+a conversation that ends after one turn is the single-turn rollout; and the mask: in a two-call conversation built
+by hand, exactly the student's tokens carry the OPD loss, the teacher's score, the KL and the token counts (float64
+references over those positions alone)."""
 import contextlib
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dataset.collators import IGNORE_INDEX, PromptCollator
 from dataset.sources import RowDataset
-from dataset.tool_conversation import Conversation, ToolResponder, roll_out, turn_seed
+from dataset.tool_conversation import Conversation, ToolResponder, roll_out, served_turns, turn_seed
 from loop_helpers import assert_one_line_error, loop_args, metrics, script_exit
 from model import Qwen3Config, create_model, load_pretrained, load_tokenizer, save_pretrained
 from model.generate import Decoder, generate_ids
@@ -20,7 +25,8 @@ from tools import CALCULATOR, ToolRegistry, run_tool_call
 from trainer.losses.chunked import completion_hidden
 from trainer.losses.closed_forms import generalized_jsd_loss
 from trainer.rollouts import source
-from trainer.rollouts.tool_turns import conversation_sequences, sample_conversations
+from trainer.rollouts.tool_turns import (conversation_sequences, kept_conversation, kept_sample,
+                                        sample_conversations)
 
 EOS = 151645
 
@@ -54,10 +60,101 @@ def test_roll_out_appends_results_after_calls_and_stops_each_row_for_its_own_rea
 def test_roll_out_keeps_every_conversation_within_its_budget():
     respond = lambda ids: [7, 7, 7]  # noqa: E731
     turns = {(0, 0): [1, EOS], (0, 1): [2, 2, 2, 2, 2, EOS],   # the second turn is cut at the budget
-             (1, 0): [1, 1, 1, 1, 1, EOS]}                      # its results would pass the budget: done
-    out = roll_out(2, scripted(turns, []), respond, max_new_tokens=8, max_turns=4, eos_token_id=EOS)
+             (1, 0): [1, 1, 1, 1, 1, EOS],                      # its results would pass the budget: done
+             (2, 0): [1, 1, 1, 1, EOS]}                         # they would fill it, no token left to a turn: done
+    seen = []
+    out = roll_out(3, scripted(turns, seen), respond, max_new_tokens=8, max_turns=4, eos_token_id=EOS)
     assert out[0].ids == [1, EOS, 7, 7, 7, 2, 2, 2] and out[0].sampled == [1, 1, 0, 0, 0, 1, 1, 1]
     assert out[1].ids == [1, 1, 1, 1, 1, EOS] and out[1].turns == 1
+    assert out[2].ids == [1, 1, 1, 1, EOS] and out[2].turns == 1
+    assert [rows for _, rows, _ in seen] == [[0, 1, 2], [0]]  # every row asked for a turn has a token left
+
+
+# --- on a rollout server: what each turn asks of it (a stub server) and how its conversations are kept ---
+
+CALLER = 99  # a turn holding it calls a tool, answered [7, 7]
+
+
+def stub_turn(path: str, body: dict) -> tuple[int, dict]:
+    """A stub rollout server's turn: a row whose prompt starts with token c calls c % 3 times ([10 + k, CALLER,
+    EOS]), then answers [20, EOS]; cut at max_tokens. Each token's log-probability is minus its position in the
+    sequence (prompt and conversation so far) / 1000: a wrong order of the log-probabilities shows."""
+    prompt = body["prompt"]
+    calls = prompt.count(CALLER)
+    ids = ([10 + calls, CALLER, EOS] if calls < prompt[0] % 3 else [20, EOS])[:body["max_tokens"]]
+    logprobs = [-(len(prompt) + k) / 1000 for k in range(len(ids))]
+    return 200, {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": logprobs}}]}
+
+
+@pytest.fixture
+def turn_server(monkeypatch):
+    from serving.engine import CompletionServer
+    from stub_server import Stub
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    stub = Stub(stub_turn)
+    yield stub, CompletionServer(stub.url, "student", what="rollout server")
+    stub.close()
+
+
+SERVED_PROMPTS = [[2, 5, 6], [0, 5], [1, 8, 9, 10]]  # 2 calls (the last turn cut at the budget), none, one
+
+
+def served_conversations(server, seeds=(11, 12, 13), max_new_tokens=11) -> list[Conversation]:
+    respond = lambda ids: [7, 7] if CALLER in ids else None  # noqa: E731
+    sample_turn = served_turns(server, SERVED_PROMPTS, list(seeds), max_new_tokens, eos_token_id=EOS, vocab_size=100,
+                               model_vocab_size=100)
+    return roll_out(len(SERVED_PROMPTS), sample_turn, respond, max_new_tokens, 4, EOS)
+
+
+def turn_starts(conversation: Conversation) -> list[int]:
+    return [k for k, s in enumerate(conversation.sampled) if s and (k == 0 or not conversation.sampled[k - 1])]
+
+
+def test_each_served_turn_continues_the_conversations_token_ids_with_its_budget_left_and_turn_seed(turn_server):
+    stub, server = turn_server
+    out = served_conversations(server)
+    assert [c.ids for c in out] == [[10, CALLER, EOS, 7, 7, 11, CALLER, EOS, 7, 7, 20], [20, EOS],
+                                    [10, CALLER, EOS, 7, 7, 20, EOS]]
+    assert [c.turns for c in out] == [3, 1, 2]
+    # one request per row and turn: the prompt and the conversation so far as token ids, the budget left, the seed
+    expected = sorted((tuple(prompt + c.ids[:start]), 11 - start, turn_seed(seed, t))
+                      for prompt, c, seed in zip(SERVED_PROMPTS, out, (11, 12, 13))
+                      for t, start in enumerate(turn_starts(c)))
+    assert sorted((tuple(b["prompt"]), b["max_tokens"], b["seed"]) for _, b in stub.posts) == expected
+    # each sampled token's log-probability, as the server drew it, in order
+    assert out[0].logprobs == [-(3 + k) / 1000 for k in (0, 1, 2, 5, 6, 7, 10)]
+
+
+def test_a_kept_conversation_rebuilds_its_sequence_mask_and_log_probabilities_exactly(turn_server, tmp_path):
+    """The rollout queue keeps a served conversation as (ids, log-probabilities, NaN on the tool results) -- the
+    single-turn samples' form -- and a checkpoint saves it: the resumed run rebuilds the conversation, its training
+    sequence (labels on every sampled token, not cut at the first EOS) and the server's log-probabilities of exactly
+    the labelled tokens, in completion_hidden's order."""
+    _, server = turn_server
+    out = served_conversations(server)
+    samples = [kept_sample(c) for c in out]
+    assert [math.isnan(x) for x in samples[0][1]] == [not s for s in out[0].sampled]
+    torch.save({"rows": samples}, tmp_path / "kept.pt")  # as the resume file holds them
+    resumed = torch.load(tmp_path / "kept.pt", weights_only=False)["rows"]
+    assert [kept_conversation(sample) for sample in resumed] == out
+    batch, tokenizer = left_padded(SERVED_PROMPTS), load_tokenizer(None)
+    input_ids, attention_mask, labels = source.served_sequences(batch, resumed, tokenizer, "cpu", tools=True)
+    expected = conversation_sequences(SERVED_PROMPTS, out, tokenizer.pad_token_id, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip((input_ids, attention_mask, labels), expected))
+    assert int((labels != IGNORE_INDEX).sum()) == sum(sum(c.sampled) for c in out) == 7 + 2 + 5
+    queue = SimpleNamespace(take=lambda step, batch: (resumed, 0))
+    with_tools = SimpleNamespace(queue=queue, responder=object())  # Rollouts' state that `sampler` reads
+    logprobs, version = source.Rollouts.sampler(with_tools, batch, 0, labels)
+    positions = [(row, p) for row, p in (labels[:, 1:] != IGNORE_INDEX).nonzero().tolist()]
+    # the target at label column p + 1 sits at position p + 1 of its row: drawn with log-probability -(p + 1) / 1000
+    assert logprobs.tolist() == pytest.approx([-(p + 1) / 1000 for _, p in positions]) and version == 0
+
+
+def left_padded(prompts: list[list[int]]) -> dict:
+    width = max(map(len, prompts))
+    return {"prompt_ids": torch.tensor([[0] * (width - len(p)) + p for p in prompts]),
+            "prompt_attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +354,7 @@ def test_only_the_students_tokens_carry_the_kl_and_the_opd_term(tiny_config_path
 @pytest.mark.parametrize("script, flags, names", [
     ("rl", {"tools": "calculator,abacus"}, ["--tools", "abacus", "BUILTIN_TOOLS"]),
     ("rl", {"tools": "calculator", "max_turns": 0}, ["--max_turns"]),
-    ("rl", {"tools": "calculator", "fsdp": 1}, ["--tools", "--fsdp 0"]),
+    ("rl", {"tools": "calculator", "fsdp": 1}, ["--fsdp 1", "--rollout_url"]),  # its turns run on the server
     ("opd", {"tools": "calculator", "skd_topk": 4}, ["--tools", "--skd_topk"]),
     ("opd", {"tools": "calculator", "self_teacher": "ema", "privileged_template": "{question} {ground_truth}"},
      ["--tools", "--self_teacher"]),

@@ -220,22 +220,33 @@ def make_counting(model, tokenizer, bigrams: dict[str, str] = COUNTING_BIGRAMS) 
 
 
 @contextlib.contextmanager
-def counting_weights(server: VllmServer, model_dir: str, name: str, folder: str):
-    """`server` (serving `model_dir` as `name`, with the weight-sync extension) holds `make_counting`'s version of
-    model_dir's weights inside the block; model_dir's own weights are pushed back after it."""
-    from model import load_pretrained, load_tokenizer
+def weights_restored(server: VllmServer, model_dir: str, name: str, folder: str):
+    """-> a WeightSync into `server` (serving `model_dir` as `name`, with the weight-sync extension): inside the block
+    it may hold other weights (a test's push, a training run's own), and model_dir's own are pushed back after it, for
+    the tests that expect the weights it started with (the session's teacher server)."""
+    from model import load_pretrained
     from serving.engine import CompletionServer
     from serving.weight_sync import WeightSync
-    model = load_pretrained(model_dir)
-    make_counting(model, load_tokenizer(model_dir))
     client = CompletionServer(server.url, name, what=f"{name} server")
-    sync = WeightSync(client, os.path.join(folder, "counting_weights", "model.safetensors"), [], torch.float32)
-    sync.push(model, 0)
+    sync = WeightSync(client, os.path.join(folder, "pushed_weights", "model.safetensors"), [], torch.float32)
     try:
-        yield server
+        yield sync
     finally:
         sync.push(load_pretrained(model_dir), 0)
         client.close()
+
+
+@contextlib.contextmanager
+def counting_weights(server: VllmServer, model_dir: str, name: str, folder: str,
+                     bigrams: dict[str, str] = COUNTING_BIGRAMS):
+    """`server` (serving `model_dir` as `name`, with the weight-sync extension) holds `make_counting`'s version of
+    model_dir's weights (for `bigrams`) inside the block; model_dir's own weights are pushed back after it."""
+    from model import load_pretrained, load_tokenizer
+    model = load_pretrained(model_dir)
+    make_counting(model, load_tokenizer(model_dir), bigrams)
+    with weights_restored(server, model_dir, name, folder) as sync:
+        sync.push(model, 0)
+        yield server
 
 
 def served_requests(server: VllmServer, path: str) -> int:

@@ -18,7 +18,8 @@ reference the tests compare against).
             completions = rollouts.take(run.step, batch)   # waits for them when they are not there yet
 
 What is sampled is kept in the queue, each row's token ids with the log-probabilities the server drew them with
-(step -> {"version", "rows": {sample_key: (ids, logprobs)}}; RL's rollout correction divides by them); every checkpoint
+(step -> {"version", "rows": {sample_key: (ids, logprobs)}}; RL's rollout correction divides by them; with --tools a
+conversation's ids, NaN on its tool results: trainer/rollouts/tool_turns.py's kept_sample); every checkpoint
 saves a copy (`kept_now`, into `RunState.rollouts`, gathered from all ranks): a resumed run trains on exactly the
 rollouts the killed one had sampled from weights older than its checkpoint, which it no longer has. Only the server's
 requests run in the background thread (plain lists, no tensor work): the trainer's own threads compute

@@ -32,14 +32,16 @@ from model.generate import Speculative
 from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.rollouts.queue import RolloutQueue
-from dataset.tool_conversation import ToolResponder
-from trainer.rollouts.tool_turns import sample_conversations
+from dataset.tool_conversation import ToolResponder, roll_out, served_turns
+from trainer.rollouts.tool_turns import (conversation_sequences, kept_conversation, kept_sample, prompt_rows,
+                                        sample_conversations)
 from trainer.skeleton.distributed import is_main_process, print0
 from trainer.skeleton.loading import sft_collator
 from trainer.skeleton.run import Run
 from trainer.skeleton.window_metrics import WindowMetrics
 
 Sequences = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention_mask, labels (completion only)
+Sample = tuple[list[int], list[float]]  # a served row's token ids and log-probabilities (with tools: kept_sample's)
 
 
 class Rollouts:
@@ -52,8 +54,8 @@ class Rollouts:
         `decoder`: the built-in engine's decode step (--decode: compiled by default on CUDA), which the loop's
         held-out evaluation shares (one compiled step, one held cache). `speculative`: speculative KD's teacher in
         the built-in engine (OPD's --skd_topk), the share of tokens it replaced logged (`skd_replaced_share`).
-        `responder`: the answers to the student's tool calls (--tools): multi-turn rollouts in the built-in engine
-        (trainer/rollouts/tool_turns.py), labels on the student's own tokens only."""
+        `responder`: the answers to the student's tool calls (--tools): multi-turn rollouts, in the built-in engine
+        or on the server (trainer/rollouts/tool_turns.py), labels on the student's own tokens only."""
         args = run.args
         self.args, self.tokenizer, self.server, self.speculative = args, tokenizer, server, speculative
         self.responder = responder
@@ -67,7 +69,7 @@ class Rollouts:
         if server is not None:
             self.weight_sync = WeightSync(server, rollout_weights_path(args), probe_token_ids(tokenizer),
                                           run.precision.compute, active=is_main_process(), say=print0)
-            sample = served_sampler(server, args, tokenizer, self.student.config.vocab_size)
+            sample = served_sampler(server, args, tokenizer, self.student.config.vocab_size, responder)
             self.queue = RolloutQueue(sample, run.state.rollouts, args.max_staleness, overlap=bool(args.overlap))
         run.keep_rollouts(self.kept)  # every save keeps the rollouts sampled ahead for coming steps
 
@@ -94,13 +96,14 @@ class Rollouts:
     def sequences(self, batch: dict, step: int, epoch: int, on_policy: bool, clock) -> Sequences:
         """Steps 1-2 of a micro-batch of optimizer step `step`: its rows' samples (the queue's, waited for when they
         are not there yet, or the built-in engine's), or off-policy the rows' own completions -> input_ids,
-        attention_mask and labels on the completion through its first EOS."""
+        attention_mask and labels on the completion through its first EOS (with tools: on every token the student
+        sampled)."""
         with clock("gen"), self.fail_together(self.server is not None):
             if on_policy and self.queue is not None:
-                completions, version = self.queue.take(step, batch)
+                samples, version = self.queue.take(step, batch)
                 # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
                 self.stats.ratio("staleness", step - version, 1)
-                return served_sequences(batch, [ids for ids, _ in completions], self.tokenizer, self.device)
+                return served_sequences(batch, samples, self.tokenizer, self.device, self.responder is not None)
             if on_policy and self.responder is not None:
                 return sample_conversations(self.student, batch, row_seeds(self.args.seed, batch, epoch),
                                             self.responder, self.args.max_new_tokens, self.args.max_turns,
@@ -114,14 +117,17 @@ class Rollouts:
 
     def sampler(self, batch: dict, step: int, labels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """Served rollouts of `batch` at optimizer step `step` (after `sequences`): the log-probability the server
-        drew each completion token with, in completion_hidden's order (row by row, through each row's first EOS:
-        `labels`' positions), and the step whose weights the server held. None for the built-in engine, whose
-        sampler is the trained student itself."""
+        drew each labelled token with, in completion_hidden's order (row by row: through each row's first EOS, with
+        tools each conversation's sampled tokens, `labels`' positions), and the step whose weights the server held.
+        None for the built-in engine, whose sampler is the trained student itself."""
         if self.queue is None:
             return None
-        completions, version = self.queue.take(step, batch)
-        counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
-        logprobs = [x for (_, row), n in zip(completions, counts) for x in row[:n]]
+        samples, version = self.queue.take(step, batch)
+        if self.responder is not None:
+            logprobs = [x for sample in samples for x in kept_conversation(sample).logprobs]
+        else:
+            counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
+            logprobs = [x for (_, row), n in zip(samples, counts) for x in row[:n]]
         return torch.tensor(logprobs, dtype=torch.float32, device=labels.device), version
 
     def add_to(self, metrics: WindowMetrics) -> None:
@@ -212,20 +218,34 @@ def sample_completions(student, args: argparse.Namespace, tokenizer, batch: dict
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
 
 
-def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer, model_vocab_size: int):
+def served_sampler(server: CompletionServer, args: argparse.Namespace, tokenizer, model_vocab_size: int,
+                   responder: ToolResponder | None = None) -> Callable[[dict, int], list[Sample]]:
     """Step 1 on the rollout server, for the rollout queue: (batch, epoch) -> each row's completion token ids and
-    their sampled log-probabilities, from the weights the server holds (requests only: it runs in the queue's
-    background thread)."""
-    def sample(batch: dict, epoch: int) -> list[tuple[list[int], list[float]]]:
-        return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
-                                    seeds=row_seeds(args.seed, batch, epoch), model_vocab_size=model_vocab_size,
-                                    **sampling_settings(args, tokenizer))
+    their sampled log-probabilities, from the weights the server holds (requests and the tools' answers only: it
+    runs in the queue's background thread). With a `responder` (--tools) each row's conversation, turn by turn on
+    the server, as `kept_sample` keeps it."""
+    settings = dict(model_vocab_size=model_vocab_size, **sampling_settings(args, tokenizer))
+
+    def sample(batch: dict, epoch: int) -> list[Sample]:
+        seeds = row_seeds(args.seed, batch, epoch)
+        if responder is None:
+            return server.sample_tokens(batch["prompt_ids"], batch["prompt_attention_mask"], args.max_new_tokens,
+                                        seeds=seeds, **settings)
+        sample_turn = served_turns(server, prompt_rows(batch), seeds, args.max_new_tokens, **settings)
+        conversations = roll_out(len(seeds), sample_turn, responder, args.max_new_tokens, args.max_turns,
+                                 tokenizer.eos_token_id)
+        return [kept_sample(conversation) for conversation in conversations]
     return sample
 
 
-def served_sequences(batch: dict, completions: list[list[int]], tokenizer, device: str) -> Sequences:
-    """Step 2 for served rollouts: the rows' completion token ids -> input_ids, attention_mask and labels."""
+def served_sequences(batch: dict, samples: list[Sample], tokenizer, device: str, tools: bool = False) -> Sequences:
+    """Step 2 for served rollouts: the rows' samples (`served_sampler`'s) -> input_ids, attention_mask and labels:
+    on each completion through its first EOS, or with `tools` on each conversation's sampled tokens (all its turns:
+    a conversation is not cut at an EOS)."""
+    if tools:
+        conversations = [kept_conversation(sample) for sample in samples]
+        return conversation_sequences(prompt_rows(batch), conversations, tokenizer.pad_token_id, device)
     prompt_ids = batch["prompt_ids"].to(device)
     prompt_mask = batch["prompt_attention_mask"].to(device)
-    out = completions_output(prompt_ids, completions, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    out = completions_output(prompt_ids, [ids for ids, _ in samples], tokenizer.eos_token_id, tokenizer.pad_token_id)
     return build_sequences(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)

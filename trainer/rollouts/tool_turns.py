@@ -1,13 +1,15 @@
-"""Multi-turn rollouts with tools in the built-in engine (--tools): the student samples a turn; a turn that ends
-with EOS and calls tools gets their results and the next generation prompt appended (dataset/tool_conversation.py)
-and the student goes on from there, up to --max_turns turns and --max_new_tokens tokens after the prompt, sampled and
-results together. Only the student's own tokens carry labels: the tool results and the template tokens around them
-are context, masked from the loss, the teachers' scores, the KL terms and every token count, which all read the
-labels. docs/tools.md.
+"""Multi-turn rollouts with tools (--tools), in the built-in engine or on the rollout server (--rollout_url): the
+student samples a turn; a turn that ends with EOS and calls tools gets their results and the next generation prompt
+appended (dataset/tool_conversation.py) and the student goes on from there, up to --max_turns turns and
+--max_new_tokens tokens after the prompt, sampled and results together. Only the student's own tokens carry labels:
+the tool results and the template tokens around them are context, masked from the loss, the teachers' scores, the KL
+terms and every token count, which all read the labels. A served conversation is kept by the rollout queue (and a
+checkpoint) in the single-turn samples' form, token ids and log-probabilities (`kept_sample`). docs/tools.md.
 """
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -29,17 +31,14 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
 
 
 def tool_rules(args: argparse.Namespace) -> list[tuple[bool, str]]:
-    """What --tools cannot go with yet, each with what to do instead (common.errors.refuse_first's form)."""
+    """The --tools flags' rules, each with what to do instead (common.errors.refuse_first's form; what a loop cannot
+    do with tools yet, its own config refuses: trainer/config/opd.py)."""
     a = args
     unknown = unknown_tools(tool_names(a.tools))
     return [
         (bool(unknown), f"--tools {a.tools}: no tool named {', '.join(unknown)} (built in: "
                         f"{', '.join(BUILTIN_TOOLS)}; add your own to tools.BUILTIN_TOOLS, docs/tools.md)"),
         (a.max_turns < 1, f"--max_turns must be >= 1, got {a.max_turns}"),
-        (bool(a.tools) and bool(a.rollout_url), "--tools: multi-turn rollouts run in the built-in engine for now; "
-                                                "drop --rollout_url"),
-        (bool(a.tools) and bool(a.fsdp), "--tools: a sharded student runs every decode step on all ranks together, "
-                                         "which the turns do not yet keep; use DDP (--fsdp 0)"),
     ]
 
 
@@ -56,7 +55,7 @@ def sample_conversations(student, batch: dict, seeds: list[int], responder: Tool
     """Steps 1-2 of a micro-batch with tools in the built-in engine (eval mode, no grad): each row's conversation
     from its prompt (`seeds`: its single-turn seed; `settings`: generate's sampling options) -> input_ids,
     attention_mask and labels on the tokens the student sampled."""
-    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_attention_mask"])]
+    prompts = prompt_rows(batch)
     sample_turn = engine_turns(student, prompts, seeds, max_new_tokens, pad, decoder=decoder, **settings)
     was_training = student.training
     student.eval()
@@ -65,6 +64,11 @@ def sample_conversations(student, batch: dict, seeds: list[int], responder: Tool
                                  settings["eos_token_id"])
     student.train(was_training)
     return conversation_sequences(prompts, conversations, pad, device)
+
+
+def prompt_rows(batch: dict) -> list[list[int]]:
+    """A collated batch's prompts as token ids, their left padding dropped: what a conversation continues."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_attention_mask"])]
 
 
 def conversation_sequences(prompts: list[list[int]], conversations: list[Conversation], pad_token_id: int,
@@ -82,3 +86,21 @@ def conversation_sequences(prompts: list[list[int]], conversations: list[Convers
         sampled = torch.tensor(conversation.sampled, dtype=torch.bool)
         labels[i, len(prompt):len(rows[i])] = torch.tensor(conversation.ids).masked_fill(~sampled, IGNORE_INDEX)
     return input_ids.to(device), attention_mask.to(device), labels.to(device)
+
+
+def kept_sample(conversation: Conversation) -> tuple[list[int], list[float]]:
+    """A served conversation as the rollout queue keeps it, and a checkpoint saves it: its token ids and, aligned
+    with them, the log-probability the server drew each sampled token with, NaN on the tool results' tokens (never
+    drawn). The single-turn samples' form, (ids, log-probabilities), so the queue and the resume file hold both
+    alike and `kept_conversation` rebuilds the conversation exactly."""
+    drawn = iter(conversation.logprobs)
+    return list(conversation.ids), [next(drawn) if sampled else math.nan for sampled in conversation.sampled]
+
+
+def kept_conversation(sample: tuple[list[int], list[float]]) -> Conversation:
+    """`kept_sample`'s inverse: the conversation, its sampled mask, the sampled tokens' log-probabilities and its
+    turns (each a run of sampled tokens: tool results always lie between two turns)."""
+    ids, logprobs = sample
+    sampled = [0 if math.isnan(x) else 1 for x in logprobs]
+    turns = sum(1 for k, s in enumerate(sampled) if s and (k == 0 or not sampled[k - 1]))
+    return Conversation(list(ids), sampled, [x for x in logprobs if not math.isnan(x)], turns)

@@ -17,8 +17,8 @@ class RunState:
     skipped_steps: int = 0           # --dtype float16: steps the GradScaler skipped (their gradients overflowed)
     elapsed_s: float = 0.0           # wall seconds of the run up to its last save, over all its processes
     # served rollouts sampled for coming steps from weights older than these (--max_staleness; this rank's, and
-    # after a resume every rank's): step -> {"version", "rows": {sample key: completion token ids}}
-    # (trainer/rollouts/queue.py's sample_key)
+    # after a resume every rank's): step -> {"version", "rows": {sample key: (token ids, their log-probabilities)}}
+    # (trainer/rollouts/queue.py's sample_key; with --tools a conversation's, trainer/rollouts/tool_turns.py)
     rollouts: dict[int, dict] = field(default_factory=dict)
     # a loop's own state, by name, taken from rank 0 at every save (Run.keep_state: the same on every rank)
     kept: dict[str, object] = field(default_factory=dict)

@@ -26,10 +26,10 @@ def teacher_scores(divergence: Divergence, teacher: torch.nn.Module | None, teac
     forward context (Run.teacher_autocast)."""
     if teacher_server is None:
         return frozen_hidden(teacher, autocast, input_ids, attention_mask, labels)
-    lengths = (labels != IGNORE_INDEX).sum(dim=1)
+    targets = labels != IGNORE_INDEX  # a completion's tokens, or a conversation's own between its tool results
     if divergence.kind == "topk":
-        return teacher_server.completion_topk_logprobs(input_ids, attention_mask, lengths, divergence.topk)
-    return teacher_server.completion_logprobs(input_ids, attention_mask, lengths)
+        return teacher_server.completion_topk_logprobs(input_ids, attention_mask, targets, divergence.topk)
+    return teacher_server.completion_logprobs(input_ids, attention_mask, targets)
 
 
 @dataclass
