@@ -10,7 +10,7 @@ import math
 import pytest
 
 from benchmarks import (bench_activations, bench_data, bench_logit_free, bench_losses, bench_model, bench_opd,
-                        bench_rollout, bench_sync, bench_topk, bench_trl, harness, roofline)
+                        bench_rollout, bench_sync, bench_tool_turns, bench_topk, bench_trl, harness, roofline)
 from common.errors import FlagError, UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the scripts' --threads 1 is torch's global setting
@@ -141,6 +141,17 @@ def test_sampled_generate_the_compiled_decode_step_and_the_lm_head_forms(tmp_pat
     assert [(row["hidden"], row["rows"], row["use"]) for row in results["lm_head"]] == [
         (hidden, 2, use) for hidden in (64, 128, 512) for use in ("sampled", "greedy")]
     assert all(positive(*(value for key, value in row.items() if key.endswith("_ms"))) for row in results["lm_head"])
+
+
+# ---------------------------------------------------------------------------------------------- bench_tool_turns
+
+def test_a_turns_prefill_is_measured_beside_the_whole_turn(tmp_path):
+    argv = ["--config", harness.STUDENT_CONFIG, "--batch", "2", "--turn_tokens", "4", "--repeats", "1", "--threads", "1"]
+    results = measured(bench_tool_turns.main, argv, tmp_path)["results"]
+    assert [(r["context"], r["turn_tokens"]) for r in results] == [("first turn", 4), ("second turn", 4)]
+    first, second = results
+    assert 200 < first["context_tokens"] < second["context_tokens"]  # the calculator's schema; then a call, a result
+    assert all(0 < r["prefill_ms"] and 0 < r["prefill_share"] == r["prefill_ms"] / r["turn_ms"] for r in results)
 
 
 # ---------------------------------------------------------------------------------------------------- bench_opd
