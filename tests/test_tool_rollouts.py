@@ -411,3 +411,25 @@ def test_self_distillation_refuses_rows_with_tool_results(tiny_config_path, tmp_
                      privileged_template="{question} {ground_truth}")
     code, stderr = script_exit(train_opd, argv, capsys)
     assert_one_line_error(code, stderr, 2, "row 0", "tool results", "--teacher_path")
+
+
+def test_turns_and_the_share_of_rollouts_that_read_a_result_are_logged(tmp_path, agent, one_thread):
+    """--tools: each step logs the assistant turns per rollout and the share of rollouts that read a tool's result
+    (a turn is a run of labelled tokens: results lie between turns)."""
+    from trainer.rollouts.tool_turns import add_turn_stats
+    from trainer.skeleton.distributed import DistInfo
+    from trainer.skeleton.window_metrics import WindowMetrics
+    from trainer.train_rl import main as train_rl
+    window = WindowMetrics("cpu")
+    add_turn_stats(window, torch.tensor([[-100, -100, 5, 6, -100, -100, 7, -100], [-100, 3, 4, 5, -100, -100, -100,
+                                                                                    -100]]))
+    reduced, _ = window.reduce(DistInfo())
+    assert reduced["turns"] == 1.5 and reduced["tool_result_share"] == 0.5
+    save_pretrained(agent, str(tmp_path / "agent"))
+    from support import write_chat_jsonl
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 8)
+    train_rl(loop_args(None, data, tmp_path / "run", batch=2, max_steps=2, num_generations=2,
+                       model_path=str(tmp_path / "agent"), tools="calculator", max_new_tokens=64))
+    logged = metrics(tmp_path / "run")
+    assert all(1 <= m["turns"] <= 4 and 0 <= m["tool_result_share"] <= 1 for m in logged)
+    assert any(m["tool_result_share"] > 0 for m in logged), "the agent model should have read a result"

@@ -33,8 +33,8 @@ from serving.engine import CompletionServer, completions_output, probe_token_ids
 from serving.weight_sync import WeightSync
 from trainer.rollouts.queue import RolloutQueue
 from dataset.tool_conversation import ToolResponder, roll_out, served_turns
-from trainer.rollouts.tool_turns import (conversation_sequences, kept_conversation, kept_sample, prompt_rows,
-                                        sample_conversations)
+from trainer.rollouts.tool_turns import (add_turn_stats, conversation_sequences, kept_conversation, kept_sample,
+                                        prompt_rows, sample_conversations)
 from trainer.skeleton.distributed import is_main_process, print0
 from trainer.skeleton.loading import sft_collator
 from trainer.skeleton.run import Run
@@ -103,12 +103,17 @@ class Rollouts:
                 samples, version = self.queue.take(step, batch)
                 # steps the rollouts lag, per optimizer step: averaged over the window's micro-batches and ranks
                 self.stats.ratio("staleness", step - version, 1)
-                return served_sequences(batch, samples, self.tokenizer, self.device, self.responder is not None)
-            if on_policy and self.responder is not None:
-                return sample_conversations(self.student, batch, row_seeds(self.args.seed, batch, epoch),
-                                            self.responder, self.args.max_new_tokens, self.args.max_turns,
-                                            self.device, self.autocast, self.decoder, self.tokenizer.pad_token_id,
-                                            sampling_settings(self.args, self.tokenizer))
+                sequences = served_sequences(batch, samples, self.tokenizer, self.device, self.responder is not None)
+            elif on_policy and self.responder is not None:
+                sequences = sample_conversations(self.student, batch, row_seeds(self.args.seed, batch, epoch),
+                                                 self.responder, self.args.max_new_tokens, self.args.max_turns,
+                                                 self.device, self.autocast, self.decoder,
+                                                 self.tokenizer.pad_token_id, sampling_settings(self.args,
+                                                                                                self.tokenizer))
+            if on_policy and (self.queue is not None or self.responder is not None):
+                if self.responder is not None:
+                    add_turn_stats(self.stats, sequences[2])
+                return sequences
             if on_policy:
                 return sample_completions(self.student, self.args, self.tokenizer, batch, epoch, self.device,
                                           self.autocast, self.decoder, self.speculative, self.stats)

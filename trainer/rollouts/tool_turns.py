@@ -66,6 +66,17 @@ def sample_conversations(student, batch: dict, seeds: list[int], responder: Tool
     return conversation_sequences(prompts, conversations, pad, device)
 
 
+def add_turn_stats(metrics, labels: torch.Tensor) -> None:
+    """A micro-batch of conversations' assistant turns per rollout (`turns`: each turn a run of labelled tokens) and
+    the share of rollouts that read a tool's result (`tool_result_share`: results are appended only before another
+    turn, so a rollout with more than one turn)."""
+    labelled = (labels != IGNORE_INDEX).long()
+    starts = labelled.diff(dim=1, prepend=torch.zeros_like(labelled[:, :1])) == 1
+    turns = starts.sum(dim=1)
+    metrics.ratio("turns", turns.sum(), len(turns))
+    metrics.ratio("tool_result_share", (turns > 1).sum(), len(turns))
+
+
 def prompt_rows(batch: dict) -> list[list[int]]:
     """A collated batch's prompts as token ids, their left padding dropped: what a conversation continues."""
     return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompt_ids"], batch["prompt_attention_mask"])]
