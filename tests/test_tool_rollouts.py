@@ -433,3 +433,22 @@ def test_turns_and_the_share_of_rollouts_that_read_a_result_are_logged(tmp_path,
     logged = metrics(tmp_path / "run")
     assert all(1 <= m["turns"] <= 4 and 0 <= m["tool_result_share"] <= 1 for m in logged)
     assert any(m["tool_result_share"] > 0 for m in logged), "the agent model should have read a result"
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_rolls_out_the_conversations_the_eager_one_does(agent, responder, one_thread,
+                                                                                fresh_compile_cache):
+    """--decode compiled, the default on CUDA, through inductor on the CPU: every turn a generate call of its own
+    width and context length on the one held cache and state (grown when a turn needs more), the same
+    conversations as the eager step's (the agent model's peaked distributions: rounding moves no draw)."""
+    tokenizer = load_tokenizer(None)
+    batch = prompt_batch(tokenizer, 4)
+    settings = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tokenizer.eos_token_id,
+                    vocab_size=len(tokenizer))
+    rolled = [rows_of(sample_conversations(agent, batch, [21, 22, 23, 24], responder, 96, 4, "cpu",
+                                           contextlib.nullcontext, decoder, tokenizer.pad_token_id, settings))
+              for decoder in (Decoder(), Decoder(compiled=True))]
+    assert rolled[0] == rolled[1]
+    turns = [sum(1 for k, t in enumerate(labels) if t != IGNORE_INDEX and (k == 0 or labels[k - 1] == IGNORE_INDEX))
+             for _, labels in rolled[0]]
+    assert max(turns) >= 2, "no row read a tool's result"
