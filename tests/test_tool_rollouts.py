@@ -452,3 +452,20 @@ def test_the_compiled_decode_step_rolls_out_the_conversations_the_eager_one_does
     turns = [sum(1 for k, t in enumerate(labels) if t != IGNORE_INDEX and (k == 0 or labels[k - 1] == IGNORE_INDEX))
              for _, labels in rolled[0]]
     assert max(turns) >= 2, "no row read a tool's result"
+
+
+@pytest.mark.slow
+def test_tool_rollouts_train_under_bf16_autocast(tmp_path, agent, one_thread):
+    """The GPU recipe's precision on the CPU's own autocast (--dtype bfloat16: fp32 masters, bf16 compute): OPD with
+    the calculator rolls out its conversations under the run's autocast and trains on the student's tokens."""
+    from support import write_chat_jsonl
+    from trainer.train_opd import main as train_opd
+    save_pretrained(agent, str(tmp_path / "agent"))
+    save_pretrained(tool_agent_model(seed=5), str(tmp_path / "teacher"))  # another agent: a divergence to learn
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 8)
+    train_opd(loop_args(None, data, tmp_path / "run", batch=2, max_steps=2, model_path=str(tmp_path / "agent"),
+                        teacher_path=str(tmp_path / "teacher"), tools="calculator", max_new_tokens=64,
+                        dtype="bfloat16"))
+    logged = metrics(tmp_path / "run")
+    assert len(logged) == 2 and all(m["tokens"] > 0 and 0 < m["loss"] < 1e3 for m in logged)
+    assert all(m["turns"] >= 1 for m in logged) and any(m["tool_result_share"] > 0 for m in logged)
