@@ -68,7 +68,8 @@ smaller student (its own SFT, the first export at 20-60% on val with the calcula
 the calculator's arm (TOOL_METHODS: `--methods rl,rl_tools,opd,opd_tools`) is RL and OPD on multi-turn rollouts
 whose calls the calculator answers (--tools calculator, the prompts' SPLIT_tools twins that show it), graded with it
 and tested against the student graded with it and against the same method without it (the same problems in the
-same order); the methods without it are tested against the student graded by hand (its row NAME_by_hand). The
+same order); the methods without it are tested against the student graded by hand (its row NAME_by_hand; the
+teacher's by hand is teacher_by_hand, each tested against the same model with the calculator). The
 training runs take --max_length 320 --max_prompt_length 224 (the calculator's schema makes a prompt 212 tokens), 96
 new tokens everywhere. A row graded with tools has no reverse KL: its record holds the model's own turns without
 the results between them.
@@ -354,9 +355,9 @@ def teacher_row(scale: Scale) -> Row:
     exports = () if scale.student_config else scale.snapshots
     train = sft_command(scale, scale.model_config, scale.teacher_steps, "teacher", exports,
                         scale.teacher_eval_interval)
-    if scale.task.tools:  # graded by hand too; its row reads the grading with the tool (the last)
+    if scale.task.tools:  # graded by hand too, in a row of its own (by_hand_row)
         return Row("teacher", f"teacher (SFT), with the {scale.task.tools}",
-                   (train, evaluation("teacher", scale), evaluation("teacher", scale, tools=True)))
+                   (train, evaluation("teacher", scale, tools=True)))
     return Row("teacher", "teacher (SFT)", (train, evaluation("teacher", scale)))
 
 
@@ -385,10 +386,11 @@ def student_row(scale: Scale, step: int) -> Row:
                (*sampled_evaluation(name, scale), evaluation(name, scale, tools=bool(scale.task.tools))), student=True)
 
 
-def by_hand_row(scale: Scale, student: str) -> Row:
-    """A tool task's student graded without the tool (the prompts without it): the baseline of the methods that do
-    not call it, itself tested against the student with the tool."""
-    return Row(f"{student}_by_hand", f"starting student, without the {scale.task.tools}", (evaluation(student, scale),))
+def by_hand_row(scale: Scale, model: str, label: str) -> Row:
+    """A tool task's teacher or student graded without the tool (the prompts without it), tested against the same
+    model with it; the student's is the baseline of the methods that do not call the tool."""
+    return Row(f"{model}_by_hand", f"{label}, without the {scale.task.tools}", (evaluation(model, scale),),
+               baseline=model)
 
 
 def source_label(scale: Scale) -> str:
@@ -440,8 +442,8 @@ def method_row(method: Method, seed: int, scale: Scale, student: str, learning_r
 def table_rows(scale: Scale, student: str, methods: Sequence[Method] = METHODS) -> list[Row]:
     """Each method's rows, one per seed; after a method with its own start, that start graded (its baseline)."""
     # a tool task: the methods without the tool are tested against the student graded without it
-    by_hand = by_hand_row(scale, student) if scale.task.tools else None
-    rows = [by_hand] if by_hand else []
+    by_hand = by_hand_row(scale, student, "starting student") if scale.task.tools else None
+    rows = [by_hand_row(scale, "teacher", "teacher (SFT)"), by_hand] if by_hand else []
     for method in methods:
         start = start_row(method, scale) if method.own_start else None
         # the OPD variants are compared by their greedy accuracy against OPD's: no curve, no sampled grading (on the
@@ -1013,7 +1015,8 @@ def demo_statistics(root: str, row: Row, start: Row | None) -> tuple[float | Non
     named = named_flags(row.commands[-1])
     # graded with tools, a record's completion is the model's own turns without the results between them: not a
     # sequence either model produced, so no KL is measured on it
-    reverse_kl = None if row.name == "teacher" or "--tools" in named else reverse_kl_to_teacher(
+    is_teacher = os.path.basename(named["--model_path"]) == "teacher"
+    reverse_kl = None if is_teacher or "--tools" in named else reverse_kl_to_teacher(
         os.path.join(root, named["--model_path"]), os.path.join(folder, "teacher"), gradings_path(root, row))
     paired = paired_test(gradings_path(root, row), gradings_path(root, start)) if start else None
     return reverse_kl, paired

@@ -679,8 +679,10 @@ def test_the_tool_task_runs_at_its_tiny_scale(tmp_path, monkeypatch):
     rows = tiny_table(tmp_path, monkeypatch, argv, demo.PRODUCTS, FakeTeacher())
     scale = demo.SCALES["products"]["tiny"]
     student = demo.student_name(scale, scale.snapshots[0])
-    assert "--tools calculator" in rows[student]["commands"][-1] and "--tools" not in rows[f"{student}_by_hand"][
-        "commands"][-1]
+    for model in (student, "teacher"):  # graded with the calculator, and by hand in a row tested against that
+        assert "--tools calculator" in rows[model]["commands"][-1], model
+        assert "--tools" not in rows[f"{model}_by_hand"]["commands"][-1], model
+        assert rows[f"{model}_by_hand"]["versus_start"] is not None, model
     for name in ("rl_s1", "rl_tools_s1", "opd_s1", "opd_tools_s1"):
         assert not rows[name].get("skipped") and rows[name]["steps"] == scale.budget_steps, name
         assert rows[name]["versus_start"] is not None and rows[name]["problems"] == 8, name
