@@ -413,9 +413,9 @@ def test_self_distillation_refuses_rows_with_tool_results(tiny_config_path, tmp_
     assert_one_line_error(code, stderr, 2, "row 0", "tool results", "--teacher_path")
 
 
-def test_turns_and_the_share_of_rollouts_that_read_a_result_are_logged(tmp_path, agent, one_thread):
+def test_turns_and_the_share_of_rollouts_that_read_a_result_are_logged(tmp_path, agent, one_thread, capsys):
     """--tools: each step logs the assistant turns per rollout and the share of rollouts that read a tool's result
-    (a turn is a run of labelled tokens: results lie between turns)."""
+    (a turn is a run of labelled tokens: results lie between turns), the turns on the console line too."""
     from trainer.rollouts.tool_turns import add_turn_stats
     from trainer.skeleton.distributed import DistInfo
     from trainer.skeleton.window_metrics import WindowMetrics
@@ -433,6 +433,8 @@ def test_turns_and_the_share_of_rollouts_that_read_a_result_are_logged(tmp_path,
     logged = metrics(tmp_path / "run")
     assert all(1 <= m["turns"] <= 4 and 0 <= m["tool_result_share"] <= 1 for m in logged)
     assert any(m["tool_result_share"] > 0 for m in logged), "the agent model should have read a result"
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert steps and all(" turns " in line for line in steps), steps
 
 
 @pytest.mark.slow

@@ -138,9 +138,10 @@ def train(args: argparse.Namespace) -> None:
         rollouts.add_to(run.metrics)  # served: seconds waited for rollouts, the server's idle time
         metrics = run.optimizer_step()  # exact normalisation over the window and all ranks, clip, AdamW
         teachers.after_step()  # a self-teacher's EMA follows the new weights
-        # several teachers: theirs first; the last two with --tools
-        shown = teachers.shown() + ("gen_share", "eos_share", "completion_len", "reverse_kl_estimate", "wait_s",
-                                    "sync_logprob_diff", "skd_replaced_share", "turns", "tool_result_share")
+        # several teachers: theirs first; turns and tool_result_share with --tools only, early: the console line
+        # keeps what fits in its width
+        shown = teachers.shown() + ("gen_share", "turns", "tool_result_share", "eos_share", "completion_len",
+                                    "reverse_kl_estimate", "wait_s", "sync_logprob_diff", "skd_replaced_share")
         # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end
         if run.end_step(metrics, shown, evaluator, rollouts.before_save, teachers.served):
             break

@@ -172,8 +172,9 @@ def train(args: argparse.Namespace) -> None:
         rollouts.add_to(run.metrics)
         metrics = run.optimizer_step()  # the step's last update: exact normalisation over all ranks, clip, AdamW
         reward_std(metrics)
-        shown = ("reward", f"pass@{g}", "zero_variance_share", "eos_share", "completion_len", "turns",
-                 "tool_result_share")  # the last two with --tools
+        # turns and tool_result_share with --tools only, early: the console line keeps what fits in its width
+        shown = ("reward", f"pass@{g}", "turns", "tool_result_share", "zero_variance_share", "eos_share",
+                 "completion_len")
         # log; save (the rollouts sampled ahead too) and evaluate when due; done or stopped: the end
         if run.end_step(metrics, shown, evaluator, rollouts.before_save, teachers.served):
             break

@@ -110,15 +110,15 @@ class Rollouts:
                                                  self.device, self.autocast, self.decoder,
                                                  self.tokenizer.pad_token_id, sampling_settings(self.args,
                                                                                                 self.tokenizer))
-            if on_policy and (self.queue is not None or self.responder is not None):
-                if self.responder is not None:
-                    add_turn_stats(self.stats, sequences[2])
-                return sequences
-            if on_policy:
+            elif on_policy:
                 return sample_completions(self.student, self.args, self.tokenizer, batch, epoch, self.device,
                                           self.autocast, self.decoder, self.speculative, self.stats)
-            data = {k: v.to(self.device) for k, v in self.data_collator(batch["rows"]).items()}
-            return data["input_ids"], data["attention_mask"], data["labels"]
+            else:
+                data = {k: v.to(self.device) for k, v in self.data_collator(batch["rows"]).items()}
+                return data["input_ids"], data["attention_mask"], data["labels"]
+        if self.responder is not None:
+            add_turn_stats(self.stats, sequences[2])
+        return sequences
 
     def sampler(self, batch: dict, step: int, labels: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """Served rollouts of `batch` at optimizer step `step` (after `sequences`): the log-probability the server
